@@ -1,0 +1,1 @@
+"""gockpt: gradient-assisted multi-step overlapped checkpointing."""

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Idempotent setup of .venv at the repository root: torch first (the CPU wheel on this
+# machine's disk), then DeepSpeed without build isolation, then gockpt built in place.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+STAMP="$VENV/.gockpt-deps-v1"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating $VENV"
+    "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+if [ ! -f "$STAMP" ]; then
+    echo "[setup] installing torch==2.13.0, numpy, build and test tools"
+    "$VPY" -m pip install -q --upgrade pip setuptools wheel
+    "$VPY" -m pip install -q "torch==2.13.0"
+    "$VPY" -m pip install -q numpy pybind11 pytest safetensors tqdm
+    echo "[setup] installing deepspeed (DS_BUILD_OPS=0, --no-build-isolation)"
+    DS_BUILD_OPS=0 "$VPY" -m pip install -q --no-build-isolation deepspeed
+    touch "$STAMP"
+fi
+# Build the C++ core in place; setuptools only recompiles when a source changed.
+echo "[setup] building gockpt._C"
+(cd "$ROOT" && "$VPY" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1 \
+    || "$VPY" -m pip install --no-build-isolation --no-deps -e .)
