@@ -1,0 +1,206 @@
+// Scalar set-up, ISA dispatch, MKL VML sqrt resolution and threading of the Adam replay.
+#include "adam_replay.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace gockpt {
+
+namespace {
+
+// MKL VML: void vmsSqrt(MKL_INT n, const float* a, float* r, MKL_INT64 mode), LP64 MKL_INT.
+using vms_sqrt_fn = void (*)(int, const float*, float*, long long);
+// Mode flags as ATen's vml.h passes them: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
+constexpr long long kVmlHA = 0x00000002LL;
+constexpr long long kVmlFtzDazOff = 0x00140000LL;
+constexpr long long kVmlErrIgnore = 0x00000100LL;
+constexpr long long kVmlMode = kVmlHA | kVmlFtzDazOff | kVmlErrIgnore;
+constexpr int kVmlChunk = 1 << 30;
+
+vms_sqrt_fn g_vms_sqrt = nullptr;
+std::string g_sqrt_source;
+Isa g_isa_forced = Isa::Auto;
+
+Isa detect_isa() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return Isa::Avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
+#endif
+  return Isa::Generic;
+}
+
+struct IsaFns {
+  void (*phase1)(float*, float*, float*, const float*, int64_t, const AdamScalars&);
+  void (*phase2)(float*, const float*, const float*, int64_t, const AdamScalars&);
+  void (*fused)(float*, float*, float*, const float*, int64_t, const AdamScalars&, bool);
+};
+
+IsaFns fns_for(Isa isa) {
+  switch (isa) {
+    case Isa::Avx512: return {avx512::adam_phase1, avx512::adam_phase2, avx512::adam_fused};
+    case Isa::Avx2: return {avx2::adam_phase1, avx2::adam_phase2, avx2::adam_fused};
+    default: return {generic::adam_phase1, generic::adam_phase2, generic::adam_fused};
+  }
+}
+
+void sqrt_block(const float* in, float* out, int64_t n) {
+  if (g_vms_sqrt) {
+    while (n > 0) {
+      const int k = static_cast<int>(std::min<int64_t>(n, kVmlChunk));
+      g_vms_sqrt(k, in, out, kVmlMode);
+      in += k;
+      out += k;
+      n -= k;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(in[i]);
+  }
+}
+
+// Elements of a single-tensor/foreach replay are processed in blocks small enough that the
+// intermediate exp_avg_sq, its sqrt and the decayed param stay in L1.
+constexpr int64_t kBlock = 1024;
+
+void run_single_range(const IsaFns& f, float* p, float* m, float* v, const float* g,
+                      int64_t n, const AdamScalars& s) {
+  alignas(64) float sq[kBlock];
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const int64_t k = std::min(kBlock, n - i);
+    f.phase1(p + i, m + i, v + i, g + i, k, s);
+    sqrt_block(v + i, sq, k);
+    f.phase2(p + i, m + i, sq, k, s);
+  }
+}
+
+}  // namespace
+
+Isa resolved_isa() { return g_isa_forced == Isa::Auto ? detect_isa() : g_isa_forced; }
+
+void force_isa(Isa isa) {
+  if (isa == Isa::Avx512 || isa == Isa::Avx2) {
+    Isa hw = detect_isa();
+    if (hw == Isa::Generic || (isa == Isa::Avx512 && hw != Isa::Avx512))
+      throw std::invalid_argument("ISA not supported by this CPU");
+  }
+  g_isa_forced = isa;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    case Isa::Generic: return "generic";
+    default: return "auto";
+  }
+}
+
+std::string init_vml_sqrt(const std::string& lib_path) {
+  g_vms_sqrt = nullptr;
+  g_sqrt_source.clear();
+  void* sym = nullptr;
+  if (!lib_path.empty()) {
+    // Only attach to a library the process already loaded (torch's libtorch_cpu).
+    void* h = dlopen(lib_path.c_str(), RTLD_NOLOAD | RTLD_LAZY);
+    if (h) {
+      sym = dlsym(h, "vmsSqrt");
+      if (sym) g_sqrt_source = lib_path;
+    }
+  }
+  if (!sym) {
+    sym = dlsym(RTLD_DEFAULT, "vmsSqrt");
+    if (sym) g_sqrt_source = "<global>";
+  }
+  g_vms_sqrt = reinterpret_cast<vms_sqrt_fn>(sym);
+  return sqrt_backend();
+}
+
+void disable_vml_sqrt() {
+  g_vms_sqrt = nullptr;
+  g_sqrt_source.clear();
+}
+
+std::string sqrt_backend() { return g_vms_sqrt ? "mkl-vml" : "ieee"; }
+std::string sqrt_source() { return g_sqrt_source; }
+
+void torch_sqrt(const float* in, float* out, int64_t n) { sqrt_block(in, out, n); }
+
+AdamScalars make_scalars(const ReplayArgs& a) {
+  // Python side of torch.optim.Adam(W) (single/foreach), in double.
+  const double bc1 = 1.0 - std::pow(a.beta1, a.step);
+  const double bc2 = 1.0 - std::pow(a.beta2, a.step);
+  const double step_size = a.lr / bc1;
+  // single/foreach: bias_correction2 ** 0.5 (Python float pow); fused: std::sqrt.
+  const double bc2s = a.impl == Impl::Fused ? std::sqrt(bc2) : std::pow(bc2, 0.5);
+  AdamScalars s;
+  s.wd = static_cast<float>(a.weight_decay);
+  s.decay = static_cast<float>(1.0 - a.lr * a.weight_decay);
+  s.w1 = static_cast<float>(1.0 - a.beta1);
+  s.w1m1 = s.w1 - 1.0f;
+  s.b2 = static_cast<float>(a.beta2);
+  s.c2 = static_cast<float>(1.0 - a.beta2);
+  s.bc2s = static_cast<float>(bc2s);
+  s.eps = static_cast<float>(a.eps);
+  s.nss = static_cast<float>(-step_size);
+  s.l2 = !a.decoupled && a.weight_decay != 0.0;
+  s.decay_on = a.decoupled && a.weight_decay != 0.0;
+  s.small = std::fabs(s.w1) < 0.5f;
+  return s;
+}
+
+void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const ReplayArgs& a) {
+  if (n <= 0) return;
+  const AdamScalars s = make_scalars(a);
+  const IsaFns f = fns_for(resolved_isa());
+
+  // Fused path: torch splits the tensor into 64-byte units across threads, so every thread's
+  // range but the last is a multiple of the vector width; only the last full_numel % vec
+  // elements of the whole parameter run the scalar remainder loop.
+  int64_t tail_local = n;  // local index where the fused scalar tail starts
+  if (a.impl == Impl::Fused) {
+    const int64_t vec = 8;  // see notes: only the last full_numel % 8 run scalar code
+    const int64_t tail_global = a.full_numel - a.full_numel % vec;
+    tail_local = std::max<int64_t>(0, std::min<int64_t>(n, tail_global - a.offset));
+  }
+
+  auto work = [&](int64_t b, int64_t e) {
+    if (b >= e) return;
+    if (a.impl == Impl::Fused) {
+      const int64_t mid = std::max(b, std::min(e, tail_local));
+      if (mid > b) f.fused(p + b, m + b, v + b, g + b, mid - b, s, false);
+      if (e > mid) f.fused(p + mid, m + mid, v + mid, g + mid, e - mid, s, true);
+    } else {
+      run_single_range(f, p + b, m + b, v + b, g + b, e - b, s);
+    }
+  };
+
+  int threads = a.threads > 0 ? a.threads : static_cast<int>(std::thread::hardware_concurrency());
+  if (threads < 1) threads = 1;
+  constexpr int64_t kMinPerThread = 1 << 15;
+  threads = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, n / kMinPerThread)));
+  if (threads == 1) {
+    work(0, n);
+    return;
+  }
+  // Contiguous ranges aligned to 64 bytes.
+  const int64_t per = ((n + threads - 1) / threads + 15) / 16 * 16;
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int t = 1; t < threads; ++t) {
+    const int64_t b = std::min(n, per * t), e = std::min(n, per * (t + 1));
+    pool.emplace_back(work, b, e);
+  }
+  work(0, std::min(n, per));
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace gockpt

@@ -1,0 +1,36 @@
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "kernel_api.h"
+
+namespace gockpt {
+
+enum class Impl { Single = 0, Foreach = 1, Fused = 2 };
+enum class Isa { Auto = 0, Generic = 1, Avx2 = 2, Avx512 = 3 };
+
+struct ReplayArgs {
+  Impl impl = Impl::Single;
+  bool decoupled = true;
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0, step = 1.0;
+  int64_t offset = 0;
+  int64_t full_numel = 0;
+  int torch_threads = 1;  // torch's intra-op threads (kept for API stability; see notes)
+  int torch_vec = 16;     // torch's Vectorized<float>::size() (AVX512: 16, AVX2: 8)
+  int threads = 0;        // replay threads, 0 = hardware concurrency
+};
+
+AdamScalars make_scalars(const ReplayArgs& a);
+void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const ReplayArgs& a);
+
+std::string init_vml_sqrt(const std::string& lib_path);
+void disable_vml_sqrt();
+std::string sqrt_backend();
+std::string sqrt_source();
+void torch_sqrt(const float* in, float* out, int64_t n);
+
+Isa resolved_isa();
+void force_isa(Isa isa);
+const char* isa_name(Isa isa);
+
+}  // namespace gockpt

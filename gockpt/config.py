@@ -1,0 +1,98 @@
+"""The Checkpointer's options: one dataclass, one docstring per field, validated on creation."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from .errors import ConfigError
+
+MODES = ("sync", "async", "async-o", "gockpt", "gockpt-o")
+#: Modes whose checkpoint is assembled from copies taken at older versions plus replayed updates.
+REPLAY_MODES = ("gockpt", "gockpt-o")
+#: Modes that need no optimizer replay and therefore accept any optimizer.
+NO_REPLAY_MODES = ("sync", "async", "async-o")
+
+
+@dataclass
+class Config:
+    """Options of a :class:`gockpt.Checkpointer`. Every field is validated in ``__post_init__``."""
+
+    directory: str
+    """Root directory of the run's checkpoints: one sub-directory per checkpoint, a ``latest``
+    pointer and ``metrics.jsonl``. Created if missing; must be writable."""
+
+    mode: str = "gockpt-o"
+    """What may block training (see DESIGN.md's table): ``sync`` copies and writes at the step
+    boundary; ``async`` copies at the boundary and writes in the background; ``async-o`` lets the
+    copies ride under the next step's forward/backward; ``gockpt`` spreads them over K steps and
+    replays the gradients in between; ``gockpt-o`` also overlaps the gradient copies with the
+    update and the next forward."""
+
+    overlap_steps: Optional[int] = None
+    """K, the number of steps one checkpoint spans in the gockpt modes (F = start + K - 1).
+    ``None`` picks K from the measured forward/backward time and copy bandwidth. Ignored (K = 1)
+    by the other modes."""
+
+    interval: Optional[int] = None
+    """Start a checkpoint at every step divisible by ``interval``; ``None``: only when forced."""
+
+    block_bytes: int = 4 << 20
+    """Size of one block of fp32 state: the unit of copy and replay (default 4 MiB)."""
+
+    self_check: float = 0.02
+    """Fraction of replayed blocks compared with a direct copy taken at version F (at least one
+    block per checkpoint when positive). 1.0 checks every replayed block; 0 disables the check."""
+
+    self_check_strict: bool = True
+    """A self-check mismatch fails the checkpoint (it is never committed). ``False`` only warns."""
+
+    on_busy: str = "wait"
+    """A checkpoint due while the previous one is still persisting: ``wait`` for it (counted as
+    blocked time) or ``skip`` the new one with a warning."""
+
+    replay_threads: Optional[int] = None
+    """Threads of the C++ replay kernel; ``None``: the number of CPU cores."""
+
+    def __post_init__(self):
+        if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
+            raise ConfigError(f"directory must be a path, got {self.directory!r}")
+        self.directory = os.fspath(self.directory)
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.overlap_steps is not None:
+            if isinstance(self.overlap_steps, bool) or not isinstance(self.overlap_steps, int) \
+                    or self.overlap_steps < 1:
+                raise ConfigError(
+                    f"overlap_steps must be None or an int >= 1, got {self.overlap_steps!r}")
+        if self.interval is not None:
+            if isinstance(self.interval, bool) or not isinstance(self.interval, int) \
+                    or self.interval < 1:
+                raise ConfigError(f"interval must be None or an int >= 1, got {self.interval!r}")
+        if not isinstance(self.block_bytes, int) or self.block_bytes < 64:
+            raise ConfigError(f"block_bytes must be an int >= 64, got {self.block_bytes!r}")
+        if not isinstance(self.self_check, (int, float)) or not 0.0 <= self.self_check <= 1.0:
+            raise ConfigError(f"self_check must be a fraction in [0, 1], got {self.self_check!r}")
+        if self.on_busy not in ("wait", "skip"):
+            raise ConfigError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
+        if self.replay_threads is not None and (
+                not isinstance(self.replay_threads, int) or self.replay_threads < 1):
+            raise ConfigError(
+                f"replay_threads must be None or an int >= 1, got {self.replay_threads!r}")
+
+    @property
+    def replays(self) -> bool:
+        """Whether this mode rebuilds blocks by replaying optimizer steps."""
+        return self.mode in REPLAY_MODES
+
+    def fixed_overlap_steps(self) -> Optional[int]:
+        """K when it does not depend on measurements, else ``None``."""
+        if self.mode in ("sync", "async", "async-o"):
+            return 1
+        return self.overlap_steps
+
+
+def resolve_mode_alias(mode: Union[str, None]) -> str:
+    """Accept ``async_o`` / ``gockpt_o`` spellings as well as the dashed ones."""
+    return mode.replace("_", "-") if isinstance(mode, str) else mode

@@ -1,0 +1,76 @@
+"""The one place that knows whether state lives on a GPU or on the CPU.
+
+On a GPU, copies to the host run on side CUDA streams into pinned host buffers and are
+tracked with events; on the CPU, a copy is a plain host memcpy run by the transfer thread.
+Everything above this module is written once for both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostDevice:
+    """Training tensors on the CPU: host buffers are ordinary memory, copies are memcpy."""
+
+    kind = "cpu"
+    asynchronous_copies = False  # the transfer thread performs each copy itself
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat host staging buffer."""
+        return torch.empty(numel, dtype=dtype)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy now, in the calling thread (the transfer thread)."""
+        dst.copy_(src)
+
+
+class CudaDevice:
+    """Training tensors on a GPU: pinned host buffers, side streams (gradients on a
+    high-priority stream so that they overtake state copies), completion by events."""
+
+    kind = "cuda"
+    asynchronous_copies = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        # Lower number = higher priority in CUDA.
+        self.grad_stream = torch.cuda.Stream(device=device, priority=-1)
+        self.state_stream = torch.cuda.Stream(device=device, priority=0)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def enqueue(self, pairs, high_priority: bool):
+        """Enqueue device-to-host copies behind the work already queued on the current stream;
+        returns an event that completes when they are done."""
+        stream = self.grad_stream if high_priority else self.state_stream
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+                # The caching allocator must not hand src's memory to training before the
+                # side stream has read it (gradients are freed by zero_grad(set_to_none=True)).
+                src.record_stream(stream)
+            done.record(stream)
+        return done
+
+
+def device_for(tensors) -> "HostDevice | CudaDevice":
+    """Pick the device layer from where the training tensors live (all on one device)."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        from .errors import ConfigError
+        raise ConfigError(
+            f"parameters live on several devices ({sorted(map(str, devices))}); gockpt "
+            "checkpoints one device per process: give each rank its own Checkpointer")
+    dev = next(iter(devices), torch.device("cpu"))
+    if dev.type == "cuda":
+        return CudaDevice(dev)
+    if dev.type != "cpu":
+        from .errors import ConfigError
+        raise ConfigError(f"parameters on device type {dev.type!r} are not supported")
+    return HostDevice()

@@ -1,0 +1,133 @@
+"""Restore a committed checkpoint into a model, its optimizer and scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from . import smallstate, storage, tree
+from .errors import GockptError, LoadError
+
+
+@dataclass
+class Restored:
+    """What :func:`load` restored."""
+
+    step: int
+    """The user's step number at version F (what was passed to ``save_checkpoint``)."""
+    extra_state: Any
+    """The ``extra_state`` given at F, decoded (tensors come back as CPU tensors)."""
+    path: str
+    """The checkpoint directory that was loaded."""
+    manifest: dict
+    """The validated manifest (mode, K, metrics, ...)."""
+
+
+def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+         *, scheduler=None, tag: Optional[str] = None, restore_rng: bool = True,
+         verify: bool = True) -> Restored:
+    """Load the latest committed checkpoint in ``directory`` (or the one named ``tag``) into
+    ``model``, ``optimizer`` and ``scheduler``, and restore RNG states unless
+    ``restore_rng=False``.
+
+    Names, shapes and dtypes are checked against the targets before any byte is read;
+    checksums are verified unless ``verify=False``. Never unpickles.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at ``directory`` / ``tag``.
+        CorruptCheckpointError: a checksum, file or manifest is wrong (names file and tensor).
+        LoadError: the checkpoint does not fit ``model`` / ``optimizer``.
+    """
+    path = storage.resolve(directory, tag)
+    manifest = storage.read_manifest(path)
+    try:
+        params = manifest["model"]["params"]
+        aliases = manifest["model"]["aliases"]
+        small = manifest["small"]
+        step = manifest["step"]
+    except (KeyError, TypeError) as exc:
+        raise LoadError(f"{path}: manifest lacks gockpt's model/small sections ({exc}); "
+                        "is this a gockpt checkpoint?") from exc
+    entries = manifest["tensors"]
+
+    target = model.state_dict()
+    expected = dict(params)
+    expected.update({alias: params[name] for alias, name in aliases.items() if name in params})
+    _check_params(path, target, expected, entries)
+
+    tensors = storage.read_tensors(path, manifest, verify=verify)
+    try:
+        model_small = tree.decode(small["model"], tensors)
+        sd = {name: tensors[tname] for name, tname in expected.items()}
+        sd.update(model_small)
+        missing = sorted(set(target) - set(sd))
+        unexpected = sorted(set(sd) - set(target))
+        if missing or unexpected:
+            raise LoadError(f"{path}: model state does not match: missing {missing[:5]}, "
+                            f"unexpected {unexpected[:5]}")
+        for name, value in model_small.items():
+            _check_shape(path, name, target[name], value)
+        model.load_state_dict(sd)
+
+        if optimizer is not None:
+            optimizer.load_state_dict(_optimizer_state(path, manifest, tensors, optimizer))
+        if scheduler is not None:
+            sched = tree.decode(small["scheduler"], tensors)
+            if sched is None:
+                raise LoadError(f"{path} holds no scheduler state; pass scheduler=None")
+            scheduler.load_state_dict(sched)
+        if restore_rng:
+            smallstate.restore_rng(tree.decode(small["rng"], tensors))
+        extra = tree.decode(small["extra_state"], tensors)
+    except GockptError:
+        raise
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise LoadError(f"{path}: cannot restore this checkpoint into the given objects: "
+                        f"{exc}") from exc
+    return Restored(step=step, extra_state=extra, path=path, manifest=manifest)
+
+
+def _check_params(path, target, expected, entries) -> None:
+    for name, tname in expected.items():
+        if name not in target:
+            raise LoadError(f"{path}: the checkpoint has parameter {name!r} that the model "
+                            "does not have; load into a model of the same architecture")
+        entry = entries.get(tname)
+        if entry is None:
+            raise LoadError(f"{path}: manifest names tensor {tname!r} for {name!r} but has no "
+                            "such tensor")
+        want = target[name]
+        if list(want.shape) != list(entry["shape"]):
+            raise LoadError(f"{path}: parameter {name!r} has shape {list(entry['shape'])} in "
+                            f"the checkpoint but {list(want.shape)} in the model")
+        if storage.DTYPE_TO_CODE.get(want.dtype) != entry["dtype"]:
+            raise LoadError(f"{path}: parameter {name!r} is {entry['dtype']} in the checkpoint "
+                            f"but {want.dtype} in the model")
+
+
+def _check_shape(path, name, want, got) -> None:
+    if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) \
+            and want.shape != got.shape:
+        raise LoadError(f"{path}: buffer {name!r} has shape {list(got.shape)} in the checkpoint "
+                        f"but {list(want.shape)} in the model")
+
+
+def _optimizer_state(path, manifest, tensors, optimizer) -> dict:
+    opt = manifest.get("optimizer") or {}
+    if opt.get("class") not in (None, type(optimizer).__name__):
+        raise LoadError(f"{path}: saved with optimizer {opt.get('class')}, loading into "
+                        f"{type(optimizer).__name__}")
+    small = tree.decode(manifest["small"]["optimizer"], tensors)
+    n_live = sum(len(g["params"]) for g in optimizer.param_groups)
+    n_saved = sum(len(g["params"]) for g in small["param_groups"])
+    if n_live != n_saved or len(small["param_groups"]) != len(optimizer.param_groups):
+        raise LoadError(f"{path}: the optimizer has {len(optimizer.param_groups)} groups / "
+                        f"{n_live} parameters, the checkpoint {len(small['param_groups'])} / "
+                        f"{n_saved}")
+    state = small["state"]
+    for idx, keys in opt.get("aligned", {}).items():
+        for key in keys:
+            state.setdefault(int(idx), {})[key] = tensors[f"optim/{idx}/{key}"]
+    return {"state": state, "param_groups": small["param_groups"]}

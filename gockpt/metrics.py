@@ -1,0 +1,51 @@
+"""Per-checkpoint measurements, appended as one JSON line to ``<dir>/metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Dict
+
+
+@dataclass
+class CheckpointMetrics:
+    """What one checkpoint cost. Times in seconds."""
+
+    start_step: int
+    final_step: int
+    mode: str
+    overlap_steps: int
+    state_bytes: int = 0
+    grad_bytes: int = 0
+    blocked_s: float = 0.0
+    blocked_by_hook_s: Dict[str, float] = field(default_factory=dict)
+    copy_s: float = 0.0
+    replay_s: float = 0.0
+    persist_s: float = 0.0
+    time_to_staged_s: float = 0.0
+    time_to_durable_s: float = 0.0
+    self_check_blocks: int = 0
+    self_check_mismatches: int = 0
+    step_time_s: float = 0.0
+
+    def add_blocked(self, hook: str, seconds: float) -> None:
+        self.blocked_s += seconds
+        self.blocked_by_hook_s[hook] = self.blocked_by_hook_s.get(hook, 0.0) + seconds
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def append(directory: str, metrics: CheckpointMetrics) -> None:
+    """Append one line; a single write so concurrent readers see whole lines."""
+    line = json.dumps(metrics.to_dict(), sort_keys=True) + "\n"
+    with open(os.path.join(directory, "metrics.jsonl"), "a") as f:
+        f.write(line)
+
+
+def read(directory: str):
+    """All metrics records of a checkpoint directory, oldest first."""
+    path = os.path.join(directory, "metrics.jsonl")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,131 @@
+"""Which tensors a checkpoint holds, cut into which blocks, copied at which step.
+
+A *slot* is one parameter with its aligned optimizer state (master weights, exp_avg,
+exp_avg_sq, and the gradient used by the replay); a *block* is a contiguous element range of a
+slot, the same range in every one of those tensors, so that they travel and replay together.
+Parameters that the optimizer does not update (frozen, or outside the optimizer) are *static*
+slots: captured once, never replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from .errors import ConfigError
+
+
+@dataclass
+class Slot:
+    """One model parameter in the checkpoint."""
+
+    name: str                      # canonical name in model.state_dict()
+    param: torch.Tensor = field(repr=False)
+    opt_index: Optional[int]       # index in optimizer.state_dict()['state'], None if static
+    group: Optional[int]           # optimizer param group, None if static
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    @property
+    def static(self) -> bool:
+        return self.opt_index is None
+
+
+@dataclass(frozen=True)
+class Block:
+    """Elements [start, end) of slot ``slot`` (same range in the param and its state)."""
+
+    slot: int
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Plan:
+    slots: List[Slot]
+    blocks: List[Block]
+    aliases: Dict[str, str]  # extra state_dict names of tied parameters -> canonical name
+
+    def state_bytes(self, state_tensors_per_param: int) -> int:
+        """Bytes of one full copy: every param plus its aligned state tensors."""
+        total = 0
+        for s in self.slots:
+            per = 1 if s.static else 1 + state_tensors_per_param
+            total += s.numel * s.param.element_size() * per
+        return total
+
+    def groups(self, k: int) -> List[List[Block]]:
+        """Split the blocks into ``k`` capture groups of about equal bytes, in storage order
+        (group j is copied during the j-th step of the checkpoint)."""
+        k = max(1, min(k, len(self.blocks))) if self.blocks else 1
+        weights = [b.numel * (1 if self.slots[b.slot].static else 3) for b in self.blocks]
+        total = sum(weights)
+        out: List[List[Block]] = [[] for _ in range(k)]
+        acc = 0
+        for b, w in zip(self.blocks, weights):
+            # Place the block by the midpoint of its weight: groups end up within one block
+            # of total/k each.
+            j = min(k - 1, int((acc + w / 2) * k / total)) if total else 0
+            out[j].append(b)
+            acc += w
+        return out
+
+
+def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               block_bytes: int) -> Plan:
+    """Map the optimizer's parameters to model names and cut everything into blocks."""
+    canonical: Dict[int, str] = {}
+    aliases: Dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in canonical:
+            aliases[name] = canonical[id(p)]
+        else:
+            canonical[id(p)] = name
+
+    slots: List[Slot] = []
+    seen = set()
+    index = 0
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in canonical:
+                raise ConfigError(
+                    f"model/optimizer mismatch: parameter #{index} of the optimizer (param group "
+                    f"{gi}, shape {tuple(p.shape)}) is not a parameter of the model; build the "
+                    "optimizer from model.parameters() of the model passed to the Checkpointer")
+            _check_layout(canonical[id(p)], p)
+            slots.append(Slot(canonical[id(p)], p, index, gi))
+            seen.add(id(p))
+            index += 1
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
+            _check_layout(name, p)
+            slots.append(Slot(name, p, None, None))
+
+    elems = max(1, block_bytes // 4)
+    blocks = []
+    for si, s in enumerate(slots):
+        n = s.numel
+        for start in range(0, n, elems):
+            blocks.append(Block(si, start, min(n, start + elems)))
+    return Plan(slots, blocks, aliases)
+
+
+def _check_layout(name: str, p: torch.Tensor) -> None:
+    if p.is_sparse or not p.is_contiguous():
+        raise ConfigError(
+            f"parameter {name!r} is sparse or not contiguous; gockpt copies flat storage ranges. "
+            "Make it contiguous (e.g. param.data = param.data.contiguous()) before creating the "
+            "optimizer")
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """The flat view of a contiguous tensor (no copy)."""
+    return t.detach().view(-1)

@@ -1,0 +1,66 @@
+"""Everything small that changes every step, captured at the boundary of version F:
+model buffers, optimizer scalars and param groups, the LR scheduler, RNG states, the user's
+step and extra state. Large tensors (parameters and aligned optimizer state) are not here:
+they travel as blocks."""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, Iterable, Optional
+
+import numpy as np
+import torch
+
+
+def capture_rng() -> dict:
+    """RNG states of torch (CPU and CUDA where initialised), numpy and Python's random."""
+    rng = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def model_small(model: torch.nn.Module, planned_ids: Iterable[int]) -> Dict[str, object]:
+    """``model.state_dict()`` without the planned parameters (buffers, extra states, and any
+    tensor the plan does not carry). Tensors are cloned: the result is frozen at this version."""
+    planned = set(planned_ids)
+    out = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            if id(value) in planned:
+                continue
+            out[name] = value.detach().to("cpu", copy=True)
+        else:
+            out[name] = value
+    return out
+
+
+def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys) -> dict:
+    """``optimizer.state_dict()`` without the aligned per-element state (which travels as
+    blocks): param groups, step counts and any other small state, cloned."""
+    sd = optimizer.state_dict()
+    state = {}
+    for idx, st in sd["state"].items():
+        state[idx] = {}
+        for key, value in st.items():
+            if key in aligned_keys.get(idx, ()):
+                continue
+            state[idx][key] = value.detach().to("cpu", copy=True) \
+                if isinstance(value, torch.Tensor) else value
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def scheduler_state(scheduler) -> Optional[dict]:
+    return None if scheduler is None else scheduler.state_dict()

@@ -1,0 +1,78 @@
+"""Host memory for checkpoints, planned once and reused: a staging copy of every slot
+(parameter + aligned optimizer state) and a small pool of gradient buffers."""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List
+
+import torch
+
+from .plan import Plan, flat
+
+
+class HostCopy:
+    """One host copy of the model's parameters and their aligned optimizer state.
+
+    Buffers are allocated on first use per (slot, state key) and reused by every later
+    checkpoint, so host memory stays at one copy of the state (plus gradients in flight).
+    """
+
+    def __init__(self, plan: Plan, device):
+        self.plan = plan
+        self.slots = plan.slots
+        self.device = device
+        self.param: List[torch.Tensor] = [device.empty(s.numel, s.param.dtype) for s in plan.slots]
+        self.state: List[Dict[str, torch.Tensor]] = [{} for _ in plan.slots]
+        self.keys: List[tuple] = [() for _ in plan.slots]  # aligned keys of this checkpoint
+
+    def set_keys(self, slot: int, keys, like: torch.Tensor) -> None:
+        """Declare the aligned state keys this checkpoint carries for ``slot``."""
+        for key in keys:
+            buf = self.state[slot].get(key)
+            if buf is None or buf.dtype != like.dtype:
+                self.state[slot][key] = self.device.empty(self.slots[slot].numel, like.dtype)
+        self.keys[slot] = tuple(keys)
+
+    def nbytes(self) -> int:
+        total = sum(t.numel() * t.element_size() for t in self.param)
+        for st in self.state:
+            total += sum(t.numel() * t.element_size() for t in st.values())
+        return total
+
+
+class GradPool:
+    """A few full-length host gradient buffers, handed out one per recorded step and
+    returned by the replay thread once that step has been applied."""
+
+    def __init__(self, plan: Plan, device, size: int = 2):
+        self.plan = plan
+        self.device = device
+        self._free: List[Dict[int, torch.Tensor]] = [{} for _ in range(size)]
+        self._cv = threading.Condition()
+
+    def acquire(self) -> Dict[int, torch.Tensor]:
+        """A free buffer set (blocks while the replay still uses all of them)."""
+        with self._cv:
+            while not self._free:
+                self._cv.wait()
+            return self._free.pop()
+
+    def buffer(self, bufs: Dict[int, torch.Tensor], slot: int, grad: torch.Tensor) -> torch.Tensor:
+        buf = bufs.get(slot)
+        if buf is None or buf.dtype != grad.dtype:
+            buf = bufs[slot] = self.device.empty(self.plan.slots[slot].numel, grad.dtype)
+        return buf
+
+    def release(self, bufs: Dict[int, torch.Tensor]) -> None:
+        with self._cv:
+            self._free.append(bufs)
+            self._cv.notify()
+
+    def nbytes(self) -> int:
+        with self._cv:
+            return sum(t.numel() * t.element_size() for b in self._free for t in b.values())
+
+
+def source(slot_param: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return flat(slot_param)[start:end]

@@ -1,0 +1,238 @@
+"""Lossless JSON encoding of small Python state, without pickle.
+
+``encode`` turns a nested structure (the kind found in ``extra_state``, an
+optimizer's ``param_groups`` or an RNG state) into plain JSON values; tensors and
+numpy arrays are moved out into a ``tensors`` dict (to be written to
+``data.safetensors``) and replaced by a placeholder. ``decode`` reverses it and
+gives back values of exactly the original types.
+
+Values that JSON cannot represent exactly are written as tagged objects
+``{"__t": <tag>, ...}``:
+
+==========  =====================================================  ==========================
+tag         used for                                               fields
+==========  =====================================================  ==========================
+``float``   inf, -inf, nan (JSON has no literal for them)          ``v``: "inf" / "-inf" / "nan"
+``int``     ints outside +-2**53 (JSON readers use doubles;        ``v``: hex string
+            Python limits decimal ``str(int)`` to 4300 digits)
+``bytes``   bytes                                                  ``v``: base64
+``tuple``   tuple                                                  ``v``: list
+``dict``    dict with a non-str key, or a str dict that contains   ``v``: list of [key, value]
+            the tag key ``"__t"`` itself (escaping)
+``odict``   collections.OrderedDict                                ``v``: list of [key, value]
+``tensor``  torch.Tensor                                           ``k``: key in ``tensors``
+``ndarray`` numpy.ndarray                                          ``k``, ``dtype``, ``shape``
+``np``      numpy scalar (np.float32(1.5), np.int64(3), ...)       ``dtype``, ``hex``: raw bytes
+==========  =====================================================  ==========================
+
+Plain dicts with str keys, lists, str, bool, None and small ints/finite floats
+stay as they are, so a manifest stays readable.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import math
+
+import numpy as np
+import torch
+
+__all__ = ["encode", "decode"]
+
+TAG = "__t"
+
+# Integers beyond this are not exactly representable as a JSON number by most
+# readers (they parse doubles), so they are written as tagged hex strings.
+_MAX_PLAIN_INT = 2**53
+
+_KEY_TYPES = (str, int, float, bool, type(None))
+
+_HINT = (
+    "convert it to plain data (dict/list/tuple/str/int/float/bool/bytes/None), "
+    "a torch.Tensor or a numpy array first"
+)
+
+
+def _is_key(k) -> bool:
+    """True if ``k`` may be a dict key: exactly one of the supported scalar types, or a tuple of keys."""
+    if type(k) is tuple:
+        return all(_is_key(x) for x in k)
+    return type(k) in _KEY_TYPES
+
+
+def _tensor_dtypes() -> set:
+    # Imported lazily: storage owns the dtype table, and importing it here at
+    # module level would make tree depend on storage's import order.
+    from gockpt.storage import DTYPE_TO_CODE
+
+    return set(DTYPE_TO_CODE)
+
+
+def encode(obj, tensors: dict, prefix: str):
+    """Encode ``obj`` as JSON-compatible values, moving tensors and arrays into ``tensors``.
+
+    Each tensor or array is stored as a CPU contiguous copy (detached, so
+    ``requires_grad`` is false) under the key ``f"{prefix}/{n}"``, n = 0, 1, ...
+    (keys already in ``tensors`` are skipped, so several calls may share one dict).
+    ``prefix`` also names the root of the structure in error messages.
+
+    Raises ``TypeError`` naming the path inside the structure (for example
+    ``extra_state['cfg'][2]``) for anything that cannot be stored without pickle,
+    and ``ValueError`` if the structure contains itself.
+    """
+    counter = iter(range(1 << 62))
+
+    def new_key() -> str:
+        while True:
+            key = f"{prefix}/{next(counter)}"
+            if key not in tensors:
+                return key
+
+    def enc(x, path: str, active: set):
+        t = type(x)
+        # Exact type checks, not isinstance: a subclass (bool is an int, an
+        # IntEnum is an int, np.float64 is a float, a namedtuple is a tuple)
+        # would otherwise come back as its base type and the round trip would lie.
+        if x is None or t is bool or t is str:
+            return x
+        if t is int:
+            if -_MAX_PLAIN_INT <= x <= _MAX_PLAIN_INT:
+                return x
+            return {TAG: "int", "v": hex(x)}
+        if t is float:
+            if math.isfinite(x):
+                return x  # json writes repr(), the shortest string that round-trips, -0.0 included
+            return {TAG: "float", "v": repr(x)}
+        if t is bytes:
+            return {TAG: "bytes", "v": base64.b64encode(x).decode("ascii")}
+        if isinstance(x, torch.Tensor):
+            return {TAG: "tensor", "k": store_tensor(x, path)}
+        if t is np.ndarray:
+            return store_array(x, path)
+        if isinstance(x, np.generic):
+            return encode_np_scalar(x, path)
+        if t in (list, tuple, dict, collections.OrderedDict):
+            if id(x) in active:
+                raise ValueError(f"{path}: the structure contains itself; it cannot be stored")
+            active.add(id(x))
+            try:
+                if t is list:
+                    return [enc(v, f"{path}[{i}]", active) for i, v in enumerate(x)]
+                if t is tuple:
+                    return {TAG: "tuple", "v": [enc(v, f"{path}[{i}]", active) for i, v in enumerate(x)]}
+                return encode_dict(x, path, active)
+            finally:
+                active.discard(id(x))
+        raise TypeError(f"{path}: cannot store object of type {t.__qualname__} without pickle; {_HINT}")
+
+    def encode_dict(d, path: str, active: set):
+        plain = type(d) is dict and TAG not in d and all(type(k) is str for k in d)
+        if plain:
+            return {k: enc(v, f"{path}[{k!r}]", active) for k, v in d.items()}
+        items = []
+        for k, v in d.items():
+            if not _is_key(k):
+                raise TypeError(
+                    f"{path}: cannot store a dict key of type {type(k).__qualname__} ({k!r:.60}) "
+                    "without pickle; keys must be str, int, float, bool, None or tuples of those"
+                )
+            items.append([enc(k, f"{path}<key {k!r}>", active), enc(v, f"{path}[{k!r}]", active)])
+        return {TAG: "odict" if type(d) is collections.OrderedDict else "dict", "v": items}
+
+    def store_tensor(x: torch.Tensor, path: str) -> str:
+        if x.layout != torch.strided or x.is_quantized or x.device.type == "meta":
+            raise TypeError(f"{path}: cannot store a {x.layout} / {x.device.type} tensor; {_HINT}")
+        if x.dtype not in _tensor_dtypes():
+            raise TypeError(f"{path}: cannot store a tensor of dtype {x.dtype}; convert it to a supported dtype")
+        key = new_key()
+        # copy=True: the caller may keep mutating its tensor after encode returns.
+        tensors[key] = x.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+        return key
+
+    def store_array(a: np.ndarray, path: str):
+        if a.dtype.hasobject or a.dtype.fields is not None or a.dtype.itemsize == 0:
+            raise TypeError(f"{path}: cannot store a numpy array of dtype {a.dtype} without pickle; {_HINT}")
+        # Saved as raw bytes (a flat uint8 tensor) so that every fixed-size numpy
+        # dtype round-trips, including ones torch lacks (complex128, str, datetime64);
+        # dtype.str records the byte order, so the array comes back bit-identical.
+        raw = np.array(a, order="C", copy=True).reshape(-1).view(np.uint8)
+        key = new_key()
+        tensors[key] = torch.from_numpy(raw)
+        return {TAG: "ndarray", "k": key, "dtype": a.dtype.str, "shape": list(a.shape)}
+
+    def encode_np_scalar(x: np.generic, path: str):
+        if x.dtype.kind not in "biufcmM":
+            raise TypeError(f"{path}: cannot store numpy scalar of type {type(x).__qualname__} without pickle; {_HINT}")
+        # Raw bytes, not x.item(): item() loses float16/longdouble bits and nan payloads.
+        return {TAG: "np", "dtype": x.dtype.str, "hex": x.tobytes().hex()}
+
+    return enc(obj, prefix, set())
+
+
+def decode(data, tensors: dict):
+    """Rebuild the value ``encode`` produced; tensors and arrays are looked up in ``tensors``.
+
+    Tensors come back as the CPU tensors found in ``tensors`` (not copied);
+    arrays come back as numpy arrays with the original dtype and shape.
+    Raises ``ValueError`` if ``data`` is not something ``encode`` could have produced.
+    """
+
+    def dec(x, path: str):
+        t = type(x)
+        if x is None or t in (bool, int, float, str):
+            return x
+        if t is list:
+            return [dec(v, f"{path}[{i}]") for i, v in enumerate(x)]
+        if t is not dict:
+            raise ValueError(f"{path}: unexpected JSON value of type {t.__name__}")
+        if TAG not in x:
+            return {k: dec(v, f"{path}[{k!r}]") for k, v in x.items()}
+        try:
+            return dec_tagged(x, path)
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            if isinstance(e, ValueError) and str(e).startswith(path):
+                raise  # already names the place inside this value
+            raise ValueError(f"{path}: malformed {x.get(TAG)!r} value: {e!r}") from e
+
+    def dec_tagged(x: dict, path: str):
+        tag = x[TAG]
+        if tag == "tuple":
+            return tuple(dec(v, f"{path}[{i}]") for i, v in enumerate(x["v"]))
+        if tag in ("dict", "odict"):
+            out = {} if tag == "dict" else collections.OrderedDict()
+            for k, v in x["v"]:
+                key = dec(k, f"{path}<key>")
+                if not _is_key(key):
+                    raise ValueError(f"{path}: invalid dict key {key!r}")
+                out[key] = dec(v, f"{path}[{key!r}]")
+            return out
+        if tag == "float":
+            if x["v"] not in ("inf", "-inf", "nan"):
+                raise ValueError(f"{path}: invalid float {x['v']!r}")
+            return float(x["v"])
+        if tag == "int":
+            return int(x["v"], 16)
+        if tag == "bytes":
+            return base64.b64decode(x["v"], validate=True)
+        if tag == "tensor":
+            return lookup(x["k"], path)
+        if tag == "ndarray":
+            dtype = np.dtype(x["dtype"])
+            if dtype.hasobject:
+                raise ValueError(f"{path}: object arrays are not allowed")
+            raw = lookup(x["k"], path).reshape(-1).view(torch.uint8).numpy()
+            return raw.view(dtype).reshape(x["shape"])
+        if tag == "np":
+            dtype = np.dtype(x["dtype"])
+            if dtype.kind not in "biufcmM":
+                raise ValueError(f"{path}: numpy scalar of dtype {dtype} is not allowed")
+            return np.frombuffer(bytes.fromhex(x["hex"]), dtype=dtype)[0]
+        raise ValueError(f"{path}: unknown tag {tag!r}")
+
+    def lookup(key, path: str) -> torch.Tensor:
+        if key not in tensors:
+            raise ValueError(f"{path}: tensor {key!r} is missing")
+        return tensors[key]
+
+    return dec(data, "state")
