@@ -25,6 +25,11 @@ constexpr long long kVmlMode = kVmlHA | kVmlFtzDazOff | kVmlErrIgnore;
 constexpr int kVmlChunk = 1 << 30;
 
 vms_sqrt_fn g_vms_sqrt = nullptr;
+// int MKL_Set_Num_Threads_Local(int) (C by-value API; the lower-case symbol is the Fortran
+// by-reference one): keeps MKL from opening its own OpenMP team inside our
+// worker threads (torch calls vmsSqrt from inside its parallel region, i.e. sequentially).
+using mkl_threads_local_fn = int (*)(int);
+mkl_threads_local_fn g_mkl_threads_local = nullptr;
 std::string g_sqrt_source;
 Isa g_isa_forced = Isa::Auto;
 
@@ -74,6 +79,11 @@ constexpr int64_t kBlock = 1024;
 void run_single_range(const IsaFns& f, float* p, float* m, float* v, const float* g,
                       int64_t n, const AdamScalars& s) {
   alignas(64) float sq[kBlock];
+  // Sequential MKL in this thread for the duration of the range (0 restores the global setting).
+  struct MklSeq {
+    MklSeq() { if (g_vms_sqrt && g_mkl_threads_local) g_mkl_threads_local(1); }
+    ~MklSeq() { if (g_vms_sqrt && g_mkl_threads_local) g_mkl_threads_local(0); }
+  } mkl_seq;
   for (int64_t i = 0; i < n; i += kBlock) {
     const int64_t k = std::min(kBlock, n - i);
     f.phase1(p + i, m + i, v + i, g + i, k, s);
@@ -121,6 +131,15 @@ std::string init_vml_sqrt(const std::string& lib_path) {
     if (sym) g_sqrt_source = "<global>";
   }
   g_vms_sqrt = reinterpret_cast<vms_sqrt_fn>(sym);
+  g_mkl_threads_local = nullptr;
+  if (sym) {
+    Dl_info info;
+    void* h = nullptr;
+    if (dladdr(sym, &info) && info.dli_fname) h = dlopen(info.dli_fname, RTLD_NOLOAD | RTLD_LAZY);
+    void* t = h ? dlsym(h, "MKL_Set_Num_Threads_Local") : nullptr;
+    if (!t) t = dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local");
+    g_mkl_threads_local = reinterpret_cast<mkl_threads_local_fn>(t);
+  }
   return sqrt_backend();
 }
 
@@ -130,7 +149,9 @@ void disable_vml_sqrt() {
 }
 
 std::string sqrt_backend() { return g_vms_sqrt ? "mkl-vml" : "ieee"; }
-std::string sqrt_source() { return g_sqrt_source; }
+std::string sqrt_source() {
+  return g_sqrt_source + (g_mkl_threads_local ? " (+MKL_Set_Num_Threads_Local)" : "");
+}
 
 void torch_sqrt(const float* in, float* out, int64_t n) { sqrt_block(in, out, n); }
 

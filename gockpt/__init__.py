@@ -14,6 +14,7 @@ from .errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError
                      ConsistencyError, CorruptCheckpointError, GockptError, HookOrderError,
                      LoadError, StorageError, UnsupportedOptimizerError)
 from .loading import Restored, load
+from . import metrics
 
 __version__ = "0.1.0"
 

@@ -261,10 +261,10 @@ class Checkpointer:
                 if j_next <= job.k:
                     self._enqueue_group(job, j_next)
             except GockptError as exc:
-                job.fail(exc)
+                self._fail_now(job, exc)
                 raise
             except Exception as exc:
-                job.fail(exc)
+                self._fail_now(job, exc)
                 raise CheckpointFailedError(
                     f"checkpoint of step {job.handle.final_step} failed at the step boundary: "
                     f"{exc}", job.handle.final_step) from exc
@@ -386,10 +386,10 @@ class Checkpointer:
             if self.config.mode in ("sync", "async"):
                 self._capture_rest(job)
         except GockptError as exc:
-            job.fail(exc)
+            self._fail_now(job, exc)
             raise
         except Exception as exc:
-            job.fail(exc)
+            self._fail_now(job, exc)
             raise CheckpointFailedError(f"checkpoint at step {step} could not start: {exc}",
                                         step) from exc
         finally:
@@ -531,6 +531,7 @@ class Checkpointer:
                                 "ck.update_begin() after backward and before optimizer.step()")
             if self._job is not None and self._job.capturing:
                 self._job.fail(HookOrderError(self._hook_error))
+                self._job.handle._reported = True  # reported by the HookOrderError itself
             return
         job = self._job
         if job is None or not job.capturing or job.error is not None or self.adapter is None:
@@ -693,6 +694,12 @@ class Checkpointer:
             job.fail(exc)
 
     # ------------------------------------------------------------------ errors and order
+
+    @staticmethod
+    def _fail_now(job: _Job, exc: BaseException) -> None:
+        """Fail ``job`` with an error that the caller raises right away (reported once)."""
+        job.fail(exc)
+        job.handle._reported = True
 
     def _on_job_failed(self, job: _Job) -> None:
         with self._errors_lock:

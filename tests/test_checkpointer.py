@@ -1,0 +1,136 @@
+"""Acceptance: the loaded checkpoint equals the live state at version F, bitwise, in every mode;
+checkpointing does not change training; bad input gets a gockpt error."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import gockpt
+from gockpt import storage
+
+import harness as H
+
+MODES_K = [("sync", None), ("async", None), ("async-o", None)] + \
+    [(m, k) for m in ("gockpt", "gockpt-o") for k in (1, 2, 3, 7)]
+
+
+def run_and_snapshot(tmp_path, mode, k, *, impl="single", optim="adamw", scaler=None,
+                     inf_steps=(), force=(4, 15), steps=24, block_bytes=512):
+    """Train with checkpoints forced at ``force``; snapshot the live state at every F."""
+    H.seed_all(0)
+    model, opt, sched = H.build(optim=optim, impl=impl)
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode=mode, overlap_steps=k,
+                             scheduler=sched, block_bytes=block_bytes, self_check=1.0)
+    pending, snaps, handles = [], {}, []
+
+    def on_boundary(step, handle):
+        if handle is not None:
+            pending.append(handle)
+            handles.append(handle)
+        for h in list(pending):
+            if step == h.final_step:
+                snaps[step] = H.snapshot(model, opt, sched)
+                pending.remove(h)
+
+    H.train_steps(model, opt, sched, 0, steps, ck, scaler=scaler, inf_steps=inf_steps,
+                  on_boundary=on_boundary, force=set(force))
+    ck.close()
+    return snaps, handles
+
+
+def load_snapshot(tmp_path, tag, *, impl="single", optim="adamw"):
+    model, opt, sched = H.build(seed=123, optim=optim, impl=impl)
+    restored = gockpt.load(str(tmp_path), model, opt, scheduler=sched, tag=tag)
+    return restored, H.snapshot(model, opt, sched)
+
+
+@pytest.mark.parametrize("mode,k", MODES_K)
+def test_checkpoint_is_live_state_at_F(tmp_path, mode, k):
+    snaps, handles = run_and_snapshot(tmp_path, mode, k)
+    assert len(handles) == 2 and all(h.done() and h.error is None for h in handles)
+    expected_k = 1 if mode in ("sync", "async", "async-o") else k
+    assert [h.final_step for h in handles] == [4 + expected_k - 1, 15 + expected_k - 1]
+    for h in handles:
+        restored, state = load_snapshot(tmp_path, os.path.basename(h.path))
+        assert restored.step == h.final_step
+        assert restored.extra_state == {"epoch": (h.final_step - 1) // 5, "note": "x"}
+        H.assert_same(snaps[h.final_step], state)
+    # the latest pointer names the newest checkpoint
+    restored, _ = load_snapshot(tmp_path, None)
+    assert restored.step == handles[-1].final_step
+
+
+@pytest.mark.parametrize("optim", ["adamw", "adam"])
+@pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
+def test_every_adam_implementation_replays_bitwise(tmp_path, optim, impl):
+    snaps, handles = run_and_snapshot(tmp_path, "gockpt-o", 3, impl=impl, optim=optim,
+                                      force=(5,), steps=12)
+    _, state = load_snapshot(tmp_path, None, impl=impl, optim=optim)
+    H.assert_same(snaps[handles[0].final_step], state)
+
+
+@pytest.mark.parametrize("mode,k,impl", [("gockpt", 3, "single"), ("gockpt-o", 3, "single"),
+                                         ("gockpt-o", 3, "fused"), ("async-o", None, "single")])
+def test_fp16_grad_scaler_with_a_skipped_step(tmp_path, mode, k, impl):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    # step 6 (0-based) overflows: GradScaler skips optimizer.step() and lowers the scale;
+    # it lies inside the checkpoint that starts at boundary 5.
+    snaps, handles = run_and_snapshot(tmp_path, mode, k, scaler=scaler, inf_steps={6},
+                                      force=(5,), steps=12, impl=impl)
+    assert scaler.get_scale() < 2.0 ** 10  # the skip really happened
+    _, state = load_snapshot(tmp_path, None, impl=impl)
+    H.assert_same(snaps[handles[0].final_step], state)
+
+
+def test_no_interference_with_training(tmp_path):
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ref_losses = H.train_steps(model, opt, sched, 0, 20)
+    ref = H.snapshot(model, opt, sched)
+
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=3,
+                             scheduler=sched, block_bytes=512, interval=6)
+    losses = H.train_steps(model, opt, sched, 0, 20, ck)
+    ck.close()
+    assert storage.list_checkpoints(str(tmp_path))  # checkpoints were really taken
+    assert losses == ref_losses
+    H.assert_same(ref, H.snapshot(model, opt, sched))
+
+
+def test_auto_overlap_steps_and_metrics(tmp_path):
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), scheduler=sched, block_bytes=512,
+                             interval=8)
+    H.train_steps(model, opt, sched, 0, 20, ck)
+    ck.close()
+    records = gockpt.metrics.read(str(tmp_path))
+    assert [r["start_step"] for r in records] == [8, 16]
+    for r in records:
+        assert 1 <= r["overlap_steps"] <= 8
+        assert r["final_step"] == r["start_step"] + r["overlap_steps"] - 1
+        assert r["mode"] == "gockpt-o" and r["state_bytes"] > 0
+        assert r["time_to_durable_s"] >= r["persist_s"] > 0
+        assert set(r["blocked_by_hook_s"]) <= {"save_checkpoint", "save_checkpoint_busy_wait",
+                                              "update_begin", "backward_begin",
+                                              "optimizer_step", "zero_grad"}
+
+
+def test_host_memory_is_reused_across_checkpoints(tmp_path):
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=2,
+                             scheduler=sched, block_bytes=512, interval=4)
+    seen = []
+    H.train_steps(model, opt, sched, 0, 7, ck)
+    seen.append((ck.host_bytes, [b.data_ptr() for b in ck.host.param]))
+    H.train_steps(model, opt, sched, 7, 15, ck)
+    seen.append((ck.host_bytes, [b.data_ptr() for b in ck.host.param]))
+    ck.close()
+    assert seen[0] == seen[1]
+    assert len(storage.list_checkpoints(str(tmp_path))) == 3

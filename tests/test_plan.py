@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from gockpt.errors import ConfigError
+from gockpt.plan import build_plan
+
+import harness as H
+
+
+def test_blocks_cover_every_parameter_exactly_once():
+    model, opt, _ = H.build()
+    plan = build_plan(model, opt, block_bytes=256)
+    for si, slot in enumerate(plan.slots):
+        ranges = sorted((b.start, b.end) for b in plan.blocks if b.slot == si)
+        assert ranges[0][0] == 0 and ranges[-1][1] == slot.numel
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(e - s <= 64 for s, e in ranges)
+
+
+def test_optimizer_order_and_static_parameters():
+    model, opt, _ = H.build(optim="adam")  # Adam build leaves the frozen layer out
+    plan = build_plan(model, opt, block_bytes=1 << 20)
+    in_opt = [s for s in plan.slots if not s.static]
+    assert [s.opt_index for s in in_opt] == list(range(len(in_opt)))
+    static = {s.name for s in plan.slots if s.static}
+    assert static == {"frozen.weight", "frozen.bias"}
+    assert len(plan.slots) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+def test_groups_partition_blocks_in_order_and_balance(k):
+    model, opt, _ = H.build()
+    plan = build_plan(model, opt, block_bytes=256)
+    groups = plan.groups(k)
+    assert len(groups) == k
+    assert [b for g in groups for b in g] == plan.blocks
+    weights = [sum(b.numel for b in g) for g in groups]
+    assert max(weights) - min(weights) <= 2 * 64 * 3
+
+
+def test_tied_parameters_become_aliases():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = self.a
+    model = Tied()
+    plan = build_plan(model, torch.optim.AdamW(model.parameters()), 1024)
+    assert plan.aliases == {"b.weight": "a.weight", "b.bias": "a.bias"}
+
+
+def test_foreign_parameter_is_a_mismatch():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    with pytest.raises(ConfigError, match="mismatch"):
+        build_plan(model, opt, 1024)

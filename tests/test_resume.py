@@ -1,0 +1,40 @@
+"""Acceptance: a run that checkpoints, is killed (SIGKILL) and resumes in a fresh process
+produces bitwise the same losses and final parameters as an uninterrupted run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gockpt import storage
+
+WORKER = os.path.join(os.path.dirname(__file__), "resume_worker.py")
+TOTAL = 30
+
+
+def run(*args):
+    proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+    return proc
+
+
+@pytest.mark.parametrize("mode", ["gockpt-o", "gockpt", "async"])
+def test_killed_run_resumes_bit_for_bit(tmp_path, mode):
+    ref = run("reference", tmp_path, mode, TOTAL, 0)
+    assert ref.returncode == 0, ref.stderr
+    reference = json.loads(ref.stdout.splitlines()[-1])
+
+    killed = run("train", tmp_path, mode, TOTAL, 22)
+    assert killed.returncode == -9, killed.stderr  # really killed, not a clean exit
+    before_kill = json.loads(killed.stdout.splitlines()[-1])["losses"]
+    assert before_kill == reference["losses"][:22]
+    assert storage.list_checkpoints(str(tmp_path))
+
+    resumed = run("resume", tmp_path, mode, TOTAL, 0)
+    assert resumed.returncode == 0, resumed.stderr
+    out = json.loads(resumed.stdout.splitlines()[-1])
+    assert 5 <= out["start"] < 22
+    assert out["losses"] == reference["losses"][out["start"]:]
+    assert out["digest"] == reference["digest"]
