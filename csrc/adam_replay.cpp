@@ -74,11 +74,14 @@ void sqrt_block(const float* in, float* out, int64_t n) {
 
 // Elements of a single-tensor/foreach replay are processed in blocks small enough that the
 // intermediate exp_avg_sq, its sqrt and the decayed param stay in L1.
-constexpr int64_t kBlock = 1024;
+constexpr int64_t kMaxBlock = 16384;
+int64_t g_block = 1024;
+bool g_prefetch = true;
 
 void run_single_range(const IsaFns& f, float* p, float* m, float* v, const float* g,
                       int64_t n, const AdamScalars& s) {
-  alignas(64) float sq[kBlock];
+  alignas(64) float sq[kMaxBlock];
+  const int64_t kBlock = g_block;
   // Sequential MKL in this thread for the duration of the range (0 restores the global setting).
   struct MklSeq {
     MklSeq() { if (g_vms_sqrt && g_mkl_threads_local) g_mkl_threads_local(1); }
@@ -87,12 +90,25 @@ void run_single_range(const IsaFns& f, float* p, float* m, float* v, const float
   for (int64_t i = 0; i < n; i += kBlock) {
     const int64_t k = std::min(kBlock, n - i);
     f.phase1(p + i, m + i, v + i, g + i, k, s);
+    // Pull the next block toward the cache while the (compute-only) sqrt and phase 2 run.
+    const int64_t nx = i + kBlock, nk = std::min(kBlock, n - nx);
+    for (int64_t j = 0; g_prefetch && j < nk; j += 16) {
+      __builtin_prefetch(p + nx + j, 1);
+      __builtin_prefetch(m + nx + j, 1);
+      __builtin_prefetch(v + nx + j, 1);
+      __builtin_prefetch(g + nx + j, 0);
+    }
     sqrt_block(v + i, sq, k);
     f.phase2(p + i, m + i, sq, k, s);
   }
 }
 
 }  // namespace
+
+void set_tuning(int64_t block, bool prefetch) {
+  g_block = std::max<int64_t>(16, std::min<int64_t>(kMaxBlock, block));
+  g_prefetch = prefetch;
+}
 
 Isa resolved_isa() { return g_isa_forced == Isa::Auto ? detect_isa() : g_isa_forced; }
 

@@ -29,6 +29,7 @@ std::string sqrt_backend();
 std::string sqrt_source();
 void torch_sqrt(const float* in, float* out, int64_t n);
 
+void set_tuning(int64_t block, bool prefetch);  // benchmarking aid
 Isa resolved_isa();
 void force_isa(Isa isa);
 const char* isa_name(Isa isa);

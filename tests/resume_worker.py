@@ -17,7 +17,7 @@ import harness as H  # noqa: E402
 def digest(model, opt):
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode()); h.update(v.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(k.encode()); h.update(v.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     for idx, st in sorted(opt.state_dict()["state"].items()):
         for k, v in sorted(st.items()):
             h.update(f"{idx}/{k}".encode())

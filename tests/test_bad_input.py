@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 import torch
@@ -146,9 +147,12 @@ def test_extra_state_that_needs_pickle_is_refused(tmp_path):
 
 
 class DiskFull(storage.CheckpointWriter):
-    """A storage writer that fails like a full disk half-way through."""
+    """A storage writer that fails like a full disk, once the test opens ``gate``."""
+
+    gate = None
 
     def write_tensors(self, tensors):
+        assert DiskFull.gate.wait(60)
         raise OSError(errno.ENOSPC, "No space left on device")
 
 
@@ -165,14 +169,18 @@ def test_background_write_failure_surfaces_and_keeps_previous_latest(tmp_path, m
         nonlocal handle
         handle = handle or h
 
+    DiskFull.gate = threading.Event()
     H.train_steps(model, opt, sched, 5, 8, ck, force={6}, on_boundary=on_boundary)
+    DiskFull.gate.set()
+    with pytest.raises(gockpt.CheckpointFailedError, match="No space left"):
+        handle.wait()  # surfaces at wait() ...
+    handle = None
+    DiskFull.gate = threading.Event()
+    H.train_steps(model, opt, sched, 8, 11, ck, force={9}, on_boundary=on_boundary)
+    DiskFull.gate.set()
     assert handle._durable.wait(60)  # finished (failed) in the background
-    # surfaces at the next hook, once
     with pytest.raises(gockpt.CheckpointFailedError, match="No space left"):
-        H.train_steps(model, opt, sched, 8, 9, ck)
-    H.train_steps(model, opt, sched, 8, 13, ck, force={10}, on_boundary=on_boundary)
-    with pytest.raises(gockpt.CheckpointFailedError, match="No space left"):
-        ck.wait()  # and at wait()
+        H.train_steps(model, opt, sched, 11, 12, ck)  # ... or at the next hook, once
     ck.close()
     assert storage.resolve(str(tmp_path)) == good
     assert [n for n in os.listdir(tmp_path) if n.startswith(".tmp")] == []
@@ -191,9 +199,10 @@ def test_self_check_catches_a_wrong_replay(tmp_path, monkeypatch):
     monkeypatch.setattr(replay.AdamAdapter, "apply", wrong)
     model, opt, sched, ck = make(tmp_path, mode="gockpt", overlap_steps=3, self_check=1.0)
     handles = []
-    H.train_steps(model, opt, sched, 0, 8, ck, force={2},
-                  on_boundary=lambda s, h: h and handles.append(h))
     with pytest.raises(gockpt.CheckpointFailedError, match="self-check"):
+        # surfaces at the next hook or at wait(), whichever comes first
+        H.train_steps(model, opt, sched, 0, 8, ck, force={2},
+                      on_boundary=lambda s, h: h and handles.append(h))
         handles[0].wait()
     ck.close()
     assert storage.list_checkpoints(str(tmp_path)) == []
