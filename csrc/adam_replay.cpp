@@ -75,7 +75,7 @@ void sqrt_block(const float* in, float* out, int64_t n) {
 // Elements of a single-tensor/foreach replay are processed in blocks small enough that the
 // intermediate exp_avg_sq, its sqrt and the decayed param stay in L1.
 constexpr int64_t kMaxBlock = 16384;
-int64_t g_block = 1024;
+int64_t g_block = 512;
 bool g_prefetch = true;
 
 void run_single_range(const IsaFns& f, float* p, float* m, float* v, const float* g,

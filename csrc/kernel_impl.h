@@ -18,7 +18,7 @@ namespace {
 
 // Phase 1 of the single-tensor / foreach path:
 //   weight decay, lerp (exp_avg), mul + addcmul (exp_avg_sq).
-// p <- p * decay (AdamW); m, v updated in place.
+// m, v updated in place (p is read only for Adam's L2 term).
 template <bool L2, bool DECAY, bool SMALL>
 inline void phase1_t(float* __restrict p, float* __restrict m, float* __restrict v,
                      const float* __restrict g, int64_t n, const AdamScalars& s) {
@@ -27,7 +27,7 @@ inline void phase1_t(float* __restrict p, float* __restrict m, float* __restrict
     float gi = g[i];
     float pi = p[i];
     if (L2) gi = __builtin_fmaf(pi, wd, gi);            // grad.add(param, alpha=wd): fmadd(p, wd, g)
-    if (DECAY) p[i] = pi * decay;                 // param.mul_(1 - lr*wd)
+    (void)decay;  // param.mul_(1 - lr*wd) is applied in phase 2 (same rounding)
     const float mi = m[i];
     const float d = gi - mi;                      // lerp: end - self
     m[i] = SMALL ? __builtin_fmaf(w1, d, mi) : __builtin_fmaf(w1m1, d, gi);
@@ -38,12 +38,14 @@ inline void phase1_t(float* __restrict p, float* __restrict m, float* __restrict
 
 // Phase 2 of the single-tensor / foreach path, given sq = sqrt(exp_avg_sq) as torch computes it:
 //   denom = sq / bc2_sqrt + eps;  p += (-step_size * m) / denom
-inline void phase2(float* __restrict p, const float* __restrict m, const float* __restrict sq,
-                   int64_t n, const AdamScalars& s) {
-  const float bc2s = s.bc2s, eps = s.eps, nss = s.nss;
+template <bool DECAY>
+inline void phase2_t(float* __restrict p, const float* __restrict m, const float* __restrict sq,
+                     int64_t n, const AdamScalars& s) {
+  const float bc2s = s.bc2s, eps = s.eps, nss = s.nss, decay = s.decay;
   for (int64_t i = 0; i < n; ++i) {
+    const float p1 = DECAY ? p[i] * decay : p[i];  // param.mul_(1 - lr*wd)
     const float den = sq[i] / bc2s + eps;
-    p[i] = p[i] + (nss * m[i]) / den;
+    p[i] = p1 + (nss * m[i]) / den;
   }
 }
 
@@ -96,7 +98,8 @@ void adam_phase1(float* p, float* m, float* v, const float* g, int64_t n, const 
 }
 
 void adam_phase2(float* p, const float* m, const float* sq, int64_t n, const AdamScalars& s) {
-  phase2(p, m, sq, n, s);
+  if (s.decay_on) phase2_t<true>(p, m, sq, n, s);
+  else phase2_t<false>(p, m, sq, n, s);
 }
 
 void adam_fused(float* p, float* m, float* v, const float* g, int64_t n, const AdamScalars& s,

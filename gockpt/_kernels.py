@@ -32,12 +32,16 @@ def sqrt_backend() -> str:
     return _C.sqrt_backend()
 
 
+_VEC_SIZE = None
+
+
 def torch_vec_size() -> int:
     """Vectorized<float>::size() of the ATen kernels torch dispatches to on this CPU."""
-    cap = str(torch.backends.cpu.get_cpu_capability()).upper()
-    if cap.startswith("AVX512"):
-        return 16
-    return 8  # AVX2 (DEFAULT also uses 32-byte vectors)
+    global _VEC_SIZE
+    if _VEC_SIZE is None:
+        cap = str(torch.backends.cpu.get_cpu_capability()).upper()
+        _VEC_SIZE = 16 if cap.startswith("AVX512") else 8  # AVX2/DEFAULT: 32-byte vectors
+    return _VEC_SIZE
 
 
 def _check(name: str, t, n: Optional[int]) -> int:
