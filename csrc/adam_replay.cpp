@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -76,7 +77,6 @@ void sqrt_block(const float* in, float* out, int64_t n) {
 // intermediate exp_avg_sq, its sqrt and the decayed param stay in L1.
 constexpr int64_t kMaxBlock = 16384;
 int64_t g_block = 512;
-bool g_prefetch = true;
 
 void run_single_range(const IsaFns& f, float* p, float* m, float* v, const float* g,
                       int64_t n, const AdamScalars& s) {
@@ -90,14 +90,6 @@ void run_single_range(const IsaFns& f, float* p, float* m, float* v, const float
   for (int64_t i = 0; i < n; i += kBlock) {
     const int64_t k = std::min(kBlock, n - i);
     f.phase1(p + i, m + i, v + i, g + i, k, s);
-    // Pull the next block toward the cache while the (compute-only) sqrt and phase 2 run.
-    const int64_t nx = i + kBlock, nk = std::min(kBlock, n - nx);
-    for (int64_t j = 0; g_prefetch && j < nk; j += 16) {
-      __builtin_prefetch(p + nx + j, 1);
-      __builtin_prefetch(m + nx + j, 1);
-      __builtin_prefetch(v + nx + j, 1);
-      __builtin_prefetch(g + nx + j, 0);
-    }
     sqrt_block(v + i, sq, k);
     f.phase2(p + i, m + i, sq, k, s);
   }
@@ -105,9 +97,8 @@ void run_single_range(const IsaFns& f, float* p, float* m, float* v, const float
 
 }  // namespace
 
-void set_tuning(int64_t block, bool prefetch) {
+void set_block(int64_t block) {
   g_block = std::max<int64_t>(16, std::min<int64_t>(kMaxBlock, block));
-  g_prefetch = prefetch;
 }
 
 Isa resolved_isa() { return g_isa_forced == Isa::Auto ? detect_isa() : g_isa_forced; }
@@ -199,13 +190,18 @@ void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const 
   const AdamScalars s = make_scalars(a);
   const IsaFns f = fns_for(resolved_isa());
 
-  // Fused path: torch splits the tensor into 64-byte units across threads, so every thread's
-  // range but the last is a multiple of the vector width; only the last full_numel % vec
-  // elements of the whole parameter run the scalar remainder loop.
+  // Fused path (measured against torch 2.13, ATen AVX512 and AVX2): torch splits the tensor
+  // into 64-byte units across its threads, so only the last thread's range has a remainder
+  // after the Vectorized<float> loop, at the end of the whole parameter.  GCC vectorised that
+  // remainder loop 8 wide with the body's arithmetic, so exactly the last full_numel % 8
+  // elements run scalar code, whatever torch's thread count and vector width.
+  // Single-tensor / foreach: the scalar remainders of torch's elementwise ops compute the same
+  // roundings as their vector bodies, so no element depends on its position (torch_threads is
+  // accepted for API stability only).
   int64_t tail_local = n;  // local index where the fused scalar tail starts
   if (a.impl == Impl::Fused) {
-    const int64_t vec = 8;  // see notes: only the last full_numel % 8 run scalar code
-    const int64_t tail_global = a.full_numel - a.full_numel % vec;
+    constexpr int64_t kScalarTail = 8;
+    const int64_t tail_global = a.full_numel - a.full_numel % kScalarTail;
     tail_local = std::max<int64_t>(0, std::min<int64_t>(n, tail_global - a.offset));
   }
 
@@ -228,15 +224,22 @@ void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const 
     work(0, n);
     return;
   }
-  // Contiguous ranges aligned to 64 bytes.
-  const int64_t per = ((n + threads - 1) / threads + 15) / 16 * 16;
+  // Dynamic chunks (64-byte aligned) handed out by an atomic counter, so a thread slowed by
+  // other load on the machine does not hold the whole step back.  Results do not depend on the
+  // chunking (the fused tail is located by global index).
+  const int64_t chunk = std::max<int64_t>(kMinPerThread, (n / (threads * 8) + 15) / 16 * 16);
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    for (;;) {
+      const int64_t b = next.fetch_add(chunk, std::memory_order_relaxed);
+      if (b >= n) break;
+      work(b, std::min(n, b + chunk));
+    }
+  };
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) {
-    const int64_t b = std::min(n, per * t), e = std::min(n, per * (t + 1));
-    pool.emplace_back(work, b, e);
-  }
-  work(0, std::min(n, per));
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
   for (auto& th : pool) th.join();
 }
 

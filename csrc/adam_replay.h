@@ -15,8 +15,8 @@ struct ReplayArgs {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0, step = 1.0;
   int64_t offset = 0;
   int64_t full_numel = 0;
-  int torch_threads = 1;  // torch's intra-op threads (kept for API stability; see notes)
-  int torch_vec = 16;     // torch's Vectorized<float>::size() (AVX512: 16, AVX2: 8)
+  int torch_threads = 1;  // torch's intra-op threads (no effect: see adam_replay.cpp)
+  int torch_vec = 16;     // torch's Vectorized<float>::size() (no effect: see adam_replay.cpp)
   int threads = 0;        // replay threads, 0 = hardware concurrency
 };
 
@@ -29,7 +29,7 @@ std::string sqrt_backend();
 std::string sqrt_source();
 void torch_sqrt(const float* in, float* out, int64_t n);
 
-void set_tuning(int64_t block, bool prefetch);  // benchmarking aid
+void set_block(int64_t block);  // benchmarking aid: elements per sqrt block
 Isa resolved_isa();
 void force_isa(Isa isa);
 const char* isa_name(Isa isa);

@@ -83,6 +83,6 @@ PYBIND11_MODULE(_C, mod) {
       py::arg("inp"), py::arg("out"), py::arg("n"),
       "sqrt as torch computes it on CPU float32 (vmsSqrt if resolved, else IEEE).");
   mod.def("set_isa", [](const std::string& s) { force_isa(parse_isa(s)); }, py::arg("isa"));
-  mod.def("_set_tuning", &set_tuning, py::arg("block"), py::arg("prefetch"));
+  mod.def("_set_block", &set_block, py::arg("block"));
   mod.def("isa", []() { return std::string(isa_name(resolved_isa())); });
 }

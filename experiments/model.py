@@ -6,9 +6,9 @@ Every parameter is float32 and contiguous (what gockpt's bitwise optimizer repla
 
 The data: ``batch(step)`` builds its tokens from a ``torch.Generator`` seeded by ``step`` alone,
 so any process can regenerate the exact batch of any step -- a resumed run sees the same data
-as an uninterrupted one without having to checkpoint a data loader. Each sequence repeats a
-random motif (length 4..16), so the next token is predictable after the first period and the
-loss falls quickly from ln(vocab).
+as an uninterrupted one without having to checkpoint a data loader. Each sequence mostly
+follows one fixed permutation of the vocabulary (next = perm[current] 80% of the time), which a
+small model learns within a few hundred steps, so the loss visibly falls.
 """
 
 from __future__ import annotations
@@ -168,17 +168,27 @@ def build(cfg: ModelConfig | None = None, *, total_steps: int = 300, seed: int =
     return model, opt, sched
 
 
+_PERM_SEED = 12345
+
+
 def batch(step: int, batch_size: int = 8, cfg: ModelConfig | None = None) -> torch.Tensor:
-    """Tokens (batch_size, seq_len + 1) of ``step``: each row repeats a random motif."""
+    """Tokens (batch_size, seq_len + 1) of ``step``, from a generator seeded by ``step`` alone.
+
+    Each row is a noisy walk along one fixed random permutation of the vocabulary: the next
+    token is ``perm[token]`` with probability 0.8, else uniformly random. A model that learns
+    the permutation gets the loss from ln(vocab) ~ 6.2 down towards ~1.6.
+    """
     cfg = cfg or ModelConfig()
+    perm = torch.randperm(cfg.vocab, generator=torch.Generator().manual_seed(_PERM_SEED))
     g = torch.Generator().manual_seed(1_000_003 * (step + 1))
     n = cfg.seq_len + 1
-    rows = []
-    for _ in range(batch_size):
-        period = int(torch.randint(4, 17, (1,), generator=g))
-        motif = torch.randint(0, cfg.vocab, (period,), generator=g)
-        rows.append(motif.repeat(n // period + 1)[:n])
-    return torch.stack(rows)
+    noise = torch.randint(0, cfg.vocab, (batch_size, n), generator=g)
+    follow = torch.rand(batch_size, n, generator=g) < 0.8
+    rows = torch.empty(batch_size, n, dtype=torch.long)
+    rows[:, 0] = noise[:, 0]
+    for i in range(1, n):
+        rows[:, i] = torch.where(follow[:, i], perm[rows[:, i - 1]], noise[:, i])
+    return rows
 
 
 def num_params(model: nn.Module) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from gockpt import _C
 
-__all__ = ["adam_replay", "sqrt_backend", "torch_vec_size", "IMPLS"]
+__all__ = ["adam_replay", "sqrt_backend", "exactness_supported", "torch_vec_size", "IMPLS"]
 
 IMPLS = ("single", "foreach", "fused")
 
@@ -44,6 +44,20 @@ def torch_vec_size() -> int:
     return _VEC_SIZE
 
 
+def exactness_supported():
+    """(ok, reason): whether this torch build's CPU kernels are the ones the replay reproduces.
+
+    Verified: torch 2.13 CPU with ATen capability AVX512 or AVX2 (FMA kernels), float32.
+    ATEN_CPU_CAPABILITY=default compiles ATen without FMA, which changes torch's arithmetic.
+    """
+    cap = str(torch.backends.cpu.get_cpu_capability()).upper()
+    if not (cap.startswith("AVX512") or cap.startswith("AVX2")):
+        return False, f"ATen CPU capability {cap}: torch's arithmetic is not the FMA one replayed"
+    if sqrt_backend() != "mkl-vml" and torch.backends.mkl.is_available():
+        return False, "torch uses MKL vmsSqrt but it could not be resolved (IEEE sqrt fallback)"
+    return True, f"ATen {cap}, sqrt {sqrt_backend()}"
+
+
 def _check(name: str, t, n: Optional[int]) -> int:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -68,8 +82,12 @@ def adam_replay(param, exp_avg, exp_avg_sq, grad, *, impl: str, decoupled: bool,
 
     param, exp_avg, exp_avg_sq are updated in place; grad is read only.  ``step`` is the step
     count of this update (state['step'] after torch incremented it; 1 on the first update).
-    ``offset``/``full_numel`` locate the slice inside the full parameter (torch's fused kernel
-    treats the last ``full_numel % vec`` elements differently).
+    ``offset``/``full_numel`` locate the slice inside the full parameter (``full_numel``
+    defaults to ``offset + n``, i.e. ``n`` for a whole parameter): torch's fused CPU kernel
+    computes exp_avg_sq with a different FMA placement for the last ``full_numel % 8`` elements.
+    ``torch_threads`` is accepted and validated but measured to have no effect on torch's
+    arithmetic (its elementwise scalar tails round exactly like the vector bodies).
+    ``threads``: replay threads (default ``os.cpu_count()``); results do not depend on it.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

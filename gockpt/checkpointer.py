@@ -136,14 +136,15 @@ class Checkpointer:
         mode: ``"sync" | "async" | "async-o" | "gockpt" | "gockpt-o"``.
         overlap_steps: K for the gockpt modes; ``None`` measures and chooses.
         scheduler: optional LR scheduler, saved at version F.
-        interval: start a checkpoint every ``interval`` steps (``None``: only when forced).
-        **options: further :class:`~gockpt.config.Config` fields (``block_bytes``,
+        interval: start a checkpoint every ``interval`` steps (``None``: only when forced;
+            ``"auto"`` with ``mtbf=SECONDS``: the Young/Daly optimum, re-measured).
+        **options: further :class:`~gockpt.config.Config` fields (``mtbf``, ``block_bytes``,
             ``self_check``, ``self_check_strict``, ``on_busy``, ``replay_threads``).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  directory: str, mode: str = "gockpt-o", overlap_steps: Optional[int] = None,
-                 scheduler=None, interval: Optional[int] = None, **options):
+                 scheduler=None, interval: Union[int, str, None] = None, **options):
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -180,6 +181,11 @@ class Checkpointer:
         self._fwd_bwd_times: List[float] = []
         self._step_times: List[float] = []
         self._closed = False
+        self._last_start_step: Optional[int] = None
+        self._auto_interval: Optional[int] = None
+        self._auto_counted = 0
+        self._durable_count = 0
+        self._finished: List[_Job] = []   # durable jobs, for interval="auto"
 
         self._pre_hook = optimizer.register_step_pre_hook(self._on_optimizer_step)
         self._orig_zero_grad = optimizer.zero_grad
@@ -272,9 +278,10 @@ class Checkpointer:
                 job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
 
         handle = None
-        interval = self.config.interval
-        if force or (interval is not None and step % interval == 0):
+        if force or self._due(step):
             handle = self._start(step, extra_state)
+            if handle is not None:
+                self._last_start_step = step
         self._t_boundary = time.perf_counter()
         return handle
 
@@ -400,6 +407,38 @@ class Checkpointer:
             job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
             self._raise_pending()
         return job.handle
+
+    def _due(self, step: int) -> bool:
+        interval = self.config.interval
+        if interval is None:
+            return False
+        if interval != "auto":
+            return step % interval == 0
+        self._update_auto_interval()
+        if self._last_start_step is None:
+            return step >= self.config.first_auto_step
+        if self._auto_interval is None:
+            return False  # the first checkpoint's stall is not measured yet
+        return step - self._last_start_step >= self._auto_interval
+
+    def _update_auto_interval(self) -> None:
+        """Recompute N* from the stalls and step time measured so far (after each checkpoint)."""
+        from .interval import auto_interval
+
+        done = list(self._finished)
+        if self._durable_count == self._auto_counted or not done or not self._step_times:
+            return
+        self._auto_counted = self._durable_count
+        stall = statistics.median(j.metrics.blocked_s for j in done[-8:])
+        step_time = statistics.median(self._step_times)
+        if stall <= 0 or step_time <= 0:
+            return
+        self._auto_step_time = step_time
+        new = auto_interval(stall, step_time, self.config.mtbf)
+        if new != self._auto_interval:
+            log.info("gockpt: checkpoint interval %s -> %d steps (stall %.4fs, step %.4fs, "
+                     "MTBF %.0fs)", self._auto_interval, new, stall, step_time, self.config.mtbf)
+            self._auto_interval = new
 
     def _choose_k(self) -> int:
         fixed = self.config.fixed_overlap_steps()
@@ -682,6 +721,8 @@ class Checkpointer:
             job.handle.path = writer.commit(manifest)
             m.time_to_durable_s = time.perf_counter() - job.t_start
             metrics_mod.append(self.config.directory, m)
+            self._finished = (self._finished + [job])[-8:]
+            self._durable_count += 1
             log.info("gockpt: checkpoint of step %d durable at %s", job.handle.final_step,
                      job.handle.path)
             job.handle._durable.set()

@@ -35,8 +35,16 @@ class Config:
     ``None`` picks K from the measured forward/backward time and copy bandwidth. Ignored (K = 1)
     by the other modes."""
 
-    interval: Optional[int] = None
-    """Start a checkpoint at every step divisible by ``interval``; ``None``: only when forced."""
+    interval: Union[int, str, None] = None
+    """Start a checkpoint at every step divisible by ``interval``; ``None``: only when forced;
+    ``"auto"``: every N* steps, N* recomputed after each checkpoint from its measured stall and
+    step time and ``mtbf`` (Young/Daly, see :mod:`gockpt.interval`)."""
+
+    mtbf: Optional[float] = None
+    """Mean time between failures in seconds; required by ``interval="auto"``."""
+
+    first_auto_step: int = 10
+    """With ``interval="auto"``: the step of the first checkpoint, which measures the stall."""
 
     block_bytes: int = 4 << 20
     """Size of one block of fp32 state: the unit of copy and replay (default 4 MiB)."""
@@ -66,10 +74,18 @@ class Config:
                     or self.overlap_steps < 1:
                 raise ConfigError(
                     f"overlap_steps must be None or an int >= 1, got {self.overlap_steps!r}")
-        if self.interval is not None:
+        if self.interval == "auto":
+            if isinstance(self.mtbf, bool) or not isinstance(self.mtbf, (int, float)) \
+                    or not self.mtbf > 0:
+                raise ConfigError("interval='auto' needs mtbf=SECONDS (the mean time between "
+                                  f"failures, > 0); got mtbf={self.mtbf!r}")
+        elif self.interval is not None:
             if isinstance(self.interval, bool) or not isinstance(self.interval, int) \
                     or self.interval < 1:
-                raise ConfigError(f"interval must be None or an int >= 1, got {self.interval!r}")
+                raise ConfigError(
+                    f"interval must be None, 'auto' or an int >= 1, got {self.interval!r}")
+        if not isinstance(self.first_auto_step, int) or self.first_auto_step < 1:
+            raise ConfigError(f"first_auto_step must be an int >= 1, got {self.first_auto_step!r}")
         if not isinstance(self.block_bytes, int) or self.block_bytes < 64:
             raise ConfigError(f"block_bytes must be an int >= 64, got {self.block_bytes!r}")
         if not isinstance(self.self_check, (int, float)) or not 0.0 <= self.self_check <= 1.0:

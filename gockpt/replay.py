@@ -83,6 +83,15 @@ class AdamAdapter:
                 if p.device.type != "cpu":
                     _refuse(optimizer, "the bitwise replay is proven for CPU training tensors; "
                                        f"a parameter lives on {p.device}")
+        from . import _kernels
+
+        ok, reason = _kernels.exactness_supported()
+        if not ok:
+            _refuse(optimizer, f"this torch build cannot be replayed exactly ({reason})")
+        for gi, sc in self.scalars().items():
+            if not _probe(type(optimizer), sc):
+                _refuse(optimizer, f"a probe replay of param group {gi}'s settings ({sc}) "
+                                   f"differs from torch {torch.__version__} on this machine")
 
     def scalars(self) -> Dict[int, GroupScalars]:
         """The scalars every group's update uses right now (call inside the step pre-hook)."""
@@ -133,6 +142,37 @@ class AdamAdapter:
             eps=sc.eps, weight_decay=sc.weight_decay, step=record.steps[block.slot],
             offset=s, full_numel=slot.numel, torch_threads=record.torch_threads,
             threads=threads)
+
+
+_PROBED: Dict[tuple, bool] = {}
+
+
+def _probe(cls, sc: GroupScalars) -> bool:
+    """Replay three steps of a small random problem and compare with torch itself: refuses
+    a torch version or CPU whose arithmetic differs, at attach time instead of at F."""
+    from . import _kernels
+
+    key = (cls, sc, torch.get_num_threads())
+    if key in _PROBED:
+        return _PROBED[key]
+    gen = torch.Generator().manual_seed(7)
+    n = 1031  # not a multiple of any vector width: exercises tails
+    p = torch.nn.Parameter(torch.rand(n, generator=gen) - 0.5)
+    kw = {"fused": True} if sc.impl == "fused" else {"foreach": sc.impl == "foreach"}
+    opt = cls([p], lr=sc.lr, betas=(sc.beta1, sc.beta2), eps=sc.eps,
+              weight_decay=sc.weight_decay, **kw)
+    mine = [p.detach().clone(), torch.zeros(n), torch.zeros(n)]
+    for t in range(1, 4):
+        p.grad = torch.rand(n, generator=gen) - 0.5
+        _kernels.adam_replay(*mine, p.grad, impl=sc.impl, decoupled=sc.decoupled, lr=sc.lr,
+                             beta1=sc.beta1, beta2=sc.beta2, eps=sc.eps,
+                             weight_decay=sc.weight_decay, step=float(t), threads=1)
+        opt.step()
+    st = opt.state[p]
+    ok = all(torch.equal(a, b) for a, b in
+             zip(mine, (p.detach(), st["exp_avg"], st["exp_avg_sq"])))
+    _PROBED[key] = ok
+    return ok
 
 
 def adapter_for(optimizer: torch.optim.Optimizer) -> AdamAdapter:

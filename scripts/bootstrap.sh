@@ -6,7 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-STAMP="$VENV/.gockpt-deps-v1"
+STAMP="$VENV/.gockpt-deps-v2"
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV"
@@ -17,7 +17,7 @@ if [ ! -f "$STAMP" ]; then
     echo "[setup] installing torch==2.13.0, numpy, build and test tools"
     "$VPY" -m pip install -q --upgrade pip setuptools wheel
     "$VPY" -m pip install -q "torch==2.13.0"
-    "$VPY" -m pip install -q numpy pybind11 pytest safetensors tqdm
+    "$VPY" -m pip install -q numpy pybind11 pytest safetensors tqdm matplotlib
     echo "[setup] installing deepspeed (DS_BUILD_OPS=0, --no-build-isolation)"
     DS_BUILD_OPS=0 "$VPY" -m pip install -q --no-build-isolation deepspeed
     touch "$STAMP"

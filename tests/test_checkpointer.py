@@ -134,3 +134,27 @@ def test_host_memory_is_reused_across_checkpoints(tmp_path):
     ck.close()
     assert seen[0] == seen[1]
     assert len(storage.list_checkpoints(str(tmp_path))) == 3
+
+
+def test_interval_auto_recomputes_from_measured_stall(tmp_path, caplog):
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="async", scheduler=sched,
+                             interval="auto", mtbf=3600.0, first_auto_step=3)
+    with caplog.at_level("INFO", logger="gockpt"):
+        H.train_steps(model, opt, sched, 0, 6, ck)
+        ck.wait()
+        H.train_steps(model, opt, sched, 6, 8, ck)
+    ck.close()
+    records = gockpt.metrics.read(str(tmp_path))
+    assert records[0]["start_step"] == 3
+    from gockpt.interval import auto_interval
+    assert ck._auto_interval == auto_interval(
+        records[0]["blocked_s"], ck._auto_step_time, 3600.0)
+    assert any("checkpoint interval" in r.message for r in caplog.records)
+
+
+def test_interval_auto_needs_mtbf(tmp_path):
+    model, opt, _ = H.build()
+    with pytest.raises(gockpt.ConfigError, match="mtbf"):
+        gockpt.Checkpointer(model, opt, str(tmp_path), interval="auto")

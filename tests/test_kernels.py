@@ -182,6 +182,8 @@ def test_isa_and_threads_agree(impl):
 
 def test_sqrt_backend_matches_torch_sqrt():
     assert _kernels.sqrt_backend() in ("mkl-vml", "ieee")
+    ok, why = _kernels.exactness_supported()
+    assert ok, why
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 0x7F800000, size=1_000_003, dtype=np.int64).astype(np.uint32)
     x = torch.from_numpy(bits.view(np.float32).copy())
