@@ -20,6 +20,7 @@ import logging
 import os
 import math
 import queue
+import shutil
 import random
 import statistics
 import threading
@@ -158,6 +159,17 @@ class Checkpointer:
         _ensure_writable(self.config.directory)
         storage.cleanup_temporaries(self.config.directory)
 
+        self.planned_host_bytes = self._plan_host_bytes()
+        cap = self.config.max_host_bytes
+        if cap is not None and self.planned_host_bytes > cap:
+            raise ConfigError(
+                f"gockpt needs {self.planned_host_bytes / 2**20:.1f} MiB of host memory for "
+                f"staging (state copy + gradient buffers) but max_host_bytes is "
+                f"{cap / 2**20:.1f} MiB; raise the cap or use a mode without replay (no "
+                "gradient buffers)")
+        log.info("gockpt: %s mode, %d tensors in %d blocks, %.1f MiB host staging planned",
+                 self.config.mode, len(self.plan.slots), len(self.plan.blocks),
+                 self.planned_host_bytes / 2**20)
         self.device = device_for([s.param for s in self.plan.slots])
         self.engine = CopyEngine(self.device)
         self.host: Optional[HostCopy] = None          # allocated at the first checkpoint
@@ -440,6 +452,14 @@ class Checkpointer:
                      "MTBF %.0fs)", self._auto_interval, new, stall, step_time, self.config.mtbf)
             self._auto_interval = new
 
+    def _plan_host_bytes(self) -> int:
+        """Host memory of one state copy plus, with replay, the pool of gradient buffers."""
+        params = sum(s.numel * s.param.element_size() for s in self.plan.slots)
+        opt = sum(s.numel * s.param.element_size() for s in self.plan.slots if not s.static)
+        if self.config.replays:
+            return params + 2 * opt + GradPool.SIZE * opt
+        return params + 2 * opt  # Adam-like optimizers: two aligned state tensors
+
     def _choose_k(self) -> int:
         fixed = self.config.fixed_overlap_steps()
         if fixed is not None:
@@ -706,6 +726,7 @@ class Checkpointer:
             m.persist_s = time.perf_counter() - t0
             m.time_to_durable_s = time.perf_counter() - job.t_start
             m.step_time_s = statistics.median(self._step_times) if self._step_times else 0.0
+            m.host_bytes = self.host_bytes
             manifest = {
                 "step": job.handle.final_step,
                 "start_step": m.start_step,
@@ -721,6 +742,7 @@ class Checkpointer:
             job.handle.path = writer.commit(manifest)
             m.time_to_durable_s = time.perf_counter() - job.t_start
             metrics_mod.append(self.config.directory, m)
+            self._apply_retention()
             self._finished = (self._finished + [job])[-8:]
             self._durable_count += 1
             log.info("gockpt: checkpoint of step %d durable at %s", job.handle.final_step,
@@ -733,6 +755,24 @@ class Checkpointer:
                 exc = StorageError(f"writing the checkpoint of step {job.handle.final_step} to "
                                    f"{self.config.directory} failed: {exc}")
             job.fail(exc)
+
+    def _apply_retention(self) -> None:
+        """Delete committed checkpoints beyond ``keep_last`` (after a newer one committed)."""
+        keep = self.config.keep_last
+        if keep is None:
+            return
+        names = storage.list_checkpoints(self.config.directory)
+        latest = os.path.basename(storage.resolve(self.config.directory))
+        for name in [n for n in names if n != latest][:max(0, len(names) - keep)]:
+            # Rename first so the deletion is atomic for readers; a crash mid-delete leaves
+            # a .tmp-* entry that cleanup_temporaries removes.
+            doomed = os.path.join(self.config.directory,
+                                  f"{storage.TMP_PREFIX}{name}.old-{os.getpid()}-{os.urandom(4).hex()}")
+            try:
+                os.rename(os.path.join(self.config.directory, name), doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+            except OSError as exc:
+                log.warning("gockpt: could not delete old checkpoint %s: %s", name, exc)
 
     # ------------------------------------------------------------------ errors and order
 

@@ -60,6 +60,14 @@ class Config:
     """A checkpoint due while the previous one is still persisting: ``wait`` for it (counted as
     blocked time) or ``skip`` the new one with a warning."""
 
+    keep_last: Optional[int] = None
+    """Keep only the newest ``keep_last`` committed checkpoints; older ones are deleted after a
+    newer one is committed (never the one being written). ``None`` keeps all."""
+
+    max_host_bytes: Optional[int] = None
+    """Refuse at construction if the planned host staging memory (one copy of the state plus
+    the gradient buffers in flight) exceeds this many bytes. ``None``: no cap."""
+
     replay_threads: Optional[int] = None
     """Threads of the C++ replay kernel; ``None``: the number of CPU cores."""
 
@@ -92,6 +100,11 @@ class Config:
             raise ConfigError(f"self_check must be a fraction in [0, 1], got {self.self_check!r}")
         if self.on_busy not in ("wait", "skip"):
             raise ConfigError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
+        for name in ("keep_last", "max_host_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
         if self.replay_threads is not None and (
                 not isinstance(self.replay_threads, int) or self.replay_threads < 1):
             raise ConfigError(

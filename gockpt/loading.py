@@ -27,10 +27,11 @@ class Restored:
 
 def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
          *, scheduler=None, tag: Optional[str] = None, restore_rng: bool = True,
-         verify: bool = True) -> Restored:
+         verify: bool = True, map_location=None) -> Restored:
     """Load the latest committed checkpoint in ``directory`` (or the one named ``tag``) into
     ``model``, ``optimizer`` and ``scheduler``, and restore RNG states unless
-    ``restore_rng=False``.
+    ``restore_rng=False``. Parameters and optimizer state land on the device of the
+    model's parameters; ``map_location`` (a device) moves the tensors of ``extra_state``.
 
     Names, shapes and dtypes are checked against the targets before any byte is read;
     checksums are verified unless ``verify=False``. Never unpickles.
@@ -81,6 +82,8 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         if restore_rng:
             smallstate.restore_rng(tree.decode(small["rng"], tensors))
         extra = tree.decode(small["extra_state"], tensors)
+        if map_location is not None:
+            extra = _to_device(extra, torch.device(map_location))
     except GockptError:
         raise
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
@@ -131,3 +134,13 @@ def _optimizer_state(path, manifest, tensors, optimizer) -> dict:
         for key in keys:
             state.setdefault(int(idx), {})[key] = tensors[f"optim/{idx}/{key}"]
     return {"state": state, "param_groups": small["param_groups"]}
+
+
+def _to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj

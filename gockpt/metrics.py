@@ -28,6 +28,7 @@ class CheckpointMetrics:
     self_check_blocks: int = 0
     self_check_mismatches: int = 0
     step_time_s: float = 0.0
+    host_bytes: int = 0
 
     def add_blocked(self, hook: str, seconds: float) -> None:
         self.blocked_s += seconds

@@ -45,7 +45,9 @@ class GradPool:
     """A few full-length host gradient buffers, handed out one per recorded step and
     returned by the replay thread once that step has been applied."""
 
-    def __init__(self, plan: Plan, device, size: int = 2):
+    SIZE = 2  # one set being filled while the replay applies the previous one
+
+    def __init__(self, plan: Plan, device, size: int = SIZE):
         self.plan = plan
         self.device = device
         self._free: List[Dict[int, torch.Tensor]] = [{} for _ in range(size)]

@@ -158,3 +158,26 @@ def test_interval_auto_needs_mtbf(tmp_path):
     model, opt, _ = H.build()
     with pytest.raises(gockpt.ConfigError, match="mtbf"):
         gockpt.Checkpointer(model, opt, str(tmp_path), interval="auto")
+
+
+def test_keep_last_retention(tmp_path):
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="async", scheduler=sched,
+                             interval=2, keep_last=2)
+    H.train_steps(model, opt, sched, 0, 10, ck)
+    ck.close()
+    assert storage.list_checkpoints(str(tmp_path)) == ["step-000000008", "step-000000010"]
+    assert os.path.basename(storage.resolve(str(tmp_path))) == "step-000000010"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
+
+
+def test_host_memory_is_planned_and_capped(tmp_path):
+    model, opt, _ = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=2)
+    planned = ck.planned_host_bytes
+    n_params = sum(p.numel() for p in model.parameters())
+    assert planned >= n_params * 4 * 3
+    ck.close()
+    with pytest.raises(gockpt.ConfigError, match="max_host_bytes"):
+        gockpt.Checkpointer(model, opt, str(tmp_path), max_host_bytes=planned - 1)
