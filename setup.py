@@ -47,6 +47,7 @@ setup(
         "experiments": ["matplotlib", "tqdm"],
         "test": ["pytest", "safetensors"],
     },
-    entry_points={"console_scripts": ["gockpt-interval = gockpt.interval:main"]},
+    entry_points={"console_scripts": ["gockpt-interval = gockpt.interval:main",
+                                      "gockpt = gockpt.cli:main"]},
     zip_safe=False,
 )

@@ -418,6 +418,7 @@ def phase_bench(args) -> int:
     goes first and last, and its step time is the mean of the two."""
     steps, every = args.bench_steps, args.bench_every
     due = list(range(every, steps - every + 1, every))
+    shutil.rmtree(args.bench_dir, ignore_errors=True)
     configs = [("(none)", None, None)] + [(m, m, None) for m in BENCH_MODES] + \
         [("gockpt-o", "gockpt-o", args.bench_k), ("(none)", None, None)]
 
@@ -448,10 +449,9 @@ def phase_bench(args) -> int:
             ck.close()
         runs.append({"label": label, "mode": mode, "k": k, "dir": d, "watch": watch,
                      "times": times})
-        what = "no checkpointing" if mode is None else \
-            f"mode={mode!r}, overlap_steps={k}, checkpoints at {', '.join(map(str, due))}"
-        bar.write(f"  run {len(runs)}/{len(configs)}: {what:<60} mean step "
-                  f"{statistics.mean(times[1:]) * 1e3:5.1f} ms")
+        what = "no checkpointing" if mode is None else f"mode={mode!r:<10} overlap_steps={k}"
+        bar.write(f"  run {len(runs)}/{len(configs)}  {what:<40} mean step "
+                  f"{statistics.mean(times[1:]) * 1e3:6.1f} ms")
     bar.close()
 
     ok = True
@@ -467,6 +467,8 @@ def phase_bench(args) -> int:
                      "watch_s": statistics.median(r["watch"].window(n, n + every) for n in due),
                      "lib_s": statistics.median(m["blocked_s"] for m in recs),
                      "durable": statistics.median(m["time_to_durable_s"] for m in recs),
+                     "busy": max(m["blocked_by_hook_s"].get("save_checkpoint_busy_wait", 0.0)
+                                 for m in recs),
                      "state": recs[0]["state_bytes"],
                      "grad": max(m["grad_bytes"] for m in recs),
                      "step": statistics.mean(r["times"][1:])})
@@ -483,7 +485,8 @@ def phase_bench(args) -> int:
         f"{base * 1e3:>6.1f} ms  {'1.00x':>7}")
     for r in rows:
         k = ",".join(map(str, r["K"])) + ("" if r["k"] else "*")
-        say(f"  {r['label']:<9} {k:>2}  {r['watch_s'] * 1e3:>9.1f} ms  "
+        busy = "!" if r["busy"] > 1e-3 else " "
+        say(f"  {r['label']:<9} {k:>2}  {r['watch_s'] * 1e3:>9.1f} ms{busy} "
             f"{r['watch_s'] / ref:>7.2f}x  {r['lib_s'] * 1e3:>8.1f} ms  "
             f"{r['durable']:>11.2f} s  {r['step'] * 1e3:>6.1f} ms  {r['step'] / base:>6.2f}x")
     say()
@@ -495,6 +498,9 @@ def phase_bench(args) -> int:
     say("                step time and copy bandwidth; gockpt-o with K > 1 replays the")
     say("                optimizer on the copied state with the recorded gradients).")
     say("  durable after from the checkpoint's start to its commit (written, fsynced, renamed).")
+    if any(r["busy"] > 1e-3 for r in rows):
+        say("  !             includes waiting for the previous checkpoint, still being written when")
+        say("                the next one was due (on_busy='wait'): checkpoints too close together.")
     say("  Step times move with machine load; compare the blocked column across modes.")
     return 0 if ok else 1
 
@@ -519,8 +525,7 @@ def child(args, phase: str, *extra) -> int:
            "--steps", str(args.steps), "--every", str(args.every)]
     if args.quick:
         cmd.append("--quick")
-    if args.k is not None:
-        cmd += ["--k", str(args.k)]
+    cmd += ["--k", str(args.k or 0)]
     return subprocess.run(cmd + list(extra)).returncode
 
 
@@ -584,6 +589,9 @@ def orchestrate(args) -> int:
     crash_losses = read_losses(paths.crash_losses)
     say(f"  latest -> {name}: resume at step {resume_step}; the "
         f"{args.kill_at - resume_step} steps after it (up to the crash) will be redone")
+    if args.k is None and manifest["overlap_steps"] == 1:
+        say("  (gockpt chose K=1 here: copying the state is fast next to one training step.")
+        say("   Run with --k 4 to spread each checkpoint over 4 steps with optimizer replay.)")
 
     # ---------------------------------------------------------------- phase 2
     section("Phase 2: resume from the latest checkpoint and verify it bit for bit")
@@ -650,12 +658,17 @@ def parse_args(argv=None):
     ap.add_argument("--every", type=int, default=None, help="checkpoint interval (default 50)")
     ap.add_argument("--kill-at", type=int, default=None,
                     help="crash during this step, 0-based (default: about 70%% of --steps)")
-    ap.add_argument("--k", type=int, default=None,
-                    help="overlap_steps K of phases 1-2 (default: None, gockpt chooses)")
+    ap.add_argument("--k", type=int, default=4,
+                    help="overlap_steps K of phases 1-2 (default 4, so that every checkpoint is "
+                         "assembled by the optimizer replay; 0: gockpt chooses from its "
+                         "measurements)")
     ap.add_argument("--quick", action="store_true", help="a tiny run of every phase")
     ap.add_argument("--phase", choices=("all", "train", "resume", "bench"), default="all",
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.k is not None and args.k < 0:
+        ap.error("--k must be >= 0")
+    args.k = args.k or None
     args.steps = args.steps or (40 if args.quick else 300)
     args.every = args.every or (10 if args.quick else 50)
     if args.steps < 4 or args.every < 1:
@@ -666,7 +679,7 @@ def parse_args(argv=None):
             args.kill_at += max(1, args.every // 2)
     if not args.every <= args.kill_at < args.steps:
         ap.error(f"--kill-at must be in [--every, --steps) = [{args.every}, {args.steps})")
-    args.bench_steps, args.bench_every = (20, 5) if args.quick else (40, 10)
+    args.bench_steps, args.bench_every = (24, 8) if args.quick else (40, 10)
     args.bench_k = 4
     paths = Paths(args)
     args.ckpt_dir, args.bench_dir = paths.ckpt, paths.bench

@@ -95,6 +95,7 @@ class _Job:
         self.groups: List[List[Block]] = groups
         self.captured: List[Block] = []
         self.tickets: Dict[int, object] = {}
+        self.grad_tickets: List = []
         self.recorded = set()
         self.capturing = True
         self.small = None            # manifest parts frozen at F
@@ -238,10 +239,7 @@ class Checkpointer:
                 job.captured.extend(job.groups[j - 1])
             if j >= job.k and job.error is None:
                 job.capturing = False
-                if self.replayer is not None:
-                    self.replayer.barrier(lambda job=job: self._after_replay(job))
-                else:
-                    self._after_replay(job)
+                self._finish_capture(job)
         self._phase = _UPDATE
 
     def save_checkpoint(self, step: int, extra_state: Union[dict, Callable[[], dict], None] = None,
@@ -321,6 +319,7 @@ class Checkpointer:
                 if self._boundary >= job.f_boundary and job.small is not None \
                         and self._phase == _IDLE:
                     self._capture_rest(job)
+                    self._finish_capture(job)
                 else:
                     warnings.warn(
                         f"gockpt: checkpoint of step {job.handle.final_step} was still being "
@@ -412,11 +411,11 @@ class Checkpointer:
             raise CheckpointFailedError(f"checkpoint at step {step} could not start: {exc}",
                                         step) from exc
         finally:
+            # Accounted before the job can reach the writer, which records the metrics.
             job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
+        if self.config.mode in ("sync", "async"):
+            self._finish_capture(job)  # sync: persists inline, the time counted by _persist
         if self.config.mode == "sync":
-            t0 = time.perf_counter()
-            job.handle._durable.wait()
-            job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
             self._raise_pending()
         return job.handle
 
@@ -526,6 +525,9 @@ class Checkpointer:
             job.tickets[j].wait()
         job.captured = [b for g in job.groups for b in g]
         job.capturing = False
+
+    def _finish_capture(self, job: _Job) -> None:
+        """All blocks captured: replay (if any) then self-check and persist."""
         if self.replayer is not None:
             self.replayer.barrier(lambda: self._after_replay(job))
         else:
@@ -637,6 +639,7 @@ class Checkpointer:
                             torch.get_num_threads(), ticket,
                             lambda bufs=bufs: self.grad_pool.release(bufs), ticket.nbytes)
         job.metrics.grad_bytes += ticket.nbytes
+        job.grad_tickets.append(ticket)
         if self.config.mode == "gockpt":
             ticket.wait()
         else:
@@ -722,8 +725,10 @@ class Checkpointer:
             writer = storage.CheckpointWriter(self.config.directory, name)
             writer.write_tensors(tensors)
             m = job.metrics
-            m.copy_s = self.engine.copy_seconds  # cumulative; refined below
+            m.copy_s = sum(t.seconds for t in list(job.tickets.values()) + job.grad_tickets)
             m.persist_s = time.perf_counter() - t0
+            if self.config.mode == "sync":  # the write happened inside save_checkpoint
+                m.add_blocked("save_checkpoint", m.persist_s)
             m.time_to_durable_s = time.perf_counter() - job.t_start
             m.step_time_s = statistics.median(self._step_times) if self._step_times else 0.0
             m.host_bytes = self.host_bytes
@@ -739,8 +744,11 @@ class Checkpointer:
                 "small": job.small,
                 "metrics": m.to_dict(),
             }
+            t_commit = time.perf_counter()
             job.handle.path = writer.commit(manifest)
             m.time_to_durable_s = time.perf_counter() - job.t_start
+            if self.config.mode == "sync":
+                m.add_blocked("save_checkpoint", time.perf_counter() - t_commit)
             metrics_mod.append(self.config.directory, m)
             self._apply_retention()
             self._finished = (self._finished + [job])[-8:]
