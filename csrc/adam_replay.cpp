@@ -2,15 +2,18 @@
 #include "adam_replay.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
-#include <vector>
 
 namespace gockpt {
 
@@ -46,16 +49,16 @@ Isa detect_isa() {
 }
 
 struct IsaFns {
-  void (*phase1)(float*, float*, float*, const float*, int64_t, const AdamScalars&);
-  void (*phase2)(float*, const float*, const float*, int64_t, const AdamScalars&);
+  void (*single)(float*, float*, float*, const float*, int64_t, const AdamScalars&, SqrtFn,
+                 int64_t);
   void (*fused)(float*, float*, float*, const float*, int64_t, const AdamScalars&, bool);
 };
 
 IsaFns fns_for(Isa isa) {
   switch (isa) {
-    case Isa::Avx512: return {avx512::adam_phase1, avx512::adam_phase2, avx512::adam_fused};
-    case Isa::Avx2: return {avx2::adam_phase1, avx2::adam_phase2, avx2::adam_fused};
-    default: return {generic::adam_phase1, generic::adam_phase2, generic::adam_fused};
+    case Isa::Avx512: return {avx512::adam_single, avx512::adam_fused};
+    case Isa::Avx2: return {avx2::adam_single, avx2::adam_fused};
+    default: return {generic::adam_single, generic::adam_fused};
   }
 }
 
@@ -73,32 +76,151 @@ void sqrt_block(const float* in, float* out, int64_t n) {
   }
 }
 
-// Elements of a single-tensor/foreach replay are processed in blocks small enough that the
-// intermediate exp_avg_sq, its sqrt and the decayed param stay in L1.
-constexpr int64_t kMaxBlock = 16384;
+// Elements of a single-tensor/foreach replay are processed in chunks small enough that two
+// chunks' p, m, v, g and sqrt(v) stay in L1 (kernel_impl.h: single_t); 512 measured best
+// (256 and 1024 within noise, 2048 slower; the vmsSqrt call costs ~30 ns).
 int64_t g_block = 512;
 
-void run_single_range(const IsaFns& f, float* p, float* m, float* v, const float* g,
-                      int64_t n, const AdamScalars& s) {
-  alignas(64) float sq[kMaxBlock];
-  const int64_t kBlock = g_block;
-  // Sequential MKL in this thread for the duration of the range (0 restores the global setting).
-  struct MklSeq {
-    MklSeq() { if (g_vms_sqrt && g_mkl_threads_local) g_mkl_threads_local(1); }
-    ~MklSeq() { if (g_vms_sqrt && g_mkl_threads_local) g_mkl_threads_local(0); }
-  } mkl_seq;
-  for (int64_t i = 0; i < n; i += kBlock) {
-    const int64_t k = std::min(kBlock, n - i);
-    f.phase1(p + i, m + i, v + i, g + i, k, s);
-    sqrt_block(v + i, sq, k);
-    f.phase2(p + i, m + i, sq, k, s);
+// Sequential MKL in the calling thread while it replays (MKL would otherwise be free to open
+// an OpenMP team inside vmsSqrt; torch calls vmsSqrt from inside its own parallel region, i.e.
+// sequentially).  Pool threads set it once for their lifetime; other threads get their own
+// setting back afterwards (MKL_Set_Num_Threads_Local returns the previous local value).
+thread_local bool t_pool_worker = false;
+thread_local mkl_threads_local_fn t_mkl_local_set = nullptr;
+
+struct MklSequential {
+  mkl_threads_local_fn fn = nullptr;
+  int prev = 0;
+  MklSequential() {
+    mkl_threads_local_fn f = g_vms_sqrt ? g_mkl_threads_local : nullptr;
+    if (!f) return;
+    if (t_pool_worker) {
+      if (t_mkl_local_set != f) {
+        f(1);
+        t_mkl_local_set = f;
+      }
+      return;
+    }
+    fn = f;
+    prev = fn(1);
   }
+  ~MklSequential() {
+    if (fn) fn(prev);
+  }
+};
+
+// ------------------------------------------------------------------ persistent thread pool
+// Workers live for the whole process (detached, parked on a condition variable after a short
+// spin).  A job is a function every participant runs until the job's shared work counter is
+// exhausted; the caller participates too.  Helpers that have not woken up by the time the
+// caller has finished its part do not join (the caller never waits for a sleeping thread),
+// so results and progress never depend on how many helpers actually ran.
+class ThreadPool {
+ public:
+  using Fn = void (*)(void*);
+
+  // Run fn(ctx) on the calling thread and on up to `helpers` pool threads.
+  void run(int helpers, Fn fn, void* ctx) {
+    std::unique_lock<std::mutex> submit(submit_, std::try_to_lock);
+    if (helpers <= 0 || !submit.owns_lock()) {  // another caller owns the pool: run alone
+      fn(ctx);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      while (static_cast<int>(nthreads_) < helpers) {
+        std::thread(&ThreadPool::worker, this).detach();
+        ++nthreads_;
+      }
+      fn_ = fn;
+      ctx_ = ctx;
+      open_ = true;
+      max_helpers_ = helpers;
+      joined_ = 0;
+      running_ = 0;
+      ++gen_;
+      gen_atomic_.store(gen_, std::memory_order_release);
+    }
+    cv_work_.notify_all();
+    fn(ctx);
+    std::unique_lock<std::mutex> lk(mu_);
+    open_ = false;  // helpers waking from now on skip this job
+    cv_done_.wait(lk, [&] { return running_ == 0; });
+  }
+
+ private:
+#ifndef GOCKPT_POOL_SPIN
+#define GOCKPT_POOL_SPIN 1000
+#endif
+  // Pause loops before parking (covers the gap between back-to-back calls).  On the shared
+  // 2-core test machine 0..4000 were within noise for 1M-element calls; 40000 was worse.
+  static constexpr int kSpin = GOCKPT_POOL_SPIN;
+
+  void worker() {
+    t_pool_worker = true;
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lk(mu_);
+    seen = gen_;  // a job announced before this thread started is not for it
+    for (;;) {
+      if (gen_ == seen) {
+        lk.unlock();
+        for (int i = 0; i < kSpin && gen_atomic_.load(std::memory_order_acquire) == seen; ++i)
+          cpu_relax();
+        lk.lock();
+        cv_work_.wait(lk, [&] { return gen_ != seen; });
+      }
+      seen = gen_;
+      if (!open_ || joined_ >= max_helpers_) continue;
+      ++joined_;
+      ++running_;
+      const Fn fn = fn_;
+      void* const ctx = ctx_;
+      lk.unlock();
+      fn(ctx);
+      lk.lock();
+      if (--running_ == 0) cv_done_.notify_all();
+    }
+  }
+
+  static inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  std::mutex submit_;  // one job at a time
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  std::atomic<uint64_t> gen_atomic_{0};
+  uint64_t gen_ = 0;
+  size_t nthreads_ = 0;
+  bool open_ = false;
+  int max_helpers_ = 0, joined_ = 0, running_ = 0;
+  Fn fn_ = nullptr;
+  void* ctx_ = nullptr;
+};
+
+// Leaked on purpose: detached workers may still be parked in it at process exit.  After
+// fork() the child gets a fresh pool (the parent's workers do not exist in the child).
+std::atomic<ThreadPool*> g_pool{nullptr};
+
+void pool_after_fork_child() { g_pool.store(nullptr, std::memory_order_relaxed); }
+
+ThreadPool& pool() {
+  ThreadPool* p = g_pool.load(std::memory_order_acquire);
+  if (p) return *p;
+  static std::once_flag atfork_once;
+  std::call_once(atfork_once, [] { pthread_atfork(nullptr, nullptr, pool_after_fork_child); });
+  ThreadPool* fresh = new ThreadPool();  // no threads yet: cheap to discard
+  if (g_pool.compare_exchange_strong(p, fresh, std::memory_order_acq_rel)) return *fresh;
+  delete fresh;
+  return *p;
 }
 
 }  // namespace
 
 void set_block(int64_t block) {
-  g_block = std::max<int64_t>(16, std::min<int64_t>(kMaxBlock, block));
+  g_block = std::max<int64_t>(16, std::min<int64_t>(kMaxSqrtBlock, block));
 }
 
 Isa resolved_isa() { return g_isa_forced == Isa::Auto ? detect_isa() : g_isa_forced; }
@@ -205,6 +327,7 @@ void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const 
     tail_local = std::max<int64_t>(0, std::min<int64_t>(n, tail_global - a.offset));
   }
 
+  const int64_t block = g_block;
   auto work = [&](int64_t b, int64_t e) {
     if (b >= e) return;
     if (a.impl == Impl::Fused) {
@@ -212,7 +335,7 @@ void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const 
       if (mid > b) f.fused(p + b, m + b, v + b, g + b, mid - b, s, false);
       if (e > mid) f.fused(p + mid, m + mid, v + mid, g + mid, e - mid, s, true);
     } else {
-      run_single_range(f, p + b, m + b, v + b, g + b, e - b, s);
+      f.single(p + b, m + b, v + b, g + b, e - b, s, sqrt_block, block);
     }
   };
 
@@ -220,27 +343,36 @@ void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const 
   if (threads < 1) threads = 1;
   constexpr int64_t kMinPerThread = 1 << 15;
   threads = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, n / kMinPerThread)));
+  const bool uses_mkl = a.impl != Impl::Fused;
   if (threads == 1) {
-    work(0, n);
+    if (uses_mkl) {
+      MklSequential mkl_seq;
+      work(0, n);
+    } else {
+      work(0, n);
+    }
     return;
   }
   // Dynamic chunks (64-byte aligned) handed out by an atomic counter, so a thread slowed by
   // other load on the machine does not hold the whole step back.  Results do not depend on the
   // chunking (the fused tail is located by global index).
-  const int64_t chunk = std::max<int64_t>(kMinPerThread, (n / (threads * 8) + 15) / 16 * 16);
-  std::atomic<int64_t> next{0};
-  auto worker = [&]() {
+  struct Job {
+    decltype(work)* body;
+    int64_t n, chunk;
+    bool uses_mkl;
+    std::atomic<int64_t> next{0};
+  } job{&work, n, std::max<int64_t>(kMinPerThread, (n / (threads * 8) + 15) / 16 * 16),
+        uses_mkl};
+  pool().run(threads - 1, [](void* ctx) {
+    Job& j = *static_cast<Job*>(ctx);
+    std::unique_ptr<MklSequential> mkl_seq;
+    if (j.uses_mkl) mkl_seq.reset(new MklSequential());
     for (;;) {
-      const int64_t b = next.fetch_add(chunk, std::memory_order_relaxed);
-      if (b >= n) break;
-      work(b, std::min(n, b + chunk));
+      const int64_t b = j.next.fetch_add(j.chunk, std::memory_order_relaxed);
+      if (b >= j.n) break;
+      (*j.body)(b, std::min(j.n, b + j.chunk));
     }
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
+  }, &job);
 }
 
 }  // namespace gockpt

@@ -20,12 +20,20 @@ struct AdamScalars {
   bool small;    // |w1| < 0.5
 };
 
+// sqrt as torch computes it (MKL vmsSqrt or IEEE), out-of-place, n <= kMaxSqrtBlock.
+using SqrtFn = void (*)(const float* in, float* out, int64_t n);
+
+// Largest chunk (elements) of the single-tensor/foreach kernel: its sqrt buffer lives on the
+// stack of the calling thread (64 KiB).
+constexpr int64_t kMaxSqrtBlock = 16384;
+
 #define GOCKPT_DECLARE_ISA(NS)                                                              \
   namespace NS {                                                                            \
-  void adam_phase1(float* p, float* m, float* v, const float* g, int64_t n,                 \
-                   const AdamScalars& s);                                                   \
-  void adam_phase2(float* p, const float* m, const float* sq, int64_t n,                    \
-                   const AdamScalars& s);                                                   \
+  /* single-tensor / foreach arithmetic; chunks of `block` elements (<= kMaxSqrtBlock):  */ \
+  /* m, v of the chunk, then sqrt_fn(v) into a stack buffer, then p, while all is in L1  */ \
+  void adam_single(float* p, float* m, float* v, const float* g, int64_t n,                 \
+                   const AdamScalars& s, SqrtFn sqrt_fn, int64_t block);                    \
+  /* torch's fused CPU kernel (IEEE sqrt); tail: scalar-remainder contraction          */   \
   void adam_fused(float* p, float* m, float* v, const float* g, int64_t n,                  \
                   const AdamScalars& s, bool tail);                                         \
   }

@@ -11,6 +11,12 @@
 namespace py = pybind11;
 using namespace gockpt;
 
+namespace gockpt {
+namespace io {
+void bind_io(py::module_& m);  // csrc/io.cpp
+}
+}  // namespace gockpt
+
 namespace {
 
 template <typename T>
@@ -85,4 +91,5 @@ PYBIND11_MODULE(_C, mod) {
   mod.def("set_isa", [](const std::string& s) { force_isa(parse_isa(s)); }, py::arg("isa"));
   mod.def("_set_block", &set_block, py::arg("block"));
   mod.def("isa", []() { return std::string(isa_name(resolved_isa())); });
+  io::bind_io(mod);  // parallel checkpoint I/O and crc32c (csrc/io.cpp)
 }

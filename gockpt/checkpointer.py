@@ -194,6 +194,7 @@ class Checkpointer:
         self._fwd_bwd_times: List[float] = []
         self._step_times: List[float] = []
         self._closed = False
+        self._after_error = False
         self._last_start_step: Optional[int] = None
         self._auto_interval: Optional[int] = None
         self._auto_counted = 0
@@ -212,16 +213,15 @@ class Checkpointer:
     def backward_begin(self) -> None:
         """Call right before ``loss.backward()``: gradients are about to change."""
         self._check_open()
-        self._raise_pending()
         self._expect("backward_begin", _IDLE)
         self._wait_grad_copies("backward_begin")
         self._phase = _BACKWARD
+        self._raise_pending()  # after the transition: a caught error leaves the loop usable
 
     def update_begin(self) -> None:
         """Call after backward (and clipping/unscaling), right before ``optimizer.step()``:
         this step's state copies must be done before the optimizer changes the state."""
         self._check_open()
-        self._raise_pending()
         self._expect("update_begin", _BACKWARD)
         now = time.perf_counter()
         self._fwd_bwd_times = (self._fwd_bwd_times + [now - self._t_boundary])[-16:]
@@ -241,6 +241,7 @@ class Checkpointer:
                 job.capturing = False
                 self._finish_capture(job)
         self._phase = _UPDATE
+        self._raise_pending()
 
     def save_checkpoint(self, step: int, extra_state: Union[dict, Callable[[], dict], None] = None,
                         *, force: bool = False) -> Optional[CheckpointHandle]:
@@ -253,7 +254,6 @@ class Checkpointer:
         it is stored without pickle.
         """
         self._check_open()
-        self._raise_pending()
         if isinstance(step, bool) or not isinstance(step, int):
             raise ConfigError(f"step must be an int, got {step!r}")
         if self._phase != _UPDATE and not (self._phase == _IDLE and self._steps_seen == 0):
@@ -287,6 +287,7 @@ class Checkpointer:
             finally:
                 job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
 
+        self._raise_pending()  # the boundary is recorded; no new checkpoint after a failure
         handle = None
         if force or self._due(step):
             handle = self._start(step, extra_state)
@@ -340,7 +341,7 @@ class Checkpointer:
             self._pre_hook.remove()
             if self.optimizer.zero_grad == self._zero_grad:
                 self.optimizer.zero_grad = self._orig_zero_grad
-        self._raise_pending(include_closed=True)
+        self._raise_pending()
 
     def __enter__(self):
         return self
@@ -795,6 +796,13 @@ class Checkpointer:
             self._errors.append(job)
 
     def _raise_pending(self, include_closed: bool = False) -> None:
+        try:
+            self._raise_pending_now()
+        except GockptError:
+            self._after_error = True
+            raise
+
+    def _raise_pending_now(self) -> None:
         if self._hook_error:
             msg, self._hook_error = self._hook_error, None
             raise HookOrderError(msg)
@@ -809,6 +817,9 @@ class Checkpointer:
                 "checkpoint stays latest", job.handle.final_step) from job.error
 
     def _expect(self, hook: str, phase: str) -> None:
+        after_error, self._after_error = self._after_error, False
+        if hook == "backward_begin" and after_error:
+            return  # the step that raised a gockpt error may have been abandoned: start afresh
         if self._phase != phase:
             raise HookOrderError(
                 f"{hook}() called in phase '{self._phase}'; each step calls backward_begin(), "

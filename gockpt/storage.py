@@ -1,16 +1,27 @@
-"""On-disk checkpoint format: writer, atomic commit, validated reader.
+"""On-disk checkpoint format: parallel writer, atomic commit, validated parallel reader.
 
 A checkpoint is a directory ``<root>/<name>`` holding
 
 * ``data.safetensors``: every tensor, in the safetensors layout (8-byte
-  little-endian header length, JSON header padded with spaces to a multiple of 8,
-  then the raw little-endian data, contiguous and without holes), so that
-  ``safetensors.safe_open`` and other tools can read it;
-* ``manifest.json``: ``{"format": "gockpt", "format_version": 1, "tensors":
-  {name: {"file", "dtype", "shape", "offset", "nbytes", "crc32"}}, ...}`` plus
-  the caller's own fields. ``offset`` is the absolute byte offset in ``file``.
+  little-endian header length, JSON header padded with spaces, then the raw
+  little-endian data, contiguous and without holes), so that
+  ``safetensors.safe_open`` and other tools can read it. For O_DIRECT, the JSON
+  header is padded so that the data region starts at a multiple of 4096, every
+  tensor starts at a multiple of 4096, and the gap after each tensor is covered by
+  a zero-filled U8 filler tensor ``__pad__/<n>`` (in the safetensors header, not in
+  the manifest); the file size is a multiple of 4096.
+* ``manifest.json``: ``{"format": "gockpt", "format_version": 2, "tensors":
+  {name: {"file", "dtype", "shape", "offset", "nbytes", "block_bytes",
+  "crc32c"}}, ...}`` plus the caller's own fields. ``offset`` is the absolute byte
+  offset in ``file``; ``crc32c`` lists the crc32c (Castagnoli) of each
+  ``block_bytes``-sized block of the tensor's bytes (the last one shorter), computed
+  by the writer threads while the data passes.
 
 ``<root>/latest`` holds the name of the latest committed checkpoint.
+
+Writing and reading run in C++ threads (``csrc/io.cpp`` via ``gockpt._io``): large
+pwrites/preads at precomputed offsets, O_DIRECT where the file system accepts it
+(else buffered + fsync, logged once), the GIL released.
 
 Crash safety: everything is written into ``<root>/.tmp-<name>-<pid>-<random>``,
 fsynced, and only then renamed to ``<root>/<name>``; ``latest`` is replaced with
@@ -22,16 +33,18 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 import secrets
 import shutil
+import threading
 import warnings
-import zlib
 
 import torch
 
-from gockpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from gockpt import _io
+from gockpt.errors import CheckpointNotFoundError, CorruptCheckpointError, LoadError, StorageError
 
 __all__ = [
     "FORMAT",
@@ -51,7 +64,7 @@ __all__ = [
 ]
 
 FORMAT = "gockpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DATA_FILE = "data.safetensors"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
@@ -80,9 +93,15 @@ DTYPE_TO_CODE = {
 CODE_TO_DTYPE = {code: dtype for dtype, code in DTYPE_TO_CODE.items()}
 _ITEMSIZE = {code: dtype.itemsize for dtype, code in DTYPE_TO_CODE.items()}
 
-# Large enough that syscall and crc32 call overhead vanish, small enough that a
-# non-contiguous tensor is copied only piecewise.
-CHUNK_BYTES = 16 << 20
+# Checksum granularity: each tensor's bytes are checksummed (crc32c) per block of this many
+# bytes, so that a damaged byte is located to a block and the reader verifies in parallel.
+BLOCK_BYTES = 4 << 20
+# Every tensor starts at a multiple of ALIGN in data.safetensors (O_DIRECT needs it).
+ALIGN = _io.ALIGN
+# Names of the filler tensors that keep the safetensors data region free of holes.
+PAD_PREFIX = "__pad__/"
+# Tests: (n, errno) makes the n-th data pwrite (0-based) of the next writers fail.
+_inject_fault = None
 
 # .tmp-<name>-<pid>-<random>; <name> may itself contain '-', hence the greedy (.+).
 _TMP_RE = re.compile(r"^\.tmp-(.+)-(\d+)-([0-9a-f]+)$")
@@ -132,22 +151,52 @@ def _write_all(fd: int, data) -> None:
         view = view[n:]
 
 
-def _byte_chunks(t: torch.Tensor):
-    """Yield the bytes of CPU tensor ``t`` in C order, as memoryviews of at most about CHUNK_BYTES.
+def _round_up(x: int, a: int) -> int:
+    return -(-x // a) * a
 
-    Contiguous tensors are not copied: the views point into the tensor's memory.
-    A non-contiguous tensor is copied one slab of rows at a time, never whole.
+
+def _layout_file(items: list) -> tuple:
+    """File layout of ``items`` [(name, code, shape, nbytes)] in safetensors form.
+
+    Returns (header bytes incl. the 8-byte length, {name: absolute offset}, file size). The
+    JSON header is padded with spaces so that the data region starts at a multiple of ALIGN;
+    each tensor starts at a multiple of ALIGN, the gap after it is covered by a U8 filler
+    tensor ``__pad__/<n>`` (safetensors wants the data region without holes), and the file
+    ends on a multiple of ALIGN.
     """
-    if t.is_contiguous():
-        # uint8 view: works for every dtype, including bf16 which numpy lacks.
-        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        for i in range(0, len(raw), CHUNK_BYTES):
-            yield raw[i : i + CHUNK_BYTES]
-        return
-    row_bytes = max(1, t[0].numel() * t.element_size()) if t.shape[0] else 1
-    rows = max(1, CHUNK_BYTES // row_bytes)
-    for i in range(0, t.shape[0], rows):
-        yield from _byte_chunks(t[i : i + rows].contiguous())
+    header: dict = {}
+    rel: dict = {}
+    pos = 0
+    npad = 0
+    for name, code, shape, nbytes in items:
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        rel[name] = pos
+        end = pos + nbytes
+        gap = -end % ALIGN
+        if gap:
+            header[f"{PAD_PREFIX}{npad}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [end, end + gap]}
+            npad += 1
+        pos = end + gap
+    header["__metadata__"] = {"format": FORMAT}
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    data_start = _round_up(8 + len(head), ALIGN)
+    head += b" " * (data_start - 8 - len(head))
+    offsets = {name: data_start + r for name, r in rel.items()}
+    return len(head).to_bytes(8, "little") + head, offsets, data_start + pos
+
+
+class _Slot:
+    __slots__ = ("index", "name", "dtype", "code", "shape", "numel", "itemsize", "nbytes", "offset")
+
+
+def _check_tensor(name, t) -> None:
+    if not isinstance(name, str) or name == "__metadata__" or name.startswith(PAD_PREFIX):
+        raise TypeError(f"tensor name {name!r} is not allowed: use a str other than '__metadata__' "
+                        f"and not starting with {PAD_PREFIX!r}")
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.layout != torch.strided:
+        raise TypeError(f"tensor {name!r}: expected a dense CPU torch.Tensor, got {t!r:.80}")
+    if t.dtype not in DTYPE_TO_CODE:
+        raise TypeError(f"tensor {name!r}: dtype {t.dtype} cannot be stored")
 
 
 class CheckpointWriter:
@@ -156,9 +205,17 @@ class CheckpointWriter:
     Usage: ``w = CheckpointWriter(root, name); w.write_tensors(tensors);
     w.commit(manifest)``; call ``w.abort()`` to give up. After any failure the
     temporary directory is removed and the writer cannot be used any more.
+
+    Streaming: ``w.begin({name: (dtype, shape)})`` fixes the layout and opens the file;
+    ``w.write(name, tensor, start=0)`` queues a tensor, or a flat element range of it, from any
+    thread, in any order; ``w.finish()`` waits for the writes, fsyncs and records the
+    checksums; then ``w.commit(manifest)``. The bytes are written by ``threads`` C++ threads
+    (default: the number of cores, or ``GOCKPT_IO_THREADS``) with O_DIRECT unless the file
+    system refuses it or ``direct=False`` / ``GOCKPT_IO_DIRECT=0``.
     """
 
-    def __init__(self, root: str, name: str):
+    def __init__(self, root: str, name: str, *, threads: int | None = None, direct: bool | None = None,
+                 block_bytes: int | None = None):
         """Create ``root`` if missing and a fresh temporary directory in it.
 
         Raises ``StorageError`` if ``root`` cannot be created or written to, and
@@ -167,8 +224,18 @@ class CheckpointWriter:
         _check_name(name)
         self.root = os.path.abspath(root)
         self.name = name
-        self._entries: dict | None = None  # manifest "tensors", once write_tensors succeeded
+        self.threads = threads
+        self.direct = direct
+        self.block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
+        if type(self.block_bytes) is not int or self.block_bytes <= 0 or self.block_bytes % ALIGN:
+            raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes!r}")
+        self._entries: dict | None = None  # manifest "tensors", once finish() succeeded
+        self._slots: dict | None = None  # name -> _Slot, once begin() succeeded
+        self._io = None  # the C++ writer between begin() and finish()
+        self._lock = threading.Lock()
+        self._total = 0
         self._done = False  # committed or aborted
+        self.used_direct: bool | None = None  # whether O_DIRECT was used (after begin)
         try:
             os.makedirs(self.root, exist_ok=True)
             tmp = f"{TMP_PREFIX}{name}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -185,75 +252,173 @@ class CheckpointWriter:
         """Where the checkpoint will be after ``commit``."""
         return os.path.join(self.root, self.name)
 
+    @property
+    def data_path(self) -> str:
+        return os.path.join(self.tmp_path, DATA_FILE)
+
+    def _failed(self, e: BaseException, what: str):
+        """Abort and return the exception to raise for failure ``e``."""
+        self.abort()
+        if isinstance(e, OSError) and not isinstance(e, StorageError):
+            return StorageError(f"{what} {self.data_path} failed: {e}")
+        return e
+
+    # -------------------------------------------------------------- one call
+
     def write_tensors(self, tensors: dict) -> int:
         """Write ``tensors`` (name -> CPU tensor) to ``data.safetensors`` in the temporary directory.
 
-        Computes the crc32 of every tensor while writing it (no re-read), fsyncs
-        the file and returns the number of bytes written. Can be called once per
-        writer, also from a background thread. Raises ``TypeError`` for a value
-        that is not a CPU tensor of a supported dtype, ``StorageError`` if the
-        write fails; in both cases the temporary directory is removed.
+        Equivalent to ``begin`` with their dtypes and shapes, ``write`` of each, ``finish``.
+        Checksums every block while writing (no re-read), fsyncs the file and returns its
+        size in bytes. Can be called once per writer, also from a background thread. Raises
+        ``TypeError`` for a value that is not a CPU tensor of a supported dtype,
+        ``StorageError`` if the write fails; in both cases the temporary directory is removed.
         """
         self._check_usable()
-        if self._entries is not None:
+        if self._slots is not None:
             # Misuse, not a failed write: leave the writer (and its data) alone.
             raise StorageError(f"write_tensors was already called for checkpoint {self.name!r}")
         try:
-            return self._write_tensors(tensors)
+            for name, t in tensors.items():
+                _check_tensor(name, t)
+            self.begin({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()})
+            for name, t in tensors.items():
+                self.write(name, t)
+            return self.finish()
         except BaseException as e:
-            self.abort()
-            if isinstance(e, OSError) and not isinstance(e, StorageError):
-                raise StorageError(f"writing {os.path.join(self.tmp_path, DATA_FILE)} failed: {e}") from e
-            raise
+            err = self._failed(e, "writing")
+            if err is e:
+                raise
+            raise err from e
 
-    def _write_tensors(self, tensors: dict) -> int:
-        header: dict = {}
-        begin = 0
+    # -------------------------------------------------------------- streaming
+
+    def begin(self, layout: dict) -> None:
+        """Fix the tensors of this checkpoint: ``layout`` maps name -> (torch dtype, shape).
+
+        Computes the file layout, creates ``data.safetensors`` (its size reserved, header
+        written) and starts the writer threads. Raises ``TypeError``/``ValueError`` for a
+        bad layout (the writer stays usable), ``StorageError`` if the file cannot be created
+        (the temporary directory is then removed).
+        """
+        self._check_usable()
+        if self._slots is not None:
+            raise StorageError(f"begin/write_tensors was already called for checkpoint {self.name!r}")
+        slots: dict = {}
         items = []
-        for name, t in tensors.items():
-            if not isinstance(name, str) or name == "__metadata__":
-                raise TypeError(f"tensor name {name!r} is not allowed: use a str other than '__metadata__'")
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.layout != torch.strided:
-                raise TypeError(f"tensor {name!r}: expected a dense CPU torch.Tensor, got {t!r:.80}")
-            if t.dtype not in DTYPE_TO_CODE:
-                raise TypeError(f"tensor {name!r}: dtype {t.dtype} cannot be stored")
-            # resolve_*: a lazily conjugated/negated view has other bytes in memory
-            # than its value; these are no-ops (no copy) for ordinary tensors.
-            t = t.detach().resolve_conj().resolve_neg()
-            nbytes = t.numel() * t.element_size()
-            code = DTYPE_TO_CODE[t.dtype]
-            header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [begin, begin + nbytes]}
-            items.append((name, t, code, begin, nbytes))
-            begin += nbytes
-        header["__metadata__"] = {"format": FORMAT}
-        head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors expects
-        data_start = 8 + len(head)
-        total = data_start + begin
-
-        entries = {}
-        path = os.path.join(self.tmp_path, DATA_FILE)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        for name, spec in layout.items():
+            if not isinstance(name, str) or name == "__metadata__" or name.startswith(PAD_PREFIX):
+                raise TypeError(f"tensor name {name!r} is not allowed: use a str other than "
+                                f"'__metadata__' and not starting with {PAD_PREFIX!r}")
+            try:
+                dtype, shape = spec
+                shape = [int(d) if isinstance(d, int) and not isinstance(d, bool) else None for d in shape]
+            except (TypeError, ValueError):
+                raise TypeError(f"tensor {name!r}: layout must be (dtype, shape), got {spec!r:.80}") from None
+            if dtype not in DTYPE_TO_CODE:
+                raise TypeError(f"tensor {name!r}: dtype {dtype} cannot be stored")
+            if any(d is None or d < 0 for d in shape):
+                raise ValueError(f"tensor {name!r}: invalid shape {spec[1]!r}")
+            sl = _Slot()
+            sl.index, sl.name, sl.dtype, sl.code, sl.shape = len(slots), name, dtype, DTYPE_TO_CODE[dtype], shape
+            sl.numel = math.prod(shape)
+            sl.itemsize = dtype.itemsize
+            sl.nbytes = sl.numel * sl.itemsize
+            slots[name] = sl
+            items.append((name, sl.code, shape, sl.nbytes))
+        head, offsets, total = _layout_file(items)
+        for name, sl in slots.items():
+            sl.offset = offsets[name]
         try:
-            _write_all(fd, len(head).to_bytes(8, "little") + head)
-            for name, t, code, rel, nbytes in items:
-                crc = 0
-                for chunk in _byte_chunks(t):
-                    crc = zlib.crc32(chunk, crc)  # releases the GIL for large buffers
-                    _write_all(fd, chunk)
-                entries[name] = {
+            w = _io.Writer(self.data_path, total, head, [(sl.offset, sl.nbytes) for sl in slots.values()],
+                           block_bytes=self.block_bytes, threads=self.threads, direct=self.direct)
+            if _inject_fault is not None:
+                w.inject_fault(*_inject_fault)
+        except BaseException as e:
+            err = self._failed(e, "creating")
+            if err is e:
+                raise
+            raise err from e
+        self._io, self._slots, self._total, self.used_direct = w, slots, total, w.direct
+
+    def write(self, name: str, tensor: torch.Tensor, *, start: int = 0) -> None:
+        """Queue ``tensor`` as the value of ``name`` (or, with ``start``, of its flat elements
+        ``[start, start + tensor.numel())``); returns once queued.
+
+        Thread-safe; any order; every element of every tensor must be written exactly once
+        before ``finish``. ``tensor`` must have the layout's dtype and either its shape or
+        (for a range) be 1-D. Its memory must not change until ``finish`` returns (a
+        non-contiguous tensor is copied first). Raises ``TypeError``/``ValueError`` on misuse
+        without aborting.
+        """
+        self._check_usable()
+        if self._io is None:
+            raise StorageError(f"write() of checkpoint {self.name!r} needs begin() first (or was finished)")
+        sl = self._slots.get(name) if isinstance(name, str) else None
+        if sl is None:
+            raise ValueError(f"tensor {name!r} is not in the layout given to begin()")
+        _check_tensor(name, tensor)
+        if tensor.dtype != sl.dtype:
+            raise TypeError(f"tensor {name!r}: dtype {tensor.dtype}, the layout says {sl.dtype}")
+        if type(start) is not int or start < 0 or start + tensor.numel() > sl.numel:
+            raise ValueError(f"tensor {name!r}: elements [{start}, {start}+{tensor.numel()}) "
+                             f"outside its {sl.numel} elements")
+        if list(tensor.shape) != sl.shape and tensor.dim() != 1:
+            raise ValueError(f"tensor {name!r}: shape {list(tensor.shape)}, the layout says {sl.shape} "
+                             "(write a range as a 1-D tensor)")
+        # resolve_*: a lazily conjugated/negated view has other bytes in memory than its
+        # value; these are no-ops (no copy) for ordinary tensors.
+        t = tensor.detach().resolve_conj().resolve_neg()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        n = t.numel() * sl.itemsize
+        if n == 0:
+            return
+        with self._lock:
+            if self._io is None:
+                raise StorageError(f"the writer of checkpoint {self.name!r} was already finished")
+            self._io.submit(sl.index, t.data_ptr(), start * sl.itemsize, n, owner=t)
+
+    def finish(self) -> int:
+        """Wait for every queued write, fsync ``data.safetensors`` and record the checksums.
+
+        Returns the file size. Raises ``StorageError`` if a write failed or a tensor was not
+        written completely (or some bytes twice); the temporary directory is then removed.
+        """
+        self._check_usable()
+        if self._io is None:
+            raise StorageError(f"finish() of checkpoint {self.name!r} needs begin() first (or was finished)")
+        try:
+            err, msg, bad, bad_off, crcs = self._io.finish()
+            with self._lock:
+                self._io.close()
+                self._io = None
+            if err > 0:
+                raise OSError(err, msg)
+            if err < 0:
+                if bad >= 0:
+                    sl = list(self._slots.values())[bad]
+                    raise StorageError(f"checkpoint {self.name!r}: tensor {sl.name!r}: {msg} "
+                                       f"(first at byte {bad_off} of {sl.nbytes})")
+                raise StorageError(f"checkpoint {self.name!r}: {msg}")
+            entries = {}
+            for sl in self._slots.values():
+                entries[sl.name] = {
                     "file": DATA_FILE,
-                    "dtype": code,
-                    "shape": list(t.shape),
-                    "offset": data_start + rel,
-                    "nbytes": nbytes,
-                    "crc32": crc,
+                    "dtype": sl.code,
+                    "shape": list(sl.shape),
+                    "offset": sl.offset,
+                    "nbytes": sl.nbytes,
+                    "block_bytes": self.block_bytes,
+                    "crc32c": list(crcs[sl.index]),
                 }
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        except BaseException as e:
+            err = self._failed(e, "writing")
+            if err is e:
+                raise
+            raise err from e
         self._entries = entries
-        return total
+        return self._total
 
     def commit(self, manifest: dict, *, update_latest: bool = True) -> str:
         """Write ``manifest.json`` and atomically publish the checkpoint as ``<root>/<name>``.
@@ -271,8 +436,10 @@ class CheckpointWriter:
             reserved = {"format", "format_version", "tensors"} & set(manifest)
             if reserved:
                 raise ValueError(f"manifest keys {sorted(reserved)} are reserved for gockpt")
-            if self._entries is None:
-                self._write_tensors({})  # a checkpoint without tensors still gets a (tiny) data file
+            if self._slots is None:
+                self.write_tensors({})  # a checkpoint without tensors still gets a (tiny) data file
+            elif self._entries is None:
+                self.finish()
             full = {"format": FORMAT, "format_version": FORMAT_VERSION, "tensors": self._entries, **manifest}
             try:
                 text = json.dumps(full, indent=1, allow_nan=False)
@@ -331,9 +498,16 @@ class CheckpointWriter:
             raise StorageError(f"the writer of checkpoint {self.name!r} was already committed or aborted")
 
     def abort(self) -> None:
-        """Remove the temporary directory. Idempotent; does nothing after a successful commit."""
+        """Stop the writer threads and remove the temporary directory.
+
+        Idempotent; does nothing after a successful commit.
+        """
         if not self._done:
             self._done = True
+            with self._lock:
+                io, self._io = self._io, None
+                if io is not None:
+                    io.close()  # joins the threads before the written tensors may be freed
             shutil.rmtree(self.tmp_path, ignore_errors=True)
 
 
@@ -444,6 +618,21 @@ def _is_plain_int(x) -> bool:
     return type(x) is int and x >= 0
 
 
+def _check_checksums(e: dict) -> str | None:
+    """What is wrong with the block_bytes / crc32c fields of entry ``e`` (None if fine)."""
+    bb, crcs = e.get("block_bytes"), e.get("crc32c")
+    if not (_is_plain_int(bb) and bb > 0 and bb % ALIGN == 0):
+        return f"invalid block_bytes {bb!r} (a positive multiple of {ALIGN})"
+    if not isinstance(crcs, list):
+        return f"invalid crc32c {crcs!r:.60} (a list of block checksums)"
+    nblocks = -(-e["nbytes"] // bb)
+    if len(crcs) != nblocks:
+        return f"crc32c lists {len(crcs)} block checksums, {e['nbytes']} bytes in blocks of {bb} need {nblocks}"
+    if not all(_is_plain_int(c) and c < 2**32 for c in crcs):
+        return "invalid crc32c: block checksums must be ints in [0, 2**32)"
+    return None
+
+
 def read_manifest(path: str) -> dict:
     """Read and validate ``<path>/manifest.json``.
 
@@ -476,6 +665,9 @@ def read_manifest(path: str) -> dict:
         raise bad(f"invalid format_version {version!r}")
     if version > FORMAT_VERSION:
         raise bad(f"format_version {version} is newer than this gockpt supports ({FORMAT_VERSION}); upgrade gockpt")
+    if version < FORMAT_VERSION:
+        raise bad(f"format_version {version} was written by an older, pre-release gockpt "
+                  f"(per-tensor crc32, unaligned); this gockpt reads format_version {FORMAT_VERSION} only")
     tensors = manifest.get("tensors")
     if not isinstance(tensors, dict):
         raise bad("'tensors' is missing or not an object")
@@ -489,7 +681,7 @@ def read_manifest(path: str) -> dict:
 
         if not isinstance(e, dict):
             raise bad_tensor("entry is not an object")
-        missing = {"file", "dtype", "shape", "offset", "nbytes", "crc32"} - set(e)
+        missing = {"file", "dtype", "shape", "offset", "nbytes", "block_bytes", "crc32c"} - set(e)
         if missing:
             raise bad_tensor(f"missing fields {sorted(missing)}")
         file = e["file"]
@@ -502,8 +694,6 @@ def read_manifest(path: str) -> dict:
             raise bad_tensor(f"invalid shape {shape!r}")
         if not (_is_plain_int(e["offset"]) and _is_plain_int(e["nbytes"])):
             raise bad_tensor(f"invalid offset {e['offset']!r} or nbytes {e['nbytes']!r}")
-        if not (_is_plain_int(e["crc32"]) and e["crc32"] < 2**32):
-            raise bad_tensor(f"invalid crc32 {e['crc32']!r}")
         expected = math.prod(shape) * _ITEMSIZE[e["dtype"]]  # Python ints: no overflow on absurd shapes
         if e["nbytes"] != expected:
             raise bad_tensor(f"nbytes {e['nbytes']} does not match shape {shape} of {e['dtype']} ({expected})")
@@ -517,68 +707,130 @@ def read_manifest(path: str) -> dict:
                 f"bytes {e['offset']}..{e['offset'] + e['nbytes']} lie beyond the end of the file "
                 f"({sizes[file]} bytes): the file is truncated"
             )
+        problem = _check_checksums(e)
+        if problem:
+            raise bad_tensor(problem)
     return manifest
 
 
-def read_tensors(path: str, manifest: dict, names=None, *, verify: bool = True) -> dict:
-    """Read tensors of checkpoint ``path`` into new CPU tensors.
+# Fresh tensors of at least this size are allocated page-aligned (anonymous mmap, advised to
+# use transparent huge pages): O_DIRECT reads land in them without a bounce copy, and
+# faulting in 2 MiB pages costs far less than 4 KiB ones.
+_MMAP_MIN_BYTES = 1 << 20
 
-    ``manifest`` is what ``read_manifest(path)`` returned; ``names`` selects
-    tensors (default: all). The crc32 of each tensor is checked unless
-    ``verify=False``. Raises ``CorruptCheckpointError`` naming the file and
-    tensor on a checksum mismatch, truncation, missing file or missing tensor.
+
+def _empty_for_read(shape: list, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    if nbytes < _MMAP_MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.empty(shape, dtype=dtype)
+    mm = mmap.mmap(-1, _round_up(nbytes, ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass
+    # The tensor keeps the mapping alive (frombuffer holds a reference to it).
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
+
+
+def read_tensors(path: str, manifest: dict, names=None, *, verify: bool = True, out: dict | None = None,
+                 threads: int | None = None, direct: bool | None = None) -> dict:
+    """Read tensors of checkpoint ``path`` into CPU tensors, in parallel.
+
+    ``manifest`` is what ``read_manifest(path)`` returned; ``names`` selects tensors
+    (default: all). Tensors named in ``out`` (name -> CPU tensor of the stored dtype and
+    shape) are read straight into those tensors (returned as the same objects); the others
+    into new tensors. Every block's crc32c is checked unless ``verify=False``. Reads use
+    ``threads`` threads (default: twice the cores / ``GOCKPT_IO_THREADS``) and O_DIRECT
+    unless ``direct=False`` / ``GOCKPT_IO_DIRECT=0``.
+
+    Raises ``CorruptCheckpointError`` naming the checkpoint, file and tensor (and the block) on
+    a checksum mismatch, truncation, missing file or missing tensor; ``LoadError`` if an
+    ``out`` tensor has another dtype or shape. After an error, the ``out`` tensors may hold
+    partly read data.
     """
     entries = manifest["tensors"]
     names = list(entries) if names is None else list(names)
+    out = {} if out is None else out
     by_file: dict[str, list] = {}
     for name in names:
         if name not in entries:
             raise CorruptCheckpointError(f"checkpoint {path!r} has no tensor {name!r}")
         by_file.setdefault(entries[name]["file"], []).append(name)
 
-    out = {}
+    result = {}
     for file, file_names in by_file.items():
         fpath = os.path.join(path, file)
         try:
-            f = open(fpath, "rb", buffering=0)
+            size = os.stat(fpath).st_size
         except OSError as e:
             raise CorruptCheckpointError(
                 f"checkpoint {path!r}: cannot open {file!r} (needed for tensor {file_names[0]!r}): {e}"
             ) from e
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            # In file order, so the reads are sequential.
-            for name in sorted(file_names, key=lambda n: entries[n]["offset"]):
-                out[name] = _read_one(f, size, fpath, name, entries[name], verify)
-    return {name: out[name] for name in names}
+        # In file order, so the reads are roughly sequential.
+        file_names = sorted(file_names, key=lambda n: entries[n]["offset"])
+        items, item_names, copy_back = [], [], []
+        for name in file_names:
+            e = entries[name]
 
+            def bad(msg: str) -> CorruptCheckpointError:
+                return CorruptCheckpointError(f"checkpoint {path!r}: file {fpath!r}: tensor {name!r}: {msg}")
 
-def _read_one(f, size: int, fpath: str, name: str, e: dict, verify: bool) -> torch.Tensor:
-    def bad(msg: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{fpath!r}: tensor {name!r}: {msg}")
-
-    offset, nbytes = e["offset"], e["nbytes"]
-    # Checked before allocating (the manifest may not have been validated), so
-    # damaged numbers cannot make us allocate more than the file holds.
-    if math.prod(e["shape"]) * _ITEMSIZE[e["dtype"]] != nbytes:
-        raise bad(f"nbytes {nbytes} does not match shape {e['shape']} of {e['dtype']}")
-    if offset < 0 or offset + nbytes > size:
-        raise bad(f"bytes {offset}..{offset + nbytes} lie outside the file ({size} bytes): truncated")
-    t = torch.empty(e["shape"], dtype=CODE_TO_DTYPE[e["dtype"]])
-    buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-    f.seek(offset)
-    crc = 0
-    pos = 0
-    while pos < nbytes:
-        n = f.readinto(buf[pos : pos + CHUNK_BYTES])
-        if not n:
-            raise bad(f"file ended after {offset + pos} bytes: truncated")
-        if verify:
-            crc = zlib.crc32(buf[pos : pos + n], crc)
-        pos += n
-    if verify and crc != e["crc32"]:
-        raise bad(f"checksum mismatch (crc32 {crc:#010x}, expected {e['crc32']:#010x}): the data is corrupt")
-    return t
+            offset, nbytes = e["offset"], e["nbytes"]
+            # Checked before allocating (the manifest may not have been validated), so
+            # damaged numbers cannot make us allocate more than the file holds.
+            if e["dtype"] not in CODE_TO_DTYPE or not isinstance(e["shape"], list) or \
+                    not all(_is_plain_int(d) for d in e["shape"]):
+                raise bad(f"invalid dtype {e['dtype']!r} or shape {e['shape']!r}")
+            if not (_is_plain_int(offset) and _is_plain_int(nbytes)):
+                raise bad(f"invalid offset {offset!r} or nbytes {nbytes!r}")
+            if math.prod(e["shape"]) * _ITEMSIZE[e["dtype"]] != nbytes:
+                raise bad(f"nbytes {nbytes} does not match shape {e['shape']} of {e['dtype']}")
+            if offset + nbytes > size:
+                raise bad(f"bytes {offset}..{offset + nbytes} lie outside the file ({size} bytes): truncated")
+            problem = _check_checksums(e)
+            if problem and verify:
+                raise bad(problem)
+            bb = e["block_bytes"] if not problem else BLOCK_BYTES
+            dtype = CODE_TO_DTYPE[e["dtype"]]
+            dst = out.get(name)
+            if dst is not None:
+                if not isinstance(dst, torch.Tensor) or dst.device.type != "cpu" or dst.layout != torch.strided:
+                    raise LoadError(f"out[{name!r}] must be a dense CPU tensor, got {dst!r:.80}")
+                if dst.dtype != dtype or list(dst.shape) != e["shape"]:
+                    raise LoadError(f"checkpoint {path!r}: tensor {name!r} is {e['dtype']} {e['shape']}, "
+                                    f"out[{name!r}] is {dst.dtype} {list(dst.shape)}")
+                target = dst
+                if not dst.is_contiguous():
+                    target = torch.empty(e["shape"], dtype=dtype)
+                    copy_back.append((dst, target))
+            else:
+                target = dst = _empty_for_read(e["shape"], dtype, nbytes)
+            result[name] = dst
+            if nbytes:
+                items.append((offset, nbytes, target.data_ptr(), bb, list(e["crc32c"]) if verify else []))
+                item_names.append(name)
+        if items:
+            err, msg, bad_item, _direct, mismatches, truncated = _io.read_into(
+                fpath, items, verify=verify, threads=threads, direct=direct)
+            where = f"checkpoint {path!r}: file {fpath!r}"
+            if truncated:
+                i, eof = truncated[0]
+                raise CorruptCheckpointError(f"{where}: tensor {item_names[i]!r}: the file ended at byte {eof}: "
+                                             "truncated")
+            if err:
+                tname = item_names[bad_item] if bad_item >= 0 else file_names[0]
+                raise CorruptCheckpointError(f"{where}: tensor {tname!r}: {msg}") from OSError(err, msg)
+            if mismatches:
+                i, k, got = mismatches[0]
+                off, n, _, bb, crcs = items[i]
+                lo, hi = k * bb, min(n, (k + 1) * bb)
+                more = f" ({len(mismatches) - 1} more damaged block(s))" if len(mismatches) > 1 else ""
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {item_names[i]!r}: block {k} (bytes {lo}..{hi} of the tensor, "
+                    f"file offset {off + lo}): checksum mismatch (crc32c {got:#010x}, expected "
+                    f"{crcs[k]:#010x}): the data is corrupt{more}")
+        for dst, tmp in copy_back:
+            dst.copy_(tmp)
+    return {name: result[name] for name in names}
 
 
 def _pid_alive(pid: int) -> bool:

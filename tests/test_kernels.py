@@ -237,3 +237,103 @@ def test_validation(mutate, match):
     mutate(a, kw)
     with pytest.raises(ValueError, match=match):
         _kernels.adam_replay(*a, **kw)
+
+
+def _replay_steps(st, grads, impl="single", threads=None, **kw):
+    hp = dict(decoupled=True, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    hp.update(kw)
+    for k, g in enumerate(grads):
+        _kernels.adam_replay(*st, g, impl=impl, step=k + 1, threads=threads, **hp)
+    return st
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam"])
+def test_chunk_sizes_agree_with_torch(decoupled):
+    """The single/foreach kernel pipelines chunks (phase 2 of one chunk with phase 1 of the
+    next); odd chunk sizes put vector/scalar splits and chunk ends everywhere."""
+    n = 5000 + 3
+    p0, grads = _data(n, 3, seed=21)
+    p = torch.nn.Parameter(p0.clone())
+    s = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+    opt = _torch_opt("single", decoupled, p, 0.1, s)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    ref = (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])
+    isas = ["generic"] + {"avx2": ["avx2"], "avx512": ["avx2", "avx512"]}.get(_C.isa(), [])
+    try:
+        for isa in isas:
+            _C.set_isa(isa)
+            for block in (16, 17, 40, 100, 511, 512, 513, 4096, 16384):
+                _C._set_block(block)
+                st = _replay_steps([p0.clone(), torch.zeros(n), torch.zeros(n)], grads,
+                                   decoupled=decoupled, threads=1)
+                _assert_bitwise(ref, st)
+    finally:
+        _C._set_block(512)
+        _C.set_isa("auto")
+
+
+def test_concurrent_callers():
+    """Several Python threads replaying at once (the GIL is released): one owns the thread
+    pool, the others run on their own thread; every result is exact."""
+    import threading
+    n = 200003
+    jobs = []
+    for seed in range(4):
+        p0, grads = _data(n, 2, seed=100 + seed)
+        ref = _replay_steps([p0.clone(), torch.zeros(n), torch.zeros(n)], grads, threads=1)
+        jobs.append((p0, grads, ref))
+    outs = [None] * len(jobs)
+    errors = []
+
+    def run(i):
+        try:
+            p0, grads, _ = jobs[i]
+            for _ in range(3):
+                outs[i] = _replay_steps([p0.clone(), torch.zeros(n), torch.zeros(n)], grads,
+                                        threads=2)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    ths = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(120)
+    assert not errors, errors
+    for (_, _, ref), got in zip(jobs, outs):
+        _assert_bitwise(ref, got)
+
+
+def test_thread_pool_after_fork():
+    """The persistent worker threads do not exist in a fork()ed child: the child must get a
+    fresh pool, not hang waiting for them."""
+    import os
+    import time
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    n = 300007
+    p0, grads = _data(n, 2, seed=9)
+    ref = _replay_steps([p0.clone(), torch.zeros(n), torch.zeros(n)], grads, threads=2)
+    st = [p0.clone(), torch.zeros(n), torch.zeros(n)]  # torch's own OpenMP ops can hang in a
+    ref_np = [t.numpy() for t in ref]                   # fork()ed child: none run there
+    pid = os.fork()
+    if pid == 0:  # child: only our kernel and numpy, then _exit
+        code = 1
+        try:
+            _replay_steps(st, grads, threads=2)
+            code = 0 if all(np.array_equal(a, t.numpy()) for a, t in zip(ref_np, st)) else 2
+        finally:
+            os._exit(code)
+    deadline = time.time() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.time() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("child hung replaying after fork")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -107,17 +107,25 @@ def test_safetensors_can_read(tmp_path):
     tensors = sample_tensors()
     path = save(tmp_path, "a", tensors)
     with safe_open(os.path.join(path, "data.safetensors"), "pt") as f:
-        assert set(f.keys()) == set(tensors)
+        keys = set(f.keys())
+        assert {k for k in keys if not k.startswith("__pad__/")} == set(tensors)
         assert f.metadata() == {"format": "gockpt"}
         got = {k: f.get_tensor(k) for k in tensors}
+        pads = [f.get_tensor(k) for k in keys if k.startswith("__pad__/")]
     assert_same(tensors, {k: got[k] for k in tensors})
+    # The filler tensors are zero bytes, and only the manifest's tensors are gockpt's.
+    assert pads and all(p.dtype == torch.uint8 and not p.any() for p in pads)
+    assert set(read_manifest(path)["tensors"]) == set(tensors)
 
 
-def test_large_tensor_in_several_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "CHUNK_BYTES", 1000)
-    tensors = {"big": torch.randn(100, 37), "nc": torch.randn(37, 100).t(), "bf": torch.randn(999).bfloat16()}
+def test_large_tensor_in_several_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "BLOCK_BYTES", 4096)
+    tensors = {"big": torch.randn(100, 37), "nc": torch.randn(37, 100).t(), "bf": torch.randn(9999).bfloat16()}
     path = save(tmp_path, "a", tensors)
-    assert_same(tensors, read_tensors(path, read_manifest(path)))
+    m = read_manifest(path)
+    assert m["tensors"]["big"]["block_bytes"] == 4096 and len(m["tensors"]["big"]["crc32c"]) == 4
+    assert len(m["tensors"]["bf"]["crc32c"]) == 5
+    assert_same(tensors, read_tensors(path, m))
 
 
 def test_no_tensors(tmp_path):
@@ -153,7 +161,8 @@ def test_truncated_file(tmp_path):
     data = os.path.join(path, "data.safetensors")
     m = read_manifest(path)
     last = max(m["tensors"], key=lambda k: m["tensors"][k]["offset"] + m["tensors"][k]["nbytes"])
-    os.truncate(data, os.path.getsize(data) - 3)
+    e = m["tensors"][last]
+    os.truncate(data, e["offset"] + e["nbytes"] - 3)  # into the last tensor, not just its padding
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         read_manifest(path)
     # read_tensors checks too, even with a manifest read before the damage.
@@ -201,7 +210,11 @@ def test_missing_or_invalid_manifest(tmp_path):
         ("dtype", "F128", "unknown dtype"),
         ("shape", [-1], "invalid shape"),
         ("offset", -8, "invalid offset"),
-        ("crc32", "abc", "invalid crc32"),
+        ("crc32c", "abc", "invalid crc32c"),
+        ("crc32c", [], "block checksums"),
+        ("crc32c", [2**32], "invalid crc32c"),
+        ("block_bytes", 1000, "invalid block_bytes"),
+        ("block_bytes", 0, "invalid block_bytes"),
     ],
 )
 def test_bad_manifest_entry(tmp_path, monkeypatch, field, value, message):
@@ -343,21 +356,12 @@ def test_write_twice_is_an_error(tmp_path):
 
 def test_failure_in_write_keeps_previous_latest(tmp_path, monkeypatch):
     prev = save(tmp_path, checkpoint_name(1))
-    real_write = os.write
-    calls = {"n": 0}
-
-    def failing_write(fd, data):
-        calls["n"] += 1
-        if calls["n"] == 3:  # header, then one tensor, then "disk full"
-            raise OSError(28, "No space left on device")
-        return real_write(fd, data)
-
-    monkeypatch.setattr(os, "write", failing_write)
+    monkeypatch.setattr(storage, "_inject_fault", (2, 28))  # the third data pwrite: "disk full"
     w = CheckpointWriter(str(tmp_path), checkpoint_name(2))
-    with pytest.raises(StorageError, match="No space left"):
+    with pytest.raises(StorageError, match="No space left") as exc:
         w.write_tensors(sample_tensors())
     monkeypatch.undo()
-    assert calls["n"] == 3
+    assert checkpoint_name(2) in str(exc.value)
     with pytest.raises(StorageError):
         w.commit({})
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000001"]

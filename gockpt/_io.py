@@ -1,0 +1,141 @@
+"""Thin wrapper over the parallel checkpoint I/O of ``gockpt._C`` (``csrc/io.cpp``).
+
+* ``crc32c(data, crc=0)``: Castagnoli CRC (SSE4.2 when the CPU has it, else a table),
+  zlib-style continuation; ``crc32c(b"123456789") == 0xE3069283``.
+* ``Writer``: several threads pwrite tensor bytes at precomputed, 4096-aligned offsets of one
+  file, with O_DIRECT where the file system accepts it (else buffered writes + fsync, logged
+  once), checksumming every block while the data passes.
+* ``read_into``: several threads pread byte ranges straight into destination memory,
+  verifying the per-block checksums.
+
+Knobs: ``GOCKPT_IO_THREADS`` (default: the number of cores for writing, twice that for
+reading) and ``GOCKPT_IO_DIRECT=0`` (force
+buffered I/O); both can also be passed per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from gockpt import _C
+
+__all__ = ["crc32c", "crc32c_combine", "crc32c_impl", "Writer", "read_into", "default_threads",
+           "default_read_threads", "default_direct", "ALIGN"]
+
+log = logging.getLogger("gockpt")
+
+ALIGN = 4096
+
+_said_fallback = False
+_said_lock = threading.Lock()
+
+
+def crc32c(data, crc: int = 0) -> int:
+    """crc32c of a bytes-like object (C-contiguous), continuing from ``crc``."""
+    return _C.crc32c(memoryview(data).cast("B"), crc)
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32c(A + B) from crc32c(A), crc32c(B) and len(B)."""
+    return _C.crc32c_combine(crc1, crc2, len2)
+
+
+def crc32c_impl() -> str:
+    """'sse4.2' or 'software'."""
+    return _C.crc32c_impl()
+
+
+def default_threads() -> int:
+    env = os.environ.get("GOCKPT_IO_THREADS")
+    if env:
+        try:
+            n = int(env)
+            if n >= 1:
+                return n
+        except ValueError:
+            pass
+        log.warning("gockpt: ignoring GOCKPT_IO_THREADS=%r (not an int >= 1)", env)
+    return os.cpu_count() or 2
+
+
+def default_read_threads() -> int:
+    """Reader threads: twice the cores (they mostly wait on the disk), or GOCKPT_IO_THREADS."""
+    if os.environ.get("GOCKPT_IO_THREADS"):
+        return default_threads()
+    return 2 * (os.cpu_count() or 2)
+
+
+def default_direct() -> bool:
+    return os.environ.get("GOCKPT_IO_DIRECT", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _say_fallback(path: str, reason: str) -> None:
+    global _said_fallback
+    with _said_lock:
+        first, _said_fallback = not _said_fallback, True
+    (log.warning if first else log.debug)(
+        "gockpt: writing checkpoints with buffered I/O + fsync instead of O_DIRECT (%s; file %s)%s",
+        reason, path, "" if first else "")
+
+
+class Writer:
+    """One file written by a pool of threads; see ``csrc/io.h`` for the layout contract.
+
+    ``tensors`` is a list of (file offset, nbytes): offsets multiples of 4096, the header
+    (``len(header)`` a multiple of 4096) at offset 0, ``file_size`` a multiple of 4096.
+    Creates the file (O_EXCL), reserves its size and writes the header before returning.
+    """
+
+    def __init__(self, path: str, file_size: int, header: bytes, tensors, *, block_bytes: int,
+                 threads: int | None = None, direct: bool | None = None):
+        threads = default_threads() if threads is None else int(threads)
+        want_direct = default_direct() if direct is None else bool(direct)
+        self._owners: list = []  # objects owning submitted memory, kept until close()
+        self._w = _C.IoWriter(path, file_size, header, list(tensors), block_bytes, threads, want_direct)
+        self.path = path
+        self.direct = self._w.direct
+        self.threads = self._w.threads
+        if want_direct and not self.direct:
+            _say_fallback(path, self._w.fallback_reason)
+
+    def submit(self, index: int, address: int, start: int, nbytes: int, owner=None) -> None:
+        """Queue ``nbytes`` at ``address`` as bytes [start, start+nbytes) of tensor ``index``.
+
+        The memory must stay unchanged until ``finish`` or ``close`` returns; ``owner`` (e.g.
+        the tensor) is kept alive until ``close``.
+        """
+        if owner is not None:
+            self._owners.append(owner)
+        self._w.submit(index, address, start, nbytes)
+
+    def finish(self):
+        """Wait, check coverage, fsync. Returns (err, msg, bad_tensor, bad_offset, crcs)."""
+        return self._w.finish()
+
+    def close(self) -> None:
+        """Stop the threads (dropping queued writes), close the file, release the owners."""
+        self._w.close()
+        self._owners = []
+
+    def __del__(self):
+        # Join the threads before the owners of the memory they read can go away.
+        w = getattr(self, "_w", None)
+        if w is not None:
+            w.close()
+
+    def inject_fault(self, after_writes: int, err: int) -> None:
+        """Tests: make the pwrite number ``after_writes`` (0-based) and later fail with ``err``."""
+        self._w.inject_fault(after_writes, err)
+
+
+def read_into(path: str, items, *, verify: bool = True, threads: int | None = None,
+              direct: bool | None = None):
+    """Read ``items`` [(file_offset, nbytes, dst_address, block_bytes, crcs)] of ``path``.
+
+    Returns (errno, message, item, direct_used, mismatches, truncated); see csrc/io.h.
+    """
+    threads = default_read_threads() if threads is None else int(threads)
+    direct = default_direct() if direct is None else bool(direct)
+    return _C.read_into(path, list(items), bool(verify), threads, direct)
