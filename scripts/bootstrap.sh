@@ -22,7 +22,11 @@ if [ ! -f "$STAMP" ]; then
     DS_BUILD_OPS=0 "$VPY" -m pip install -q --no-build-isolation deepspeed
     touch "$STAMP"
 fi
-# Build the C++ core in place; setuptools only recompiles when a source changed.
-echo "[setup] building gockpt._C"
-(cd "$ROOT" && "$VPY" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1 \
-    || "$VPY" -m pip install --no-build-isolation --no-deps -e .)
+# Build the C++ core in place, unless the built module is newer than every source.
+SO="$(ls "$ROOT"/gockpt/_C*.so 2>/dev/null | head -n1 || true)"
+if [ -z "$SO" ] || [ ! -f "$VENV/bin/gockpt" ] \
+        || [ -n "$(find "$ROOT/csrc" "$ROOT/setup.py" -newer "$SO" 2>/dev/null)" ]; then
+    echo "[setup] building gockpt._C (C++ core)"
+    (cd "$ROOT" && "$VPY" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1 \
+        || "$VPY" -m pip install --no-build-isolation --no-deps -e .)
+fi
