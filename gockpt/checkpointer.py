@@ -37,6 +37,7 @@ from .device import device_for
 from .errors import (CheckpointFailedError, ConfigError, ConsistencyError, GockptError,
                      HookOrderError, StorageError)
 from .plan import Block, build_plan, flat
+from .ranks import Ranks
 from .replay import Replayer, StepRecord, adapter_for
 from .staging import GradPool, HostCopy
 from .transfer import GRADIENT, STATE, CopyEngine
@@ -109,6 +110,8 @@ class _Job:
                                                      state_bytes=state_bytes)
         self.host = None
         self.on_fail: Optional[Callable] = None
+        self.persist_entered = False
+        self.dropped = False
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -155,6 +158,11 @@ class Checkpointer:
         self.config = Config(directory=directory, mode=mode, overlap_steps=overlap_steps,
                              interval=interval, **options)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.ranks = Ranks()  # collective on several ranks: every rank builds its Checkpointer
+        if self.ranks.several and (self.config.interval == "auto"
+                                   or self.config.on_busy == "skip"):
+            raise ConfigError("with several ranks every rank must start the same checkpoints: "
+                              "use a fixed interval (or force) and on_busy='wait'")
         self.plan = build_plan(model, optimizer, self.config.block_bytes)
         self.adapter = adapter_for(optimizer) if self.config.replays else None
         _ensure_writable(self.config.directory)
@@ -327,6 +335,7 @@ class Checkpointer:
                         "captured at close() (training stopped before its final step); it is "
                         "dropped and the previous checkpoint stays latest", stacklevel=2)
                     job.capturing = False
+                    job.dropped = True
                     job.handle.error = CheckpointFailedError("dropped at close()")
                     job.handle._reported = True
                     job.handle._staged.set()
@@ -365,7 +374,8 @@ class Checkpointer:
 
     def _start(self, step: int, extra_state) -> Optional[CheckpointHandle]:
         prev = self._job
-        if prev is not None and prev.capturing and prev.error is None:
+        # Decided from the step count alone, so that every rank decides alike.
+        if prev is not None and self._boundary <= prev.f_boundary and not prev.dropped:
             warnings.warn(f"gockpt: checkpoint at step {step} skipped: the checkpoint of step "
                           f"{prev.handle.final_step} is still being captured", stacklevel=3)
             return None
@@ -385,7 +395,7 @@ class Checkpointer:
             self.host = HostCopy(self.plan, self.device)
             if self.config.replays:
                 self.grad_pool = GradPool(self.plan, self.device)
-        k = self._choose_k()
+        k = self.ranks.agree_max(self._choose_k())
         groups = self.plan.groups(k)
         k = len(groups)
         job = _Job(step, k, self._boundary, groups, self.config.mode,
@@ -711,19 +721,58 @@ class Checkpointer:
             self._persist(job)
 
     def _persist(self, job: _Job) -> None:
+        """Write, fsync and commit version F (on several ranks: together, see ranks.py)."""
+        if job.persist_entered:
+            return
+        job.persist_entered = True
         t0 = time.perf_counter()
         writer = None
+        name = storage.checkpoint_name(job.handle.final_step)
         try:
-            tensors = {}
-            for si, s in enumerate(self.plan.slots):
-                tensors[f"model/{s.name}"] = self.host.param[si].view(s.param.shape)
-            for si, s in enumerate(self.plan.slots):
-                for key in job.aligned.get(s.opt_index, ()) if not s.static else ():
-                    tensors[f"optim/{s.opt_index}/{key}"] = \
-                        self.host.state[si][key].view(s.param.shape)
-            tensors.update(job.small_tensors)
-            name = storage.checkpoint_name(job.handle.final_step)
-            writer = storage.CheckpointWriter(self.config.directory, name)
+            if self.ranks.several:
+                write_part = None if job.error is not None else \
+                    (lambda shared: self._write(job, shared, self.ranks.part_name(), t0,
+                                                update_latest=False))
+                top = {"step": job.handle.final_step, "start_step": job.metrics.start_step,
+                       "mode": self.config.mode, "overlap_steps": job.k}
+                path = self.ranks.commit(self.config.directory, name, write_part, top)
+                if job.error is not None:
+                    return
+            else:
+                writer = storage.CheckpointWriter(self.config.directory, name)
+                path = self._write(job, None, name, t0, writer=writer)
+            job.handle.path = path
+            m = job.metrics
+            m.time_to_durable_s = time.perf_counter() - job.t_start
+            if self.ranks.rank == 0:
+                metrics_mod.append(self.config.directory, m)
+                self._apply_retention()
+            self._finished = (self._finished + [job])[-8:]
+            self._durable_count += 1
+            log.info("gockpt: checkpoint of step %d durable at %s", job.handle.final_step, path)
+            job.handle._durable.set()
+        except BaseException as exc:
+            if writer is not None:
+                writer.abort()
+            if not isinstance(exc, GockptError):
+                exc = StorageError(f"writing the checkpoint of step {job.handle.final_step} to "
+                                   f"{self.config.directory} failed: {exc}")
+            job.fail(exc)
+
+    def _write(self, job: _Job, root: Optional[str], name: str, t0: float, *, writer=None,
+               update_latest: bool = True) -> str:
+        """Write this process's tensors and manifest as checkpoint ``name`` in ``root``."""
+        tensors = {}
+        for si, s in enumerate(self.plan.slots):
+            tensors[f"model/{s.name}"] = self.host.param[si].view(s.param.shape)
+        for si, s in enumerate(self.plan.slots):
+            for key in job.aligned.get(s.opt_index, ()) if not s.static else ():
+                tensors[f"optim/{s.opt_index}/{key}"] = \
+                    self.host.state[si][key].view(s.param.shape)
+        tensors.update(job.small_tensors)
+        if writer is None:
+            writer = storage.CheckpointWriter(root, name)
+        try:
             writer.write_tensors(tensors)
             m = job.metrics
             m.copy_s = sum(t.seconds for t in list(job.tickets.values()) + job.grad_tickets)
@@ -738,6 +787,8 @@ class Checkpointer:
                 "start_step": m.start_step,
                 "mode": self.config.mode,
                 "overlap_steps": job.k,
+                "rank": self.ranks.rank,
+                "world_size": self.ranks.world_size,
                 "model": {"params": {s.name: f"model/{s.name}" for s in self.plan.slots},
                           "aliases": self.plan.aliases},
                 "optimizer": {"class": type(self.optimizer).__name__,
@@ -746,24 +797,13 @@ class Checkpointer:
                 "metrics": m.to_dict(),
             }
             t_commit = time.perf_counter()
-            job.handle.path = writer.commit(manifest)
-            m.time_to_durable_s = time.perf_counter() - job.t_start
+            path = writer.commit(manifest, update_latest=update_latest)
             if self.config.mode == "sync":
                 m.add_blocked("save_checkpoint", time.perf_counter() - t_commit)
-            metrics_mod.append(self.config.directory, m)
-            self._apply_retention()
-            self._finished = (self._finished + [job])[-8:]
-            self._durable_count += 1
-            log.info("gockpt: checkpoint of step %d durable at %s", job.handle.final_step,
-                     job.handle.path)
-            job.handle._durable.set()
-        except BaseException as exc:
-            if writer is not None:
-                writer.abort()
-            if not isinstance(exc, GockptError):
-                exc = StorageError(f"writing the checkpoint of step {job.handle.final_step} to "
-                                   f"{self.config.directory} failed: {exc}")
-            job.fail(exc)
+            return path
+        except BaseException:
+            writer.abort()
+            raise
 
     def _apply_retention(self) -> None:
         """Delete committed checkpoints beyond ``keep_last`` (after a newer one committed)."""
@@ -794,6 +834,8 @@ class Checkpointer:
     def _on_job_failed(self, job: _Job) -> None:
         with self._errors_lock:
             self._errors.append(job)
+        if self.ranks.several and not job.persist_entered and not job.dropped:
+            self._persist_q.put(job)  # it still votes, so that the other ranks do not wait
 
     def _raise_pending(self, include_closed: bool = False) -> None:
         try:

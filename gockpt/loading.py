@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -27,10 +28,11 @@ class Restored:
 
 def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
          *, scheduler=None, tag: Optional[str] = None, restore_rng: bool = True,
-         verify: bool = True, map_location=None) -> Restored:
+         verify: bool = True, map_location=None, rank: Optional[int] = None) -> Restored:
     """Load the latest committed checkpoint in ``directory`` (or the one named ``tag``) into
     ``model``, ``optimizer`` and ``scheduler``, and restore RNG states unless
-    ``restore_rng=False``. Parameters and optimizer state land on the device of the
+    ``restore_rng=False``. A checkpoint written by several ranks is loaded from this rank's
+    part (``rank``, default: the torch.distributed rank). Parameters and optimizer state land on the device of the
     model's parameters; ``map_location`` (a device) moves the tensors of ``extra_state``.
 
     Names, shapes and dtypes are checked against the targets before any byte is read;
@@ -43,6 +45,8 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     """
     path = storage.resolve(directory, tag)
     manifest = storage.read_manifest(path)
+    if manifest.get("ranks"):
+        path, manifest = _rank_part(path, manifest, rank)
     try:
         params = manifest["model"]["params"]
         aliases = manifest["model"]["aliases"]
@@ -90,6 +94,24 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         raise LoadError(f"{path}: cannot restore this checkpoint into the given objects: "
                         f"{exc}") from exc
     return Restored(step=step, extra_state=extra, path=path, manifest=manifest)
+
+
+def _rank_part(path, manifest, rank):
+    """The part of ``rank`` in a checkpoint written by several ranks."""
+    ranks = manifest["ranks"]
+    dist = torch.distributed
+    live_world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if rank is None:
+        rank = dist.get_rank() if live_world > 1 else 0
+    if live_world > 1 and live_world != len(ranks):
+        raise LoadError(f"{path} was written by {len(ranks)} ranks; this job has {live_world}")
+    if not isinstance(rank, int) or not 0 <= rank < len(ranks):
+        raise LoadError(f"{path} has parts for ranks 0..{len(ranks) - 1}; rank {rank!r} asked")
+    part = ranks[rank]
+    if not isinstance(part, str) or "/" in part or part.startswith("."):
+        raise LoadError(f"{path}: invalid part name {part!r} in the manifest")
+    sub = os.path.join(path, part)
+    return sub, storage.read_manifest(sub)
 
 
 def _check_params(path, target, expected, entries) -> None:

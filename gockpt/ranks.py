@@ -1,0 +1,112 @@
+"""Several ranks committing one checkpoint together.
+
+Each rank writes its own part (a complete single-rank checkpoint directory ``rank-NNNNN``)
+inside one shared temporary directory; the global ``manifest.json`` is written by rank 0 and
+the directory renamed into place only when every rank's part is durable. A checkpoint missing
+a rank is therefore never visible, let alone ``latest``.
+
+Coordination uses two gloo process groups of gockpt's own, created when the Checkpointer is
+built (on every rank, in the same order, as torch.distributed requires): one for the training
+thread (agreeing on K), one for the persist thread (the commit vote), so that the two threads
+never interleave collectives on one group, and neither touches the training's own groups.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+
+from . import storage
+from .errors import StorageError
+
+
+class Ranks:
+    """This process's place among the ranks (a single process is rank 0 of 1)."""
+
+    def __init__(self):
+        self.rank, self.world_size = 0, 1
+        self._train_group = self._persist_group = None
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self._train_group = dist.new_group(backend="gloo")
+            self._persist_group = dist.new_group(backend="gloo")
+
+    @property
+    def several(self) -> bool:
+        return self.world_size > 1
+
+    def part_name(self, rank: Optional[int] = None) -> str:
+        return f"rank-{self.rank if rank is None else rank:05d}"
+
+    def agree_max(self, value: int) -> int:
+        """The largest ``value`` over the ranks (training thread)."""
+        if not self.several:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                     group=self._train_group)
+        return int(t.item())
+
+    def _all_min(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
+                                     group=self._persist_group)
+        return int(t.item())
+
+    def _broadcast(self, values):
+        t = torch.tensor(values, dtype=torch.int64)
+        torch.distributed.broadcast(t, src=0, group=self._persist_group)
+        return [int(v) for v in t.tolist()]
+
+    def commit(self, root: str, name: str, write_part: Optional[Callable[[str], None]],
+               top_manifest: dict) -> str:
+        """Commit one checkpoint of every rank (persist thread, called on every rank).
+
+        ``write_part(dir)`` writes and commits this rank's part inside ``dir``; ``None`` means
+        this rank's checkpoint already failed (it still votes, so that nobody waits forever).
+        Returns the final path; raises StorageError on every rank if any rank failed.
+        """
+        top = None
+        if self.rank == 0:
+            try:
+                top = storage.CheckpointWriter(root, name)
+                pid, token = top.tmp_path.rsplit("-", 2)[-2:]
+                header = [1, int(pid), int(token, 16)]
+            except Exception:
+                header = [0, 0, 0]
+        else:
+            header = [0, 0, 0]
+        ok, pid, token = self._broadcast(header)
+        mine = 0
+        if ok and write_part is not None:
+            shared = os.path.join(os.path.abspath(root),
+                                  f"{storage.TMP_PREFIX}{name}-{pid}-{token:08x}")
+            try:
+                write_part(shared)
+                mine = 1
+            except Exception as exc:  # voted below; the caller reports its own error
+                err = exc
+        everyone = self._all_min(mine)
+        committed = 0
+        if self.rank == 0 and top is not None:
+            if everyone:
+                try:
+                    top_manifest = dict(top_manifest, world_size=self.world_size,
+                                        ranks=[self.part_name(r) for r in range(self.world_size)])
+                    top.commit(top_manifest)
+                    committed = 1
+                except Exception:
+                    committed = 0
+            else:
+                top.abort()
+        committed = self._broadcast([committed])[0]
+        if committed:
+            return os.path.join(os.path.abspath(root), name)
+        if write_part is not None and mine == 0 and ok:
+            raise err
+        raise StorageError(f"checkpoint {name} was not committed: "
+                           + ("another rank failed to write its part" if mine or not ok
+                              else "this rank's part failed"))
