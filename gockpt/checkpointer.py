@@ -112,11 +112,20 @@ class _Job:
         self.on_fail: Optional[Callable] = None
         self.persist_entered = False
         self.dropped = False
+        # Streaming: blocks at version F are written while others still replay.
+        self.writer = None
+        self.stream_lock = threading.Lock()
+        self.written = set()
+        self.final_blocks: List[Block] = []   # at F, waiting for the writer to open
+        self.on_final: Optional[Callable] = None
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
             self.handle.error = exc
+            with self.stream_lock:
+                if self.writer is not None:
+                    self.writer.abort()
             if self.on_fail:
                 self.on_fail(self)
         self.capturing = False
@@ -336,6 +345,9 @@ class Checkpointer:
                         "dropped and the previous checkpoint stays latest", stacklevel=2)
                     job.capturing = False
                     job.dropped = True
+                    with job.stream_lock:
+                        if job.writer is not None:
+                            job.writer.abort()
                     job.handle.error = CheckpointFailedError("dropped at close()")
                     job.handle._reported = True
                     job.handle._staged.set()
@@ -402,6 +414,8 @@ class Checkpointer:
                    0, _checkpoint_path(self.config.directory, step + k - 1))
         job.host = self.host
         job.on_fail = self._on_job_failed
+        if not self.ranks.several and self.config.mode != "sync":
+            job.on_final = self.block_final
         job.metrics.add_blocked("save_checkpoint_busy_wait", waited)
         self._declare_state_keys(job)
         job.metrics.state_bytes = self._job_state_bytes()
@@ -539,6 +553,8 @@ class Checkpointer:
 
     def _finish_capture(self, job: _Job) -> None:
         """All blocks captured: replay (if any) then self-check and persist."""
+        if job.on_final is not None:
+            self._persist_q.put(("captured", job))  # the last group is at F: write it
         if self.replayer is not None:
             self.replayer.barrier(lambda: self._after_replay(job))
         else:
@@ -576,6 +592,8 @@ class Checkpointer:
             raise ConfigError(f"cannot store the state of step {step}: {exc}") from exc
         job.small, job.small_tensors = small, tensors
         self._sample_for_self_check(job)
+        if job.on_final is not None:
+            self._persist_q.put(("open", job))
 
     def _sample_for_self_check(self, job: _Job) -> None:
         frac = self.config.self_check
@@ -648,7 +666,8 @@ class Checkpointer:
         ticket = self.engine.submit(pairs, GRADIENT)
         record = StepRecord(j, self.adapter.scalars(), steps, blocks, bufs,
                             torch.get_num_threads(), ticket,
-                            lambda bufs=bufs: self.grad_pool.release(bufs), ticket.nbytes)
+                            lambda bufs=bufs: self.grad_pool.release(bufs), ticket.nbytes,
+                            final=j == job.k - 1)
         job.metrics.grad_bytes += ticket.nbytes
         job.grad_tickets.append(ticket)
         if self.config.mode == "gockpt":
@@ -692,7 +711,7 @@ class Checkpointer:
         if self.config.mode == "sync":
             self._persist(job)
         else:
-            self._persist_q.put(job)
+            self._persist_q.put(("close", job))
 
     def _self_check(self, job: _Job) -> None:
         bad = []
@@ -715,10 +734,91 @@ class Checkpointer:
 
     def _persist_loop(self) -> None:
         while True:
-            job = self._persist_q.get()
-            if job is None:
+            item = self._persist_q.get()
+            if item is None:
                 return
-            self._persist(job)
+            what, job = item
+            if what == "open":
+                self._open_writer(job)
+            elif what == "captured":
+                self._write_captured(job)
+            else:
+                self._persist(job)
+
+    # Streaming (single rank): the writer opens at the boundary of F (when the small state and
+    # the layout are known); blocks are written as they reach F -- the last group when it is
+    # captured, the others as the replay of step F finishes each of them; whatever is left
+    # (e.g. a step F skipped by GradScaler) is written at commit time.
+
+    def _layout(self, job: _Job) -> Dict[str, tuple]:
+        layout = {}
+        for si, s in enumerate(self.plan.slots):
+            layout[f"model/{s.name}"] = (s.param.dtype, tuple(s.param.shape))
+            for key in (job.aligned.get(s.opt_index, ()) if not s.static else ()):
+                layout[f"optim/{s.opt_index}/{key}"] = (self.host.state[si][key].dtype,
+                                                        tuple(s.param.shape))
+        for name, t in job.small_tensors.items():
+            layout[name] = (t.dtype, tuple(t.shape))
+        return layout
+
+    def _write_block(self, job: _Job, b: Block) -> None:
+        """Queue block ``b`` (caller holds ``job.stream_lock``; writer open)."""
+        if b in job.written:
+            return
+        job.written.add(b)
+        s = self.plan.slots[b.slot]
+        job.writer.write(f"model/{s.name}", self.host.param[b.slot][b.start:b.end],
+                         start=b.start)
+        for key in (job.aligned.get(s.opt_index, ()) if not s.static else ()):
+            job.writer.write(f"optim/{s.opt_index}/{key}",
+                             self.host.state[b.slot][key][b.start:b.end], start=b.start)
+
+    def _open_writer(self, job: _Job) -> None:
+        if job.error is not None or job.dropped:
+            return
+        try:
+            writer = storage.CheckpointWriter(self.config.directory,
+                                              storage.checkpoint_name(job.handle.final_step))
+            try:
+                writer.begin(self._layout(job))
+                for name, t in job.small_tensors.items():
+                    writer.write(name, t)
+            except BaseException:
+                writer.abort()
+                raise
+            with job.stream_lock:
+                job.writer = writer
+                for b in job.final_blocks:
+                    self._write_block(job, b)
+        except BaseException as exc:
+            job.fail(exc if isinstance(exc, GockptError) else StorageError(
+                f"opening the checkpoint of step {job.handle.final_step} in "
+                f"{self.config.directory} failed: {exc}"))
+
+    def _write_captured(self, job: _Job) -> None:
+        """Every block is captured: the last group (copied at F) and static ones are final."""
+        with job.stream_lock:
+            if job.writer is None or job.error is not None:
+                return
+            try:
+                for b in job.groups[-1]:
+                    self._write_block(job, b)
+                for b in job.captured:
+                    if self.plan.slots[b.slot].static:
+                        self._write_block(job, b)
+            except BaseException as exc:
+                err = exc
+            else:
+                return
+        job.fail(err)
+
+    def block_final(self, job: _Job, block: Block) -> None:
+        """Replay thread: ``block`` has reached version F."""
+        with job.stream_lock:
+            if job.writer is None:
+                job.final_blocks.append(block)
+            elif job.error is None:
+                self._write_block(job, block)
 
     def _persist(self, job: _Job) -> None:
         """Write, fsync and commit version F (on several ranks: together, see ranks.py)."""
@@ -739,7 +839,10 @@ class Checkpointer:
                 if job.error is not None:
                     return
             else:
-                writer = storage.CheckpointWriter(self.config.directory, name)
+                with job.stream_lock:
+                    writer = job.writer
+                if writer is None:
+                    writer = storage.CheckpointWriter(self.config.directory, name)
                 path = self._write(job, None, name, t0, writer=writer)
             job.handle.path = path
             m = job.metrics
@@ -773,7 +876,13 @@ class Checkpointer:
         if writer is None:
             writer = storage.CheckpointWriter(root, name)
         try:
-            writer.write_tensors(tensors)
+            if job.writer is writer and writer is not None:
+                with job.stream_lock:  # streamed: write only what is left
+                    for b in job.captured:
+                        self._write_block(job, b)
+                writer.finish()
+            else:
+                writer.write_tensors(tensors)
             m = job.metrics
             m.copy_s = sum(t.seconds for t in list(job.tickets.values()) + job.grad_tickets)
             m.persist_s = time.perf_counter() - t0
@@ -835,7 +944,7 @@ class Checkpointer:
         with self._errors_lock:
             self._errors.append(job)
         if self.ranks.several and not job.persist_entered and not job.dropped:
-            self._persist_q.put(job)  # it still votes, so that the other ranks do not wait
+            self._persist_q.put(("close", job))  # it still votes, so that the other ranks do not wait
 
     def _raise_pending(self, include_closed: bool = False) -> None:
         try:

@@ -2,13 +2,19 @@
 
 Subcommands::
 
-    gockpt inspect PATH [--json]              step, mode, tensors, sizes, ranks, timings
+    gockpt inspect PATH [--rank R] [--json]   step, mode, tensors, sizes, ranks, timings
     gockpt verify  PATH [--all] [--json]      every checksum; names each bad file and tensor
-    gockpt export  PATH --to {safetensors,torch} OUT [--force]
-    gockpt list    DIR  [--json]              checkpoints, which is latest, leftovers
+    gockpt export  PATH --to {safetensors,torch} OUT [--rank R] [--force]
+    gockpt list    DIR  [--json]              checkpoints, which is latest, ranks, leftovers
     gockpt clean   DIR                        remove leftovers of processes that died
 
 ``PATH`` is a checkpoint directory or a run directory (then: its latest checkpoint).
+
+A checkpoint written by several ranks (see :mod:`gockpt.ranks`) is a directory whose top-level
+manifest lists its parts (``"ranks": ["rank-00000", ...]``); each part is a complete
+single-rank checkpoint directory inside it. ``inspect`` summarises the parts (``--rank R``
+shows one part in full), ``verify`` checks every part and reports a listed part that is
+missing or unreadable, ``export --rank R`` exports one rank's part (default rank 0).
 
 Exit status: 0 success; 1 the checkpoint is bad (a checksum or file does not verify, the
 manifest is corrupt, or data could not be read while exporting); 2 usage errors and paths that
@@ -240,6 +246,86 @@ def _decode_meta(manifest: dict, section: str):
     return tree.decode(small[section], _Placeholders(manifest["tensors"]))
 
 
+# ---------------------------------------------------------------------------------- ranks
+
+
+def _part_names(path: str, manifest: dict) -> Optional[list]:
+    """The part directory names of a checkpoint written by several ranks (None: one rank).
+
+    Raises BadCheckpoint if the manifest's ``ranks`` list is malformed.
+    """
+    ranks = manifest.get("ranks")
+    if ranks is None:
+        return None
+    if not isinstance(ranks, list) or not ranks:
+        raise BadCheckpoint(f"{path}: manifest 'ranks' is {ranks!r:.60}, expected a non-empty "
+                            "list of part directory names")
+    for part in ranks:
+        if not isinstance(part, str) or part in ("", ".", "..") or part.startswith(".") \
+                or any(c in part for c in "/\\\0"):
+            raise BadCheckpoint(f"{path}: invalid part name {part!r:.60} in the manifest")
+    return ranks
+
+
+def _parts(path: str, manifest: dict) -> Optional[list]:
+    """One dict per listed rank: rank, name, path, manifest (None if unreadable), error,
+    problems (inconsistencies with the top-level manifest). None for a single-rank checkpoint."""
+    names = _part_names(path, manifest)
+    if names is None:
+        return None
+    world = len(names)
+    out = []
+    for r, name in enumerate(names):
+        sub = os.path.join(path, name)
+        part = {"rank": r, "name": name, "path": os.path.abspath(sub), "manifest": None,
+                "error": None, "problems": []}
+        try:
+            part["manifest"] = m = storage.read_manifest(sub)
+        except CheckpointNotFoundError:
+            part["error"] = f"directory {name}/ does not exist"
+        except CorruptCheckpointError as exc:
+            part["error"] = _one_line(exc)
+        else:
+            if m.get("ranks") is not None:
+                part["problems"].append(f"{name}: is itself a multi-rank checkpoint")
+            if m.get("rank", r) != r:
+                part["problems"].append(f"{name}: its manifest says rank {m.get('rank')!r}, "
+                                        f"listed as rank {r}")
+            if m.get("world_size", world) != world:
+                part["problems"].append(f"{name}: its manifest says world_size "
+                                        f"{m.get('world_size')!r}, the checkpoint has "
+                                        f"{world} parts")
+            if manifest.get("step") is not None and m.get("step") != manifest.get("step"):
+                part["problems"].append(f"{name}: step {m.get('step')!r}, the checkpoint's step "
+                                        f"is {manifest.get('step')!r}")
+        out.append(part)
+    return out
+
+
+def _world_problems(manifest: dict, parts: list) -> list:
+    ws = manifest.get("world_size")
+    if ws is not None and ws != len(parts):
+        return [f"manifest world_size is {ws!r} but it lists {len(parts)} parts"]
+    return []
+
+
+def _select_part(path: str, parts: list, rank: int) -> dict:
+    """The readable part of ``rank``: UsageError if out of range, BadCheckpoint if unreadable."""
+    if not 0 <= rank < len(parts):
+        raise UsageError(f"{path} has parts for ranks 0..{len(parts) - 1}; --rank {rank} asked")
+    part = parts[rank]
+    if part["manifest"] is None:
+        raise BadCheckpoint(f"{path}: part {part['name']} (rank {rank}) is missing or "
+                            f"unreadable: {part['error']}")
+    return part
+
+
+def _no_rank_for_single(path: str, rank: Optional[int]) -> None:
+    if rank not in (None, 0):
+        raise UsageError(f"{path} was written by a single process (rank 0 only); "
+                         f"--rank {rank} asked")
+
+
 # ---------------------------------------------------------------------------------- inspect
 
 
@@ -354,8 +440,15 @@ def _print_inspect(s: dict, manifest: dict, show_tensors: bool) -> None:
       f"{', '.join(s['checksums']) or 'none'}")
     p(f"written      {_date(_mtime(s['path']))}")
     r = s["ranks"]
-    if set(r) == {"world_size"} and r["world_size"] == 1:
+    if s.get("part_of"):
+        po = s["part_of"]
+        p(f"part         rank {po['rank']} of {po['world_size']} ({po['name']}) of checkpoint "
+          f"{po['checkpoint']}")
+    elif r.get("world_size") == 1 and r.get("rank", 0) == 0 and not r.get("ranks"):
         p("ranks        1 (single-process checkpoint)")
+    elif "rank" in r and "ranks" not in r:
+        p(f"ranks        part of rank {r['rank']} of a checkpoint written by "
+          f"{r.get('world_size', '?')} ranks")
     else:
         p("ranks        " + ", ".join(f"{k}={v}" for k, v in r.items()))
     files = ", ".join(f"{f} {_human(n)}" for f, n in s["files"].items()) or "no data files"
@@ -419,11 +512,216 @@ def _print_inspect(s: dict, manifest: dict, show_tensors: bool) -> None:
             p("  " + line)
 
 
+_TIMINGS = [  # (metrics key, label, what)
+    ("blocked_s", "training blocked", ""),
+    ("copy_s", "copy", "device-to-host copies (cumulative)"),
+    ("replay_s", "replay", "optimizer replay on host"),
+    ("persist_s", "persist", "write + fsync + commit"),
+    ("time_to_staged_s", "time to staged", "start to state in host memory"),
+    ("time_to_durable_s", "time to durable", "start to committed on disk"),
+    ("step_time_s", "step time", "median training step"),
+]
+
+# Up to this many ranks `inspect` shows one timings column per rank; beyond, rank 0 and the max.
+_MAX_RANK_COLUMNS = 8
+
+
+def _multi_summary(path: str, manifest: dict, run_dir: Optional[str], parts: list) -> dict:
+    """`inspect` of a checkpoint written by several ranks: the parts, sizes summed over them,
+    and what the model/optimizer look like (from the lowest readable rank)."""
+    world = len(parts)
+    part_rows, ref = [], None
+    groups, files = {}, {}
+    n_tensors = tensor_bytes = 0
+    problems = _world_problems(manifest, parts)
+    for part in parts:
+        m = part["manifest"]
+        row = {"rank": part["rank"], "name": part["name"], "path": part["path"],
+               "ok": m is not None and not part["problems"], "error": part["error"],
+               "problems": list(part["problems"]), "step": None, "tensors": None,
+               "tensor_bytes": None, "disk_bytes": _disk_usage(part["path"]), "metrics": None}
+        problems.extend(part["problems"])
+        if m is None:
+            problems.append(f"part {part['name']} (rank {part['rank']}) is missing or "
+                            f"unreadable: {part['error']}")
+        else:
+            ps = _summary(part["path"], m, None)
+            if ref is None:
+                ref = (part["rank"], ps)
+            row.update(step=m.get("step"), tensors=len(m["tensors"]),
+                       tensor_bytes=ps["tensor_bytes"], metrics=ps["metrics"])
+            n_tensors += len(m["tensors"])
+            tensor_bytes += ps["tensor_bytes"]
+            for f, n in ps["files"].items():
+                files[f"{part['name']}/{f}"] = n
+            for g, c in ps["groups"].items():
+                acc = groups.setdefault(g, {"tensors": 0, "bytes": 0})
+                acc["tensors"] += c["tensors"]
+                acc["bytes"] += c["bytes"]
+            problems.extend(f"{part['name']}: {x}" for x in ps["problems"])
+        part_rows.append(row)
+    ref_rank, rs = ref if ref is not None else (None, {})
+    return {
+        "path": os.path.abspath(path),
+        "run_dir": os.path.abspath(run_dir) if run_dir else None,
+        "format": manifest.get("format"),
+        "format_version": manifest.get("format_version"),
+        "step": manifest.get("step"),
+        "start_step": manifest.get("start_step"),
+        "mode": manifest.get("mode"),
+        "overlap_steps": manifest.get("overlap_steps"),
+        "written": _iso(_mtime(path)),
+        "ranks": {"world_size": manifest.get("world_size", world), "ranks": list(
+            p["name"] for p in parts)},
+        "disk_bytes": _disk_usage(path),
+        "tensor_count": n_tensors,
+        "tensor_bytes": tensor_bytes,
+        "files": files,
+        "checksums": rs.get("checksums", []),
+        "groups": groups,
+        "described_rank": ref_rank,
+        "model": rs.get("model"),
+        "optimizer": rs.get("optimizer"),
+        "scheduler": rs.get("scheduler"),
+        "extra_state": rs.get("extra_state"),
+        "metrics": None,
+        "parts": part_rows,
+        "problems": problems,
+    }
+
+
+def _print_multi(s: dict) -> None:
+    p = print
+    parts = s["parts"]
+    world = len(parts)
+    where = f"  (latest of {s['run_dir']})" if s["run_dir"] else ""
+    p(f"checkpoint   {s['path']}{where}")
+    step = s["step"]
+    span = ""
+    if s["start_step"] is not None and step is not None:
+        span = f"  (captured over steps {s['start_step']}..{step})"
+    p(f"step         {step if step is not None else '-'}{span}")
+    k = s["overlap_steps"]
+    p(f"mode         {s['mode'] or '-'}" + (f", overlap_steps K={k}" if k is not None else ""))
+    p(f"format       {s['format']} v{s['format_version']}, checksums: "
+      f"{', '.join(s['checksums']) or '-'}")
+    p(f"written      {_date(_mtime(s['path']))}")
+    n_ok = sum(r["tensors"] is not None for r in parts)
+    missing = f", {world - n_ok} MISSING or unreadable" if n_ok < world else ""
+    p(f"ranks        {world} (written by {world} ranks, one part each: "
+      f"{_names_span([r['name'] for r in parts])}{missing})")
+    p(f"size         {_human(s['disk_bytes'])} on disk; tensors {_human(s['tensor_bytes'])} in "
+      f"{s['tensor_count']} tensors, summed over {n_ok} part(s)")
+    ref = s["described_rank"]
+    m = s["model"]
+    if m is not None:
+        tied = f", {len(m['aliases'])} tied alias(es)" if m["aliases"] else ""
+        p(f"model        {m['params']} parameters ({m['param_elements']:,} elements, "
+          f"{_human(m['param_bytes'])}), {len(m['buffers'])} buffers{tied}  [rank {ref}]")
+    o = s["optimizer"]
+    if o:
+        groups = o.get("param_groups") or []
+        lr = sorted({g.get("lr") for g in groups if isinstance(g.get("lr"), (int, float))})
+        lrs = f", lr {', '.join(f'{x:g}' for x in lr)}" if lr else ""
+        p(f"optimizer    {o['class']}, {len(groups)} param group(s){lrs}; per-element state "
+          f"{', '.join(o['aligned_state']) or 'none'} for {o['aligned_params']} parameters"
+          f"  [rank {ref}]")
+    if ref is not None:
+        p(f"scheduler    {'none' if s['scheduler'] is None else s['scheduler']}  [rank {ref}]")
+        p(f"extra_state  {'none' if s['extra_state'] is None else s['extra_state']}  [rank {ref}]")
+    for prob in s["problems"]:
+        p(f"problem      {prob}")
+
+    p("")
+    p("parts")
+    rows = []
+    for r in parts:
+        if r["tensors"] is None:
+            status = f"MISSING: {r['error']}"
+        elif r["problems"]:
+            status = "INCONSISTENT"
+        else:
+            status = "ok"
+        rows.append([str(r["rank"]), r["name"], "-" if r["step"] is None else str(r["step"]),
+                     "-" if r["tensors"] is None else str(r["tensors"]),
+                     _human(r["tensor_bytes"]), _human(r["disk_bytes"]), status])
+    for line in _table(rows, ["RANK", "PART", "STEP", "TENSORS", "TENSOR BYTES", "ON DISK",
+                              "STATUS"], right={0, 2, 3, 4, 5}):
+        p("  " + line)
+
+    with_metrics = [r for r in parts if r["metrics"]]
+    if with_metrics:
+        p("")
+        if len(with_metrics) <= _MAX_RANK_COLUMNS:
+            p("timings (per rank)")
+            header = [""] + [f"rank {r['rank']}" for r in with_metrics] + ["max"]
+        else:
+            p(f"timings (rank {with_metrics[0]['rank']} and the max over {len(with_metrics)} "
+              "ranks)")
+            header = ["", f"rank {with_metrics[0]['rank']}", "max", "max at"]
+        trows = []
+        for key, label, _what in _TIMINGS:
+            vals = [r["metrics"].get(key) for r in with_metrics]
+            nums = [(v, r["rank"]) for v, r in zip(vals, with_metrics)
+                    if isinstance(v, (int, float))]
+            mx = max(nums) if nums else None
+            if len(with_metrics) <= _MAX_RANK_COLUMNS:
+                trows.append([label] + [_fmt_s(v) for v in vals] +
+                             [_fmt_s(mx[0]) if mx else "-"])
+            else:
+                trows.append([label, _fmt_s(vals[0]), _fmt_s(mx[0]) if mx else "-",
+                              f"rank {mx[1]}" if mx else "-"])
+        for line in _table(trows, header, right=set(range(1, len(header)))):
+            p("  " + line)
+        mism = [r["metrics"].get("self_check_mismatches") for r in with_metrics]
+        if any(isinstance(x, int) and x for x in mism):
+            p("  self-check mismatches: " + ", ".join(
+                f"rank {r['rank']} {x}" for r, x in zip(with_metrics, mism) if x))
+
+    p("")
+    groups = ", ".join(f"{g} {c['tensors']} ({_human(c['bytes'])})" for g, c in s["groups"].items())
+    p(f"tensors      {s['tensor_count']} over {n_ok} part(s): {groups}")
+    p(f"  one part's tensor table, timings and model: gockpt inspect {s['path']} --rank R")
+
+
+def _names_span(names: list) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]} .. {names[-1]}"
+
+
+def _inspect_part(path: str, parts: list, rank: int) -> tuple:
+    """(summary, manifest) of one part, marked with the checkpoint it belongs to."""
+    part = _select_part(path, parts, rank)
+    s = _summary(part["path"], part["manifest"], None)
+    s["part_of"] = {"checkpoint": os.path.abspath(path), "rank": rank, "name": part["name"],
+                    "world_size": len(parts)}
+    s["problems"] = part["problems"] + s["problems"]
+    return s, part["manifest"]
+
+
 def cmd_inspect(args) -> int:
     path, run_dir, warns = _resolve(args.path)
     _warn(warns)
     manifest = _read_manifest(path)
-    s = _summary(path, manifest, run_dir)
+    parts = _parts(path, manifest)
+    if parts is not None and args.rank is None:
+        s = _multi_summary(path, manifest, run_dir, parts)
+        if args.json:
+            print(json.dumps(s, indent=2, default=str))
+        else:
+            _print_multi(s)
+        bad = [r for r in s["parts"] if r["tensors"] is None]
+        if bad:
+            print(f"{PROG}: error: {path}: part(s) missing or unreadable: "
+                  f"{', '.join(r['name'] for r in bad)}", file=sys.stderr)
+            return 1
+        return 0
+    if parts is not None:
+        s, manifest = _inspect_part(path, parts, args.rank)
+        if run_dir:
+            s["run_dir"] = os.path.abspath(run_dir)
+    else:
+        _no_rank_for_single(path, args.rank)
+        s = _summary(path, manifest, run_dir)
     if args.json:
         s["tensors"] = {name: dict(e, holds=r) for (name, e), r in
                         zip(manifest["tensors"].items(),
@@ -437,8 +735,11 @@ def cmd_inspect(args) -> int:
 # ---------------------------------------------------------------------------------- verify
 
 
-def _verify_one(path: str) -> dict:
-    """Check every tensor of ``path`` one by one; never stops at the first bad one."""
+def _verify_one(path: str, *, parts: bool = True) -> dict:
+    """Check every tensor of ``path`` one by one; never stops at the first bad one.
+
+    A checkpoint written by several ranks is checked part by part (``parts=False``: only this
+    directory, as for a part itself)."""
     result = {"path": os.path.abspath(path), "step": None, "ok": False, "tensors": 0,
               "bytes": 0, "bad": [], "problems": []}
     try:
@@ -447,6 +748,8 @@ def _verify_one(path: str) -> dict:
         result["problems"].append(_one_line(exc))
         return result
     result["step"] = manifest.get("step")
+    if parts and manifest.get("ranks") is not None:
+        return _verify_parts(path, manifest, result)
     entries = manifest["tensors"]
     small = {}
     for name, e in entries.items():
@@ -496,12 +799,52 @@ def _verify_one(path: str) -> dict:
     return result
 
 
+def _verify_parts(path: str, manifest: dict, result: dict) -> dict:
+    """Verify every part of a checkpoint written by several ranks into ``result``.
+
+    Bad tensors are named with their part (``file`` is ``rank-00001/data.safetensors``,
+    ``rank`` is 1); a listed part whose directory or manifest is gone or unreadable is a
+    ``missing`` entry and fails the checkpoint."""
+    result.update(world_size=None, parts=[], missing=[])
+    try:
+        parts = _parts(path, manifest)
+    except BadCheckpoint as exc:
+        result["problems"].append(str(exc))
+        return result
+    result["world_size"] = len(parts)
+    result["problems"].extend(_world_problems(manifest, parts))
+    for part in parts:
+        name = part["name"]
+        row = {"rank": part["rank"], "name": name, "path": part["path"], "ok": False,
+               "tensors": 0, "bytes": 0, "bad": 0, "problems": 0}
+        result["parts"].append(row)
+        if part["manifest"] is None:
+            row["error"] = part["error"]
+            result["missing"].append({"rank": part["rank"], "part": name,
+                                      "error": part["error"]})
+            continue
+        sub = _verify_one(part["path"], parts=False)
+        for b in sub["bad"]:
+            result["bad"].append(dict(b, file=f"{name}/{b['file']}", rank=part["rank"]))
+        probs = part["problems"] + [f"{name}: {x}" for x in sub["problems"]]
+        result["problems"].extend(probs)
+        result["tensors"] += sub["tensors"]
+        result["bytes"] += sub["bytes"]
+        row.update(ok=sub["ok"] and not part["problems"], tensors=sub["tensors"],
+                   bytes=sub["bytes"], bad=len(sub["bad"]), problems=len(probs))
+    result["ok"] = not result["bad"] and not result["problems"] and not result["missing"]
+    return result
+
+
 def _print_verify(r: dict, n_total: Optional[int] = None) -> None:
     step = f" (step {r['step']})" if r["step"] is not None else ""
+    ranks = f"{r['world_size']} ranks, " if r.get("world_size") else ""
     if r["ok"]:
-        print(f"OK       {r['path']}{step}: {r['tensors']} tensors, {_human(r['bytes'])}, "
+        print(f"OK       {r['path']}{step}: {ranks}{r['tensors']} tensors, {_human(r['bytes'])}, "
               "all checksums match")
         return
+    for m in r.get("missing", ()):
+        print(f"MISSING  part {m['part']} (rank {m['rank']} of {r['world_size']}): {m['error']}")
     for b in r["bad"]:
         err = b["error"]
         if repr(b["tensor"]) not in err or str(b["file"]) not in err:
@@ -513,7 +856,16 @@ def _print_verify(r: dict, n_total: Optional[int] = None) -> None:
     if r["step"] is None and not total:
         print(f"FAILED   {r['path']}: the manifest is unreadable; no tensor could be checked")
         return
-    print(f"FAILED   {r['path']}{step}: {len(r['bad'])} of {total} tensors bad"
+    missing = r.get("missing") or []
+    where = ""
+    if r.get("parts"):
+        checked = len(r["parts"]) - len(missing)
+        where = f" in {checked} of {r['world_size']} part(s)"
+        by_part = [f"{p['name']} {p['bad']}" for p in r["parts"] if p["bad"]]
+        if by_part:
+            where += f" ({', '.join(by_part)})"
+    print(f"FAILED   {r['path']}{step}: {len(r['bad'])} of {total} tensors bad{where}"
+          + (f", {len(missing)} part(s) missing or unreadable" if missing else "")
           + (f", {len(r['problems'])} other problem(s)" if r["problems"] else ""))
 
 
@@ -614,6 +966,21 @@ def cmd_export(args) -> int:
     path, _run, warns = _resolve(args.path)
     _warn(warns)
     manifest = _read_manifest(path)
+    parts = _parts(path, manifest)
+    source = ""
+    meta_ranks = {}
+    if parts is not None:
+        rank = 0 if args.rank is None else args.rank
+        part = _select_part(path, parts, rank)
+        if part["problems"]:
+            raise BadCheckpoint(f"{path}: {'; '.join(part['problems'])}")
+        _warn([f"{path}: part {q['name']} (rank {q['rank']}) is missing or unreadable; "
+               f"exporting rank {rank}'s part anyway" for q in parts if q["manifest"] is None])
+        source = f" (rank {rank} of {len(parts)}, part {part['name']})"
+        meta_ranks = {"gockpt_rank": str(rank), "gockpt_world_size": str(len(parts))}
+        path, manifest = part["path"], part["manifest"]
+    else:
+        _no_rank_for_single(path, args.rank)
     try:
         tensors = storage.read_tensors(path, manifest, verify=True)
     except CorruptCheckpointError as exc:
@@ -632,12 +999,14 @@ def cmd_export(args) -> int:
         for alias, canon in aliases.items():
             notes.append(f"tied parameter {alias!r} written as a separate copy of {canon!r}")
         meta = {"format": "pt", "gockpt_step": str(step), "gockpt_mode": str(manifest.get("mode")),
-                "gockpt_source": os.path.abspath(path)}
+                "gockpt_source": os.path.abspath(path), **meta_ranks}
         _atomic_write(args.out, lambda tmp: save_file(out, tmp, metadata=meta))
         written = out
         what = "model state_dict"
     else:
         obj = {"model": sd, "step": step}
+        if meta_ranks:
+            obj["rank"], obj["world_size"] = rank, len(parts)
         if manifest.get("optimizer") is not None:
             obj["optimizer"] = _optimizer_state(path, manifest, tensors)
         try:
@@ -651,7 +1020,7 @@ def cmd_export(args) -> int:
         what = "model state_dict" + (" + optimizer state_dict" if "optimizer" in obj else "") \
             + (" + scheduler" if "scheduler" in obj else "")
     nbytes = sum(t.numel() * t.element_size() for t in written.values())
-    print(f"wrote {args.out}: {what} of step {step} from {os.path.abspath(path)} "
+    print(f"wrote {args.out}: {what} of step {step} from {os.path.abspath(path)}{source} "
           f"({len(written)} model tensors, {_human(nbytes)})")
     for n in notes:
         print(f"note: {n}")
@@ -677,12 +1046,23 @@ def _list_rows(root: str) -> list:
     rows = []
     for name in names:
         path = os.path.join(root, name)
-        row = {"name": name, "path": os.path.abspath(path), "step": None,
+        row = {"name": name, "path": os.path.abspath(path), "step": None, "world_size": None,
                "bytes": _disk_usage(path), "date": _iso(_mtime(path)), "_mtime": _mtime(path),
                "latest": name == latest, "status": "committed"}
         try:
-            row["step"] = storage.read_manifest(path).get("step")
-        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            manifest = storage.read_manifest(path)
+            row["step"] = manifest.get("step")
+            row["world_size"] = 1
+            names_ = _part_names(path, manifest)
+            if names_ is not None:
+                row["world_size"] = len(names_)
+                # Cheap: a part's manifest is its commit mark; `verify` reads the parts.
+                gone = [n for n in names_
+                        if not os.path.isfile(os.path.join(path, n, storage.MANIFEST_FILE))]
+                if gone:
+                    row["status"] = "missing part"
+                    row["error"] = f"part(s) missing: {', '.join(gone)}"
+        except (CorruptCheckpointError, CheckpointNotFoundError, BadCheckpoint) as exc:
             row["status"] = "corrupt manifest"
             row["error"] = _one_line(exc)
         if row["latest"] and latest_note:
@@ -696,7 +1076,7 @@ def _list_rows(root: str) -> list:
         if name.startswith(storage.TMP_PREFIX):
             path = os.path.join(root, name)
             rows.append({"name": name, "path": os.path.abspath(path), "step": None,
-                         "bytes": _disk_usage(path), "date": _iso(_mtime(path)),
+                         "world_size": None, "bytes": _disk_usage(path), "date": _iso(_mtime(path)),
                          "_mtime": _mtime(path), "latest": False, "status": "incomplete"})
     return rows
 
@@ -730,12 +1110,15 @@ def cmd_list(args) -> int:
             status = "incomplete (leftover temporary of an interrupted write)"
         elif r["status"] != "committed":
             status = (status + " " if status else "") + r["status"].upper()
+            if r["status"] == "missing part":
+                status += f" ({r['error']})"
         table.append(["*" if r["latest"] else " ", r["name"],
                       "-" if r["step"] is None else str(r["step"]),
+                      "-" if r["world_size"] is None else str(r["world_size"]),
                       _human(r["bytes"]), _date(r["_mtime"]), status])
     if table:
-        for line in _table(table, [" ", "NAME", "STEP", "SIZE", "DATE", "STATUS"],
-                           right={2, 3}):
+        for line in _table(table, [" ", "NAME", "STEP", "RANKS", "SIZE", "DATE", "STATUS"],
+                           right={2, 3, 4}):
             print(line)
     n_tmp = sum(r["status"] == "incomplete" for r in rows)
     if n_tmp:
@@ -771,6 +1154,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("path", metavar="PATH")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--brief", action="store_true", help="omit the per-tensor table")
+    s.add_argument("--rank", type=int, metavar="R",
+                   help="checkpoint written by several ranks: show rank R's part in full "
+                        "(tensor table, timings, model)")
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("verify", help="check every checksum; exit 1 naming each bad tensor")
@@ -787,6 +1173,8 @@ def _parser() -> argparse.ArgumentParser:
                         "torch: torch.save({'model', 'optimizer', 'step'[, 'scheduler']})")
     s.add_argument("out", metavar="OUT")
     s.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    s.add_argument("--rank", type=int, metavar="R",
+                   help="checkpoint written by several ranks: export rank R's part (default 0)")
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("list", help="checkpoints of a run directory, latest and leftovers")

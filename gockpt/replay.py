@@ -47,6 +47,7 @@ class StepRecord:
     ticket: object = None                # transfer ticket of the gradient copies
     release: object = None               # returns the gradient buffer to its pool
     nbytes: int = 0
+    final: bool = False                  # the update that produces version F
 
 
 def _refuse(optimizer, why: str):
@@ -216,6 +217,8 @@ class Replayer:
                     t0 = time.perf_counter()
                     for block in record.blocks:
                         self.adapter.apply(record, block, job.host, self.threads)
+                        if record.final and job.on_final is not None:
+                            job.on_final(job, block)  # at F: may be written right away
                     job.metrics.replay_s += time.perf_counter() - t0
             except BaseException as exc:
                 job.fail(exc)

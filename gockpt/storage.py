@@ -31,6 +31,8 @@ new one, plus perhaps a ``.tmp-*`` entry that ``cleanup_temporaries`` removes.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import math
 import mmap
@@ -731,6 +733,80 @@ def _empty_for_read(shape: list, dtype: torch.dtype, nbytes: int) -> torch.Tenso
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
 
 
+_libc = None
+_LOW_BIT = bytes(i & 1 for i in range(256))
+# Residency is sampled: per item, up to _RES_SAMPLES windows of _RES_WINDOW pages, evenly spread.
+_RES_SAMPLES = 16
+_RES_WINDOW = 16
+
+
+def _cached_items(fpath: str, items: list):
+    """For each read item (offset, nbytes, ...): whether most of its pages are in the page cache,
+    from mincore(2) on a read-only mapping of the file (sampled windows; nothing is read or
+    faulted in). None if it cannot be asked (no mincore, mmap refused). Note: Linux reports
+    page-cache state only to a process that owns the file or may write it; for others every
+    item counts as not cached.
+    """
+    global _libc
+    if not hasattr(os, "posix_fadvise"):  # POSIX systems with mincore only
+        return None
+    page = mmap.PAGESIZE
+    lo = min(it[0] for it in items) // page * page
+    hi = max(it[0] + it[1] for it in items)
+    length = hi - lo
+    if length <= 0:
+        return None
+    try:
+        if _libc is None:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            lib.mmap.restype = ctypes.c_void_p
+            lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_long]
+            lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            lib.mincore.restype = ctypes.c_int
+            _libc = lib
+        fd = os.open(fpath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
+        finally:
+            os.close(fd)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            return None
+        try:
+            vec = ctypes.create_string_buffer(_RES_WINDOW)
+            out = []
+            for it in items:
+                first = (it[0] - lo) // page
+                npages = -(-(it[0] + it[1] - lo) // page) - first
+                nwin = min(_RES_SAMPLES, -(-npages // _RES_WINDOW))
+                resident = total = 0
+                for j in range(nwin):
+                    p0 = first + (npages - _RES_WINDOW) * j // max(1, nwin - 1) if npages > _RES_WINDOW else first
+                    n = min(_RES_WINDOW, npages)
+                    if _libc.mincore(addr + p0 * page, n * page, vec) != 0:
+                        return None
+                    resident += vec.raw[:n].translate(_LOW_BIT).count(1)
+                    total += n
+                out.append(2 * resident >= total)
+            return out
+        finally:
+            _libc.munmap(addr, length)
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def _split_by_residency(fpath: str, items: list) -> list:
+    """Split read ``items`` into [(indices, direct)] groups: items mostly in the page cache are read
+    buffered (a memcpy from the cache, where O_DIRECT would read the disk again), the others with
+    O_DIRECT (no second copy through the cache). Cached group first; file order within each."""
+    cached = _cached_items(fpath, items)
+    if cached is None:
+        return [(list(range(len(items))), True)]
+    groups = ([i for i, c in enumerate(cached) if c], False), ([i for i, c in enumerate(cached) if not c], True)
+    return [g for g in groups if g[0]]
+
+
 def read_tensors(path: str, manifest: dict, names=None, *, verify: bool = True, out: dict | None = None,
                  threads: int | None = None, direct: bool | None = None) -> dict:
     """Read tensors of checkpoint ``path`` into CPU tensors, in parallel.
@@ -739,8 +815,10 @@ def read_tensors(path: str, manifest: dict, names=None, *, verify: bool = True, 
     (default: all). Tensors named in ``out`` (name -> CPU tensor of the stored dtype and
     shape) are read straight into those tensors (returned as the same objects); the others
     into new tensors. Every block's crc32c is checked unless ``verify=False``. Reads use
-    ``threads`` threads (default: twice the cores / ``GOCKPT_IO_THREADS``) and O_DIRECT
-    unless ``direct=False`` / ``GOCKPT_IO_DIRECT=0``.
+    ``threads`` threads (default: twice the cores / ``GOCKPT_IO_THREADS``). ``direct=None``
+    (default): tensors whose bytes are mostly in the page cache (e.g. a restart right after the
+    checkpoint was written, or a second read) are read buffered, the others with O_DIRECT;
+    ``direct=True`` forces O_DIRECT, ``direct=False`` / ``GOCKPT_IO_DIRECT=0`` buffered reads.
 
     Raises ``CorruptCheckpointError`` naming the checkpoint, file and tensor (and the block) on
     a checksum mismatch, truncation, missing file or missing tensor; ``LoadError`` if an
@@ -809,9 +887,25 @@ def read_tensors(path: str, manifest: dict, names=None, *, verify: bool = True, 
                 items.append((offset, nbytes, target.data_ptr(), bb, list(e["crc32c"]) if verify else []))
                 item_names.append(name)
         if items:
-            err, msg, bad_item, _direct, mismatches, truncated = _io.read_into(
-                fpath, items, verify=verify, threads=threads, direct=direct)
+            if direct is None and _io.default_direct():
+                groups = _split_by_residency(fpath, items)
+            else:
+                groups = [(list(range(len(items))), direct)]
             where = f"checkpoint {path!r}: file {fpath!r}"
+            err = 0
+            mismatches, truncated = [], []
+            for idx, gdirect in groups:
+                gerr, gmsg, gbad, _direct, gmis, gtrunc = _io.read_into(
+                    fpath, [items[i] for i in idx], verify=verify, threads=threads, direct=gdirect)
+                # Indices back to ``items``.
+                truncated += [(idx[i], eof) for i, eof in gtrunc]
+                mismatches += [(idx[i], k, got) for i, k, got in gmis]
+                if gerr and not err:
+                    err, msg, bad_item = gerr, gmsg, (idx[gbad] if gbad >= 0 else -1)
+                if gerr or gtrunc:
+                    break
+            truncated.sort()
+            mismatches.sort()
             if truncated:
                 i, eof = truncated[0]
                 raise CorruptCheckpointError(f"{where}: tensor {item_names[i]!r}: the file ended at byte {eof}: "

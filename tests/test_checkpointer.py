@@ -181,3 +181,41 @@ def test_host_memory_is_planned_and_capped(tmp_path):
     ck.close()
     with pytest.raises(gockpt.ConfigError, match="max_host_bytes"):
         gockpt.Checkpointer(model, opt, str(tmp_path), max_host_bytes=planned - 1)
+
+
+def test_blocks_are_streamed_to_storage_as_they_reach_F(tmp_path, monkeypatch):
+    import threading
+    from gockpt import replay
+    calls = []
+    opened = threading.Event()
+    real_apply = replay.AdamAdapter.apply
+
+    def slow_final_apply(self, record, block, host, threads):
+        # a large model's replay of step F outlasts the opening of the writer; here the
+        # replay of step F waits for it, so that the interleaving is deterministic
+        if record.final:
+            assert opened.wait(60)
+        real_apply(self, record, block, host, threads)
+
+    class Recording(storage.CheckpointWriter):
+        def begin(self, layout):
+            super().begin(layout)
+            opened.set()
+
+        def write(self, name, tensor, *, start=0):
+            calls.append((threading.current_thread().name, name))
+            return super().write(name, tensor, start=start)
+
+        def finish(self):
+            calls.append((threading.current_thread().name, "finish"))
+            return super().finish()
+
+    monkeypatch.setattr(storage, "CheckpointWriter", Recording)
+    monkeypatch.setattr(replay.AdamAdapter, "apply", slow_final_apply)
+    snaps, handles = run_and_snapshot(tmp_path, "gockpt-o", 3, force=(5,), steps=10)
+    threads_before_finish = {t for t, n in calls[:calls.index(("gockpt-persist", "finish"))]}
+    # blocks finished by the replay of step F were written from the replay thread, before
+    # the commit, and the checkpoint is still exactly the live state at F
+    assert "gockpt-replay" in threads_before_finish
+    _, state = load_snapshot(tmp_path, None)
+    H.assert_same(snaps[handles[0].final_step], state)

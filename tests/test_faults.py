@@ -126,7 +126,8 @@ class PermissionDenied(storage.CheckpointWriter):
     """A storage plugin that fails as a file system denying access would (root ignores
     file modes here, so the fault is injected)."""
 
-    def write_tensors(self, tensors):
+    def begin(self, layout):
+        self.abort()
         raise PermissionError(errno.EACCES, "Permission denied", self.tmp_path)
 
 
