@@ -425,7 +425,8 @@ def _fmt_s(x) -> str:
     return f"{x:.4f}s" if isinstance(x, (int, float)) else "-"
 
 
-def _print_inspect(s: dict, manifest: dict, show_tensors: bool) -> None:
+def _print_header(s: dict, none: str = "none") -> None:
+    """The first lines of every inspect output (single- and multi-rank)."""
     p = print
     where = f"  (latest of {s['run_dir']})" if s["run_dir"] else ""
     p(f"checkpoint   {s['path']}{where}")
@@ -437,8 +438,13 @@ def _print_inspect(s: dict, manifest: dict, show_tensors: bool) -> None:
     k = s["overlap_steps"]
     p(f"mode         {s['mode'] or '-'}" + (f", overlap_steps K={k}" if k is not None else ""))
     p(f"format       {s['format']} v{s['format_version']}, checksums: "
-      f"{', '.join(s['checksums']) or 'none'}")
+      f"{', '.join(s['checksums']) or none}")
     p(f"written      {_date(_mtime(s['path']))}")
+
+
+def _print_inspect(s: dict, manifest: dict, show_tensors: bool) -> None:
+    p = print
+    _print_header(s)
     r = s["ranks"]
     if s.get("part_of"):
         po = s["part_of"]
@@ -594,18 +600,7 @@ def _print_multi(s: dict) -> None:
     p = print
     parts = s["parts"]
     world = len(parts)
-    where = f"  (latest of {s['run_dir']})" if s["run_dir"] else ""
-    p(f"checkpoint   {s['path']}{where}")
-    step = s["step"]
-    span = ""
-    if s["start_step"] is not None and step is not None:
-        span = f"  (captured over steps {s['start_step']}..{step})"
-    p(f"step         {step if step is not None else '-'}{span}")
-    k = s["overlap_steps"]
-    p(f"mode         {s['mode'] or '-'}" + (f", overlap_steps K={k}" if k is not None else ""))
-    p(f"format       {s['format']} v{s['format_version']}, checksums: "
-      f"{', '.join(s['checksums']) or '-'}")
-    p(f"written      {_date(_mtime(s['path']))}")
+    _print_header(s, "-")
     n_ok = sum(r["tensors"] is not None for r in parts)
     missing = f", {world - n_ok} MISSING or unreadable" if n_ok < world else ""
     p(f"ranks        {world} (written by {world} ranks, one part each: "
