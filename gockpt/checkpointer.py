@@ -12,125 +12,50 @@ A checkpoint started at step boundary N spans K steps and holds version F = N + 
 ``sync``/``async`` copy everything at boundary N (K = 1, blocking); ``async-o`` is K = 1 with the
 copies under one step; ``gockpt`` waits for gradient copies in the step, ``gockpt-o`` at the next
 ``backward_begin``.
+
+This module decides *when* (the hooks, starting, K, the interval, errors); each stage lives in
+its own module, in pipeline order:
+
+    plan.py       which blocks, in which groups
+    capture.py    what the hooks queue: state groups, small state at F, gradient records
+    transfer.py   the copy engine (device -> host)
+    replay.py     brings every block captured before F up to F
+    selfcheck.py  replayed blocks must equal a direct copy at F
+    persist.py    the persist thread: stream blocks at F, commit, retention
+    storage.py    the on-disk format and the atomic commit
+    job.py        one checkpoint's handle and book-keeping, shared by all of them
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import math
-import queue
-import shutil
-import random
+import os
 import statistics
 import threading
 import time
 import warnings
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 
-from . import metrics as metrics_mod
-from . import smallstate, storage, tree
+from . import selfcheck, storage
+from .capture import Capture
 from .config import Config
 from .device import device_for
-from .errors import (CheckpointFailedError, ConfigError, ConsistencyError, GockptError,
-                     HookOrderError, StorageError)
-from .plan import Block, build_plan, flat
+from .errors import CheckpointFailedError, ConfigError, GockptError, HookOrderError
+from .job import CheckpointHandle, Job
+from .persist import Persister, ensure_writable
+from .plan import Block, build_plan
 from .ranks import Ranks
-from .replay import Replayer, StepRecord, adapter_for
+from .replay import Replayer, adapter_for
 from .staging import GradPool, HostCopy
-from .transfer import GRADIENT, STATE, CopyEngine
+from .transfer import CopyEngine
 
 log = logging.getLogger("gockpt")
 
 # Loop phases: which hook may come next.
 _IDLE, _BACKWARD, _UPDATE = "idle (after save_checkpoint)", "backward", "update"
-
-
-class CheckpointHandle:
-    """A checkpoint in flight. ``final_step`` is known when it starts."""
-
-    def __init__(self, final_step: int, path: str):
-        self.final_step = final_step
-        self.path = path
-        self.error: Optional[BaseException] = None
-        self._staged = threading.Event()
-        self._durable = threading.Event()
-        self._reported = False
-
-    def done(self) -> bool:
-        """True once the checkpoint is durable (or has failed)."""
-        return self._durable.is_set()
-
-    def wait_staged(self, timeout: Optional[float] = None) -> None:
-        """Block until version F is complete and consistent in host memory."""
-        self._staged.wait(timeout)
-        self._raise()
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until the checkpoint is written, fsynced and committed; re-raise its error."""
-        self._durable.wait(timeout)
-        self._raise()
-
-    def _raise(self):
-        if self.error is not None:
-            self._reported = True
-            raise CheckpointFailedError(
-                f"checkpoint of step {self.final_step} failed: {self.error}",
-                self.final_step) from self.error
-
-    def __repr__(self):
-        state = "failed" if self.error else "durable" if self.done() else \
-            "staged" if self._staged.is_set() else "in flight"
-        return f"CheckpointHandle(final_step={self.final_step}, {state}, path={self.path!r})"
-
-
-class _Job:
-    """Book-keeping of one checkpoint (owned by the Checkpointer)."""
-
-    def __init__(self, start_step, k, start_boundary, groups, mode, state_bytes, path):
-        self.k = k
-        self.start_boundary = start_boundary
-        self.f_boundary = start_boundary + k - 1
-        self.groups: List[List[Block]] = groups
-        self.captured: List[Block] = []
-        self.tickets: Dict[int, object] = {}
-        self.grad_tickets: List = []
-        self.recorded = set()
-        self.capturing = True
-        self.small = None            # manifest parts frozen at F
-        self.small_tensors: Dict[str, torch.Tensor] = {}
-        self.aligned: Dict[int, tuple] = {}
-        self.samples = []
-        self.error: Optional[BaseException] = None
-        self.t_start = time.perf_counter()
-        self.handle = CheckpointHandle(start_step + k - 1, path)
-        self.metrics = metrics_mod.CheckpointMetrics(start_step, start_step + k - 1, mode, k,
-                                                     state_bytes=state_bytes)
-        self.host = None
-        self.on_fail: Optional[Callable] = None
-        self.persist_entered = False
-        self.dropped = False
-        # Streaming: blocks at version F are written while others still replay.
-        self.writer = None
-        self.stream_lock = threading.Lock()
-        self.written = set()
-        self.final_blocks: List[Block] = []   # at F, waiting for the writer to open
-        self.on_final: Optional[Callable] = None
-
-    def fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-            self.handle.error = exc
-            with self.stream_lock:
-                if self.writer is not None:
-                    self.writer.abort()
-            if self.on_fail:
-                self.on_fail(self)
-        self.capturing = False
-        self.handle._staged.set()
-        self.handle._durable.set()
 
 
 class Checkpointer:
@@ -174,7 +99,7 @@ class Checkpointer:
                               "use a fixed interval (or force) and on_busy='wait'")
         self.plan = build_plan(model, optimizer, self.config.block_bytes)
         self.adapter = adapter_for(optimizer) if self.config.replays else None
-        _ensure_writable(self.config.directory)
+        ensure_writable(self.config.directory)
         storage.cleanup_temporaries(self.config.directory)
 
         self.planned_host_bytes = self._plan_host_bytes()
@@ -193,18 +118,19 @@ class Checkpointer:
         self.host: Optional[HostCopy] = None          # allocated at the first checkpoint
         self.grad_pool: Optional[GradPool] = None
         self.replayer = Replayer(self.adapter, self.config.replay_threads) if self.adapter else None
-        self._persist_q: "queue.Queue" = queue.Queue()
-        self._persister = threading.Thread(target=self._persist_loop, name="gockpt-persist",
-                                           daemon=True)
-        self._persister.start()
+        self.capture = Capture(self.plan, model, optimizer, scheduler, self.engine, self.adapter)
+        self.persister = Persister(self.config, self.plan, self.ranks, type(optimizer).__name__,
+                                   step_time=self._median_step_time,
+                                   host_bytes=lambda: self.host_bytes,
+                                   on_durable=self._on_durable)
 
         self._phase = _IDLE
         self._boundary = 0
         self._steps_seen = 0
-        self._job: Optional[_Job] = None
-        self._last: Optional[_Job] = None
+        self._job: Optional[Job] = None
+        self._last: Optional[Job] = None
         self._grad_tickets: List = []
-        self._errors: List[_Job] = []
+        self._errors: List[Job] = []
         self._errors_lock = threading.Lock()
         self._hook_error: Optional[str] = None
         self._t_boundary = time.perf_counter()
@@ -216,7 +142,7 @@ class Checkpointer:
         self._auto_interval: Optional[int] = None
         self._auto_counted = 0
         self._durable_count = 0
-        self._finished: List[_Job] = []   # durable jobs, for interval="auto"
+        self._finished: List[Job] = []   # durable jobs, for interval="auto"
 
         self._pre_hook = optimizer.register_step_pre_hook(self._on_optimizer_step)
         self._orig_zero_grad = optimizer.zero_grad
@@ -292,12 +218,12 @@ class Checkpointer:
                     self._capture_small(job, step, extra_state)
                 j_next = self._boundary - job.start_boundary + 1
                 if j_next <= job.k:
-                    self._enqueue_group(job, j_next)
+                    self.capture.enqueue_group(job, j_next)
             except GockptError as exc:
-                self._fail_now(job, exc)
+                job.fail_reported(exc)
                 raise
             except Exception as exc:
-                self._fail_now(job, exc)
+                job.fail_reported(exc)
                 raise CheckpointFailedError(
                     f"checkpoint of step {job.handle.final_step} failed at the step boundary: "
                     f"{exc}", job.handle.final_step) from exc
@@ -336,27 +262,18 @@ class Checkpointer:
             if job is not None and job.capturing and job.error is None:
                 if self._boundary >= job.f_boundary and job.small is not None \
                         and self._phase == _IDLE:
-                    self._capture_rest(job)
+                    self.capture.copy_rest(job)
                     self._finish_capture(job)
                 else:
                     warnings.warn(
                         f"gockpt: checkpoint of step {job.handle.final_step} was still being "
                         "captured at close() (training stopped before its final step); it is "
                         "dropped and the previous checkpoint stays latest", stacklevel=2)
-                    job.capturing = False
-                    job.dropped = True
-                    with job.stream_lock:
-                        if job.writer is not None:
-                            job.writer.abort()
-                    job.handle.error = CheckpointFailedError("dropped at close()")
-                    job.handle._reported = True
-                    job.handle._staged.set()
-                    job.handle._durable.set()
+                    job.drop()
             self._wait_grad_copies(None)
             if self.replayer is not None:
                 self.replayer.close()
-            self._persist_q.put(None)
-            self._persister.join()
+            self.persister.close()
         finally:
             self.engine.close()
             self._pre_hook.remove()
@@ -410,36 +327,36 @@ class Checkpointer:
         k = self.ranks.agree_max(self._choose_k())
         groups = self.plan.groups(k)
         k = len(groups)
-        job = _Job(step, k, self._boundary, groups, self.config.mode,
+        job = Job(step, k, self._boundary, groups, self.config.mode,
                    0, _checkpoint_path(self.config.directory, step + k - 1))
         job.host = self.host
         job.on_fail = self._on_job_failed
         if not self.ranks.several and self.config.mode != "sync":
-            job.on_final = self.block_final
+            job.on_final = self.persister.block_final
         job.metrics.add_blocked("save_checkpoint_busy_wait", waited)
-        self._declare_state_keys(job)
-        job.metrics.state_bytes = self._job_state_bytes()
+        self.capture.declare_state_keys(self.host)
+        job.metrics.state_bytes = self.capture.state_bytes(self.host)
         self._job = self._last = job
 
         t0 = time.perf_counter()
         try:
             if k == 1:
                 self._capture_small(job, step, extra_state)
-            self._enqueue_group(job, 1)
+            self.capture.enqueue_group(job, 1)
             if self.config.mode in ("sync", "async"):
-                self._capture_rest(job)
+                self.capture.copy_rest(job)
         except GockptError as exc:
-            self._fail_now(job, exc)
+            job.fail_reported(exc)
             raise
         except Exception as exc:
-            self._fail_now(job, exc)
+            job.fail_reported(exc)
             raise CheckpointFailedError(f"checkpoint at step {step} could not start: {exc}",
                                         step) from exc
         finally:
             # Accounted before the job can reach the writer, which records the metrics.
             job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
         if self.config.mode in ("sync", "async"):
-            self._finish_capture(job)  # sync: persists inline, the time counted by _persist
+            self._finish_capture(job)  # sync: persists inline, the time counted by the persister
         if self.config.mode == "sync":
             self._raise_pending()
         return job.handle
@@ -492,75 +409,22 @@ class Checkpointer:
             return 2  # nothing measured yet
         fwd_bwd = statistics.median(self._fwd_bwd_times)
         bandwidth = self.engine.bandwidth() or _probe_bandwidth()
-        copy_s = self._job_state_bytes(assume_replay=True) / bandwidth
+        copy_s = self.capture.state_bytes(self.host, assume_replay=True) / bandwidth
         # Enough steps for the state copies to ride under forward/backward; the paper's
         # analysis finds the best K near 7 on GPUs, beyond which gradient traffic grows
         # faster than the saving.
         return max(1, min(8, math.ceil(copy_s / max(fwd_bwd, 1e-6))))
 
-    def _job_state_bytes(self, assume_replay: bool = False) -> int:
-        if self.host is None or assume_replay:
-            return self.plan.state_bytes(2)
-        total = 0
-        for si, s in enumerate(self.plan.slots):
-            total += s.numel * s.param.element_size()
-            total += sum(self.host.state[si][k].numel() * self.host.state[si][k].element_size()
-                         for k in self.host.keys[si])
-        return total
-
-    def _declare_state_keys(self, job: _Job) -> None:
-        for si, s in enumerate(self.plan.slots):
-            if s.static:
-                continue
-            if self.adapter is not None:
-                self.host.set_keys(si, self.adapter.state_keys, s.param)
-            else:
-                live = self.optimizer.state.get(s.param, {})
-                keys = [k for k, v in live.items() if isinstance(v, torch.Tensor)
-                        and k != "step" and v.shape == s.param.shape]
-                for k in keys:
-                    self.host.set_keys(si, keys, live[k])
-                if not keys:
-                    self.host.set_keys(si, (), s.param)
-
-    # ------------------------------------------------------------------ capture
-
-    def _enqueue_group(self, job: _Job, j: int) -> None:
-        """Queue the copies of group j: they hold the version of the last completed update."""
-        pairs = []
-        for b in job.groups[j - 1]:
-            slot = self.plan.slots[b.slot]
-            s, e = b.start, b.end
-            pairs.append((self.host.param[b.slot][s:e], flat(slot.param)[s:e]))
-            live = self.optimizer.state.get(slot.param, {})
-            for key in self.host.keys[b.slot]:
-                dst = self.host.state[b.slot][key][s:e]
-                if key in live:
-                    pairs.append((dst, flat(live[key])[s:e]))
-                else:
-                    dst.zero_()  # no state yet: the replayed first update starts from zeros
-        job.tickets[j] = self.engine.submit(pairs, STATE)
-
-    def _capture_rest(self, job: _Job) -> None:
-        """Copy every block not yet captured now, blocking (sync/async, or close())."""
-        for j in range(1, job.k + 1):
-            if j not in job.tickets:
-                self._enqueue_group(job, j)
-        for j in range(1, job.k + 1):
-            job.tickets[j].wait()
-        job.captured = [b for g in job.groups for b in g]
-        job.capturing = False
-
-    def _finish_capture(self, job: _Job) -> None:
+    def _finish_capture(self, job: Job) -> None:
         """All blocks captured: replay (if any) then self-check and persist."""
         if job.on_final is not None:
-            self._persist_q.put(("captured", job))  # the last group is at F: write it
+            self.persister.queue_captured(job)  # the last group is at F: write it
         if self.replayer is not None:
             self.replayer.barrier(lambda: self._after_replay(job))
         else:
             self._after_replay(job)
 
-    def _capture_small(self, job: _Job, step: int, extra_state) -> None:
+    def _capture_small(self, job: Job, step: int, extra_state) -> None:
         """Freeze everything small at the boundary of F (and sample blocks for the self-check)."""
         if step != job.handle.final_step:
             warnings.warn(f"gockpt: expected step {job.handle.final_step} at the final boundary "
@@ -568,49 +432,11 @@ class Checkpointer:
                           "every step with consecutive step numbers", stacklevel=4)
             job.handle.final_step = job.metrics.final_step = step
             job.handle.path = _checkpoint_path(self.config.directory, step)
-        if callable(extra_state):
-            extra_state = extra_state()
-        aligned = {}
-        for si, s in enumerate(self.plan.slots):
-            if not s.static and s.param in self.optimizer.state:
-                aligned[s.opt_index] = self.host.keys[si]
-        job.aligned = aligned
-        tensors: Dict[str, torch.Tensor] = {}
-        planned = [id(s.param) for s in self.plan.slots]
-        try:
-            small = {
-                "model": tree.encode(smallstate.model_small(self.model, planned), tensors,
-                                     "small/model"),
-                "optimizer": tree.encode(smallstate.optimizer_small(self.optimizer, aligned),
-                                         tensors, "small/optimizer"),
-                "scheduler": tree.encode(smallstate.scheduler_state(self.scheduler), tensors,
-                                         "small/scheduler"),
-                "rng": tree.encode(smallstate.capture_rng(), tensors, "small/rng"),
-                "extra_state": tree.encode(extra_state, tensors, "small/extra_state"),
-            }
-        except TypeError as exc:
-            raise ConfigError(f"cannot store the state of step {step}: {exc}") from exc
-        job.small, job.small_tensors = small, tensors
-        self._sample_for_self_check(job)
+        self.capture.freeze_small(job, step, extra_state)
+        if self.adapter is not None:
+            selfcheck.sample(job, self.plan, self.optimizer, self.config.self_check)
         if job.on_final is not None:
-            self._persist_q.put(("open", job))
-
-    def _sample_for_self_check(self, job: _Job) -> None:
-        frac = self.config.self_check
-        replayed = list(job.captured)  # captured before F: their copies get replayed
-        if not replayed or frac <= 0 or self.adapter is None:
-            return
-        n = max(1, round(frac * len(replayed)))
-        picks = replayed if n >= len(replayed) else random.Random(job.f_boundary).sample(
-            replayed, n)
-        for b in picks:
-            slot = self.plan.slots[b.slot]
-            live = self.optimizer.state.get(slot.param, {})
-            direct = {"param": flat(slot.param)[b.start:b.end].to("cpu", copy=True)}
-            for key in self.host.keys[b.slot]:
-                if key in live:
-                    direct[key] = flat(live[key])[b.start:b.end].to("cpu", copy=True)
-            job.samples.append((b, direct))
+            self.persister.queue_open(job)
 
     # ------------------------------------------------------------------ gradients
 
@@ -620,8 +446,8 @@ class Checkpointer:
             self._hook_error = (f"optimizer.step() ran in phase '{self._phase}': call "
                                 "ck.update_begin() after backward and before optimizer.step()")
             if self._job is not None and self._job.capturing:
-                self._job.fail(HookOrderError(self._hook_error))
-                self._job.handle._reported = True  # reported by the HookOrderError itself
+                # reported by the HookOrderError itself
+                self._job.fail_reported(HookOrderError(self._hook_error))
             return
         job = self._job
         if job is None or not job.capturing or job.error is not None or self.adapter is None:
@@ -637,43 +463,14 @@ class Checkpointer:
         finally:
             job.metrics.add_blocked("optimizer_step", time.perf_counter() - t0)
 
-    def _record_step(self, job: _Job, j: int) -> None:
-        if self.adapter.skipped_by_scaler():
+    def _record_step(self, job: Job, j: int) -> None:
+        record = self.capture.gradients(job, j, self.grad_pool)
+        if record is None:
             return
-        why = self.adapter.unsupported_step()
-        if why:
-            raise ConfigError(f"this optimizer step cannot be replayed: {why}")
-        if j in job.recorded:
-            raise HookOrderError("optimizer.step() ran twice in one training step; gockpt "
-                                 "supports one optimizer step per save_checkpoint() boundary")
-        job.recorded.add(j)
-        steps = {}
-        for si, s in enumerate(self.plan.slots):
-            g = s.param.grad
-            if s.static or g is None:
-                continue
-            if g.is_sparse or g.dtype != s.param.dtype or not g.is_contiguous():
-                raise ConfigError(f"the gradient of {s.name!r} is sparse, non-contiguous or "
-                                  f"{g.dtype}; the replay needs dense {s.param.dtype} gradients")
-            steps[si] = self.adapter.step_count(s.param)
-        blocks = [b for b in job.captured if b.slot in steps]
-        bufs = self.grad_pool.acquire()
-        pairs = []
-        for b in blocks:
-            g = self.plan.slots[b.slot].param.grad
-            pairs.append((self.grad_pool.buffer(bufs, b.slot, g)[b.start:b.end],
-                          flat(g)[b.start:b.end]))
-        ticket = self.engine.submit(pairs, GRADIENT)
-        record = StepRecord(j, self.adapter.scalars(), steps, blocks, bufs,
-                            torch.get_num_threads(), ticket,
-                            lambda bufs=bufs: self.grad_pool.release(bufs), ticket.nbytes,
-                            final=j == job.k - 1)
-        job.metrics.grad_bytes += ticket.nbytes
-        job.grad_tickets.append(ticket)
         if self.config.mode == "gockpt":
-            ticket.wait()
+            record.ticket.wait()
         else:
-            self._grad_tickets.append(ticket)
+            self._grad_tickets.append(record.ticket)
         self.replayer.submit(record, job)
 
     def _wait_grad_copies(self, hook: Optional[str]) -> None:
@@ -697,254 +494,41 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ finishing
 
-    def _after_replay(self, job: _Job) -> None:
+    def _after_replay(self, job: Job) -> None:
         """Every block is at version F (runs on the replay thread, or inline without replay)."""
         if job.error is not None:
             return
         try:
-            self._self_check(job)
+            selfcheck.verify(job, self.plan, self.config.self_check_strict)
         except BaseException as exc:
             job.fail(exc)
             return
         job.metrics.time_to_staged_s = time.perf_counter() - job.t_start
         job.handle._staged.set()
         if self.config.mode == "sync":
-            self._persist(job)
+            self.persister.persist(job)
         else:
-            self._persist_q.put(("close", job))
+            self.persister.queue_persist(job)
 
-    def _self_check(self, job: _Job) -> None:
-        bad = []
-        for b, direct in job.samples:
-            s, e = b.start, b.end
-            if not torch.equal(direct["param"], self.host.param[b.slot][s:e]):
-                bad.append(f"{self.plan.slots[b.slot].name}[{s}:{e}] (param)")
-            for key, ref in direct.items():
-                if key != "param" and not torch.equal(ref, self.host.state[b.slot][key][s:e]):
-                    bad.append(f"{self.plan.slots[b.slot].name}[{s}:{e}] ({key})")
-        job.metrics.self_check_blocks = len(job.samples)
-        job.metrics.self_check_mismatches = len(bad)
-        job.samples = []
-        if bad:
-            msg = (f"self-check: {len(bad)} replayed block(s) differ from a direct copy at step "
-                   f"{job.handle.final_step}: {', '.join(bad[:5])}")
-            if self.config.self_check_strict:
-                raise ConsistencyError(msg + "; the checkpoint is not committed")
-            warnings.warn("gockpt: " + msg)
+    def block_final(self, job: Job, block: Block) -> None:
+        """Replay thread: ``block`` has reached version F (written now if the writer is open)."""
+        self.persister.block_final(job, block)
 
-    def _persist_loop(self) -> None:
-        while True:
-            item = self._persist_q.get()
-            if item is None:
-                return
-            what, job = item
-            if what == "open":
-                self._open_writer(job)
-            elif what == "captured":
-                self._write_captured(job)
-            else:
-                self._persist(job)
+    def _on_durable(self, job: Job) -> None:
+        """Persist thread, once ``job`` is committed: measured for ``interval="auto"``."""
+        self._finished = (self._finished + [job])[-8:]
+        self._durable_count += 1
 
-    # Streaming (single rank): the writer opens at the boundary of F (when the small state and
-    # the layout are known); blocks are written as they reach F -- the last group when it is
-    # captured, the others as the replay of step F finishes each of them; whatever is left
-    # (e.g. a step F skipped by GradScaler) is written at commit time.
-
-    def _layout(self, job: _Job) -> Dict[str, tuple]:
-        layout = {}
-        for si, s in enumerate(self.plan.slots):
-            layout[f"model/{s.name}"] = (s.param.dtype, tuple(s.param.shape))
-            for key in (job.aligned.get(s.opt_index, ()) if not s.static else ()):
-                layout[f"optim/{s.opt_index}/{key}"] = (self.host.state[si][key].dtype,
-                                                        tuple(s.param.shape))
-        for name, t in job.small_tensors.items():
-            layout[name] = (t.dtype, tuple(t.shape))
-        return layout
-
-    def _write_block(self, job: _Job, b: Block) -> None:
-        """Queue block ``b`` (caller holds ``job.stream_lock``; writer open)."""
-        if b in job.written:
-            return
-        job.written.add(b)
-        s = self.plan.slots[b.slot]
-        job.writer.write(f"model/{s.name}", self.host.param[b.slot][b.start:b.end],
-                         start=b.start)
-        for key in (job.aligned.get(s.opt_index, ()) if not s.static else ()):
-            job.writer.write(f"optim/{s.opt_index}/{key}",
-                             self.host.state[b.slot][key][b.start:b.end], start=b.start)
-
-    def _open_writer(self, job: _Job) -> None:
-        if job.error is not None or job.dropped:
-            return
-        try:
-            writer = storage.CheckpointWriter(self.config.directory,
-                                              storage.checkpoint_name(job.handle.final_step))
-            try:
-                writer.begin(self._layout(job))
-                for name, t in job.small_tensors.items():
-                    writer.write(name, t)
-            except BaseException:
-                writer.abort()
-                raise
-            with job.stream_lock:
-                job.writer = writer
-                for b in job.final_blocks:
-                    self._write_block(job, b)
-        except BaseException as exc:
-            job.fail(exc if isinstance(exc, GockptError) else StorageError(
-                f"opening the checkpoint of step {job.handle.final_step} in "
-                f"{self.config.directory} failed: {exc}"))
-
-    def _write_captured(self, job: _Job) -> None:
-        """Every block is captured: the last group (copied at F) and static ones are final."""
-        with job.stream_lock:
-            if job.writer is None or job.error is not None:
-                return
-            try:
-                for b in job.groups[-1]:
-                    self._write_block(job, b)
-                for b in job.captured:
-                    if self.plan.slots[b.slot].static:
-                        self._write_block(job, b)
-            except BaseException as exc:
-                err = exc
-            else:
-                return
-        job.fail(err)
-
-    def block_final(self, job: _Job, block: Block) -> None:
-        """Replay thread: ``block`` has reached version F."""
-        with job.stream_lock:
-            if job.writer is None:
-                job.final_blocks.append(block)
-            elif job.error is None:
-                self._write_block(job, block)
-
-    def _persist(self, job: _Job) -> None:
-        """Write, fsync and commit version F (on several ranks: together, see ranks.py)."""
-        if job.persist_entered:
-            return
-        job.persist_entered = True
-        t0 = time.perf_counter()
-        writer = None
-        name = storage.checkpoint_name(job.handle.final_step)
-        try:
-            if self.ranks.several:
-                write_part = None if job.error is not None else \
-                    (lambda shared: self._write(job, shared, self.ranks.part_name(), t0,
-                                                update_latest=False))
-                top = {"step": job.handle.final_step, "start_step": job.metrics.start_step,
-                       "mode": self.config.mode, "overlap_steps": job.k}
-                path = self.ranks.commit(self.config.directory, name, write_part, top)
-                if job.error is not None:
-                    return
-            else:
-                with job.stream_lock:
-                    writer = job.writer
-                if writer is None:
-                    writer = storage.CheckpointWriter(self.config.directory, name)
-                path = self._write(job, None, name, t0, writer=writer)
-            job.handle.path = path
-            m = job.metrics
-            m.time_to_durable_s = time.perf_counter() - job.t_start
-            if self.ranks.rank == 0:
-                metrics_mod.append(self.config.directory, m)
-                self._apply_retention()
-            self._finished = (self._finished + [job])[-8:]
-            self._durable_count += 1
-            log.info("gockpt: checkpoint of step %d durable at %s", job.handle.final_step, path)
-            job.handle._durable.set()
-        except BaseException as exc:
-            if writer is not None:
-                writer.abort()
-            if not isinstance(exc, GockptError):
-                exc = StorageError(f"writing the checkpoint of step {job.handle.final_step} to "
-                                   f"{self.config.directory} failed: {exc}")
-            job.fail(exc)
-
-    def _write(self, job: _Job, root: Optional[str], name: str, t0: float, *, writer=None,
-               update_latest: bool = True) -> str:
-        """Write this process's tensors and manifest as checkpoint ``name`` in ``root``."""
-        tensors = {}
-        for si, s in enumerate(self.plan.slots):
-            tensors[f"model/{s.name}"] = self.host.param[si].view(s.param.shape)
-        for si, s in enumerate(self.plan.slots):
-            for key in job.aligned.get(s.opt_index, ()) if not s.static else ():
-                tensors[f"optim/{s.opt_index}/{key}"] = \
-                    self.host.state[si][key].view(s.param.shape)
-        tensors.update(job.small_tensors)
-        if writer is None:
-            writer = storage.CheckpointWriter(root, name)
-        try:
-            if job.writer is writer and writer is not None:
-                with job.stream_lock:  # streamed: write only what is left
-                    for b in job.captured:
-                        self._write_block(job, b)
-                writer.finish()
-            else:
-                writer.write_tensors(tensors)
-            m = job.metrics
-            m.copy_s = sum(t.seconds for t in list(job.tickets.values()) + job.grad_tickets)
-            m.persist_s = time.perf_counter() - t0
-            if self.config.mode == "sync":  # the write happened inside save_checkpoint
-                m.add_blocked("save_checkpoint", m.persist_s)
-            m.time_to_durable_s = time.perf_counter() - job.t_start
-            m.step_time_s = statistics.median(self._step_times) if self._step_times else 0.0
-            m.host_bytes = self.host_bytes
-            manifest = {
-                "step": job.handle.final_step,
-                "start_step": m.start_step,
-                "mode": self.config.mode,
-                "overlap_steps": job.k,
-                "rank": self.ranks.rank,
-                "world_size": self.ranks.world_size,
-                "model": {"params": {s.name: f"model/{s.name}" for s in self.plan.slots},
-                          "aliases": self.plan.aliases},
-                "optimizer": {"class": type(self.optimizer).__name__,
-                              "aligned": {str(i): list(k) for i, k in job.aligned.items()}},
-                "small": job.small,
-                "metrics": m.to_dict(),
-            }
-            t_commit = time.perf_counter()
-            path = writer.commit(manifest, update_latest=update_latest)
-            if self.config.mode == "sync":
-                m.add_blocked("save_checkpoint", time.perf_counter() - t_commit)
-            return path
-        except BaseException:
-            writer.abort()
-            raise
-
-    def _apply_retention(self) -> None:
-        """Delete committed checkpoints beyond ``keep_last`` (after a newer one committed)."""
-        keep = self.config.keep_last
-        if keep is None:
-            return
-        names = storage.list_checkpoints(self.config.directory)
-        latest = os.path.basename(storage.resolve(self.config.directory))
-        for name in [n for n in names if n != latest][:max(0, len(names) - keep)]:
-            # Rename first so the deletion is atomic for readers; a crash mid-delete leaves
-            # a .tmp-* entry that cleanup_temporaries removes.
-            doomed = os.path.join(self.config.directory,
-                                  f"{storage.TMP_PREFIX}{name}.old-{os.getpid()}-{os.urandom(4).hex()}")
-            try:
-                os.rename(os.path.join(self.config.directory, name), doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
-            except OSError as exc:
-                log.warning("gockpt: could not delete old checkpoint %s: %s", name, exc)
+    def _median_step_time(self) -> float:
+        return statistics.median(self._step_times) if self._step_times else 0.0
 
     # ------------------------------------------------------------------ errors and order
 
-    @staticmethod
-    def _fail_now(job: _Job, exc: BaseException) -> None:
-        """Fail ``job`` with an error that the caller raises right away (reported once)."""
-        job.fail(exc)
-        job.handle._reported = True
-
-    def _on_job_failed(self, job: _Job) -> None:
+    def _on_job_failed(self, job: Job) -> None:
         with self._errors_lock:
             self._errors.append(job)
         if self.ranks.several and not job.persist_entered and not job.dropped:
-            self._persist_q.put(("close", job))  # it still votes, so that the other ranks do not wait
+            self.persister.queue_persist(job)  # it still votes, so that the other ranks do not wait
 
     def _raise_pending(self, include_closed: bool = False) -> None:
         try:
@@ -993,17 +577,3 @@ def _probe_bandwidth() -> float:
 
 def _checkpoint_path(directory: str, step: int) -> str:
     return os.path.join(directory, storage.checkpoint_name(step))
-
-
-def _ensure_writable(directory: str) -> None:
-    """Fail at construction, not at the first checkpoint, when the directory is unusable."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".gockpt-probe-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as exc:
-        raise StorageError(
-            f"checkpoint directory {directory!r} is not a writable directory ({exc.strerror or exc}); "
-            "pass a path you can write to") from exc

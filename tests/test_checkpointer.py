@@ -197,10 +197,14 @@ def test_blocks_are_streamed_to_storage_as_they_reach_F(tmp_path, monkeypatch):
             assert opened.wait(60)
         real_apply(self, record, block, host, threads)
 
+    from gockpt import persist
+    real_open = persist.Persister._open_writer
+
+    def open_then_release(self, job):
+        real_open(self, job)  # the writer is published to the job when this returns
+        opened.set()
+
     class Recording(storage.CheckpointWriter):
-        def begin(self, layout):
-            super().begin(layout)
-            opened.set()
 
         def write(self, name, tensor, *, start=0):
             calls.append((threading.current_thread().name, name))
@@ -212,6 +216,7 @@ def test_blocks_are_streamed_to_storage_as_they_reach_F(tmp_path, monkeypatch):
 
     monkeypatch.setattr(storage, "CheckpointWriter", Recording)
     monkeypatch.setattr(replay.AdamAdapter, "apply", slow_final_apply)
+    monkeypatch.setattr(persist.Persister, "_open_writer", open_then_release)
     snaps, handles = run_and_snapshot(tmp_path, "gockpt-o", 3, force=(5,), steps=10)
     threads_before_finish = {t for t, n in calls[:calls.index(("gockpt-persist", "finish"))]}
     # blocks finished by the replay of step F were written from the replay thread, before

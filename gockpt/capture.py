@@ -1,0 +1,149 @@
+"""What the training-loop hooks hand to the transfer engine, and when it is valid.
+
+Three kinds of capture feed one checkpoint:
+
+    state groups   group j of blocks, queued at boundary N + j - 1: the version of the last update
+    small state    everything small (buffers, scheduler, RNG, extra state), frozen at boundary F
+    gradients      in the optimizer's step pre-hook: exactly what the update consumes, so that
+                   the replay can bring every block captured before F up to version F
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from . import smallstate, tree
+from .errors import ConfigError, HookOrderError
+from .job import Job
+from .plan import Plan, flat
+from .replay import AdamAdapter, StepRecord
+from .staging import GradPool, HostCopy
+from .transfer import GRADIENT, STATE, CopyEngine
+
+
+class Capture:
+    """Copies of one model/optimizer pair into a job's host copy."""
+
+    def __init__(self, plan: Plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler, engine: CopyEngine, adapter: Optional[AdamAdapter]):
+        self.plan, self.model, self.optimizer, self.scheduler = plan, model, optimizer, scheduler
+        self.engine, self.adapter = engine, adapter
+
+    def declare_state_keys(self, host: HostCopy) -> None:
+        """Which optimizer state tensors this checkpoint carries, per slot."""
+        for si, s in enumerate(self.plan.slots):
+            if s.static:
+                continue
+            if self.adapter is not None:
+                host.set_keys(si, self.adapter.state_keys, s.param)
+            else:
+                live = self.optimizer.state.get(s.param, {})
+                keys = [k for k, v in live.items() if isinstance(v, torch.Tensor)
+                        and k != "step" and v.shape == s.param.shape]
+                for k in keys:
+                    host.set_keys(si, keys, live[k])
+                if not keys:
+                    host.set_keys(si, (), s.param)
+
+    def state_bytes(self, host: Optional[HostCopy], assume_replay: bool = False) -> int:
+        """Bytes of parameters and aligned state one checkpoint copies."""
+        if host is None or assume_replay:
+            return self.plan.state_bytes(2)
+        total = 0
+        for si, s in enumerate(self.plan.slots):
+            total += s.numel * s.param.element_size()
+            total += sum(host.state[si][k].numel() * host.state[si][k].element_size()
+                         for k in host.keys[si])
+        return total
+
+    def enqueue_group(self, job: Job, j: int) -> None:
+        """Queue the copies of group j: they hold the version of the last completed update."""
+        host = job.host
+        pairs = []
+        for b in job.groups[j - 1]:
+            slot = self.plan.slots[b.slot]
+            s, e = b.start, b.end
+            pairs.append((host.param[b.slot][s:e], flat(slot.param)[s:e]))
+            live = self.optimizer.state.get(slot.param, {})
+            for key in host.keys[b.slot]:
+                dst = host.state[b.slot][key][s:e]
+                if key in live:
+                    pairs.append((dst, flat(live[key])[s:e]))
+                else:
+                    dst.zero_()  # no state yet: the replayed first update starts from zeros
+        job.tickets[j] = self.engine.submit(pairs, STATE)
+
+    def copy_rest(self, job: Job) -> None:
+        """Copy every block not yet captured now, blocking (sync/async, or close())."""
+        for j in range(1, job.k + 1):
+            if j not in job.tickets:
+                self.enqueue_group(job, j)
+        for j in range(1, job.k + 1):
+            job.tickets[j].wait()
+        job.captured = [b for g in job.groups for b in g]
+        job.capturing = False
+
+    def freeze_small(self, job: Job, step: int, extra_state) -> None:
+        """Encode everything small at the boundary of F (tensors apart, no pickle)."""
+        if callable(extra_state):
+            extra_state = extra_state()
+        aligned = {}
+        for si, s in enumerate(self.plan.slots):
+            if not s.static and s.param in self.optimizer.state:
+                aligned[s.opt_index] = job.host.keys[si]
+        job.aligned = aligned
+        tensors: Dict[str, torch.Tensor] = {}
+        planned = [id(s.param) for s in self.plan.slots]
+        try:
+            small = {
+                "model": tree.encode(smallstate.model_small(self.model, planned), tensors,
+                                     "small/model"),
+                "optimizer": tree.encode(smallstate.optimizer_small(self.optimizer, aligned),
+                                         tensors, "small/optimizer"),
+                "scheduler": tree.encode(smallstate.scheduler_state(self.scheduler), tensors,
+                                         "small/scheduler"),
+                "rng": tree.encode(smallstate.capture_rng(), tensors, "small/rng"),
+                "extra_state": tree.encode(extra_state, tensors, "small/extra_state"),
+            }
+        except TypeError as exc:
+            raise ConfigError(f"cannot store the state of step {step}: {exc}") from exc
+        job.small, job.small_tensors = small, tensors
+
+    def gradients(self, job: Job, j: int, grad_pool: GradPool) -> Optional[StepRecord]:
+        """Queue the copies of this step's gradients for the blocks captured so far; the
+        record to replay, or None when GradScaler skips the step (nothing changes)."""
+        if self.adapter.skipped_by_scaler():
+            return None
+        why = self.adapter.unsupported_step()
+        if why:
+            raise ConfigError(f"this optimizer step cannot be replayed: {why}")
+        if j in job.recorded:
+            raise HookOrderError("optimizer.step() ran twice in one training step; gockpt "
+                                 "supports one optimizer step per save_checkpoint() boundary")
+        job.recorded.add(j)
+        steps = {}
+        for si, s in enumerate(self.plan.slots):
+            g = s.param.grad
+            if s.static or g is None:
+                continue
+            if g.is_sparse or g.dtype != s.param.dtype or not g.is_contiguous():
+                raise ConfigError(f"the gradient of {s.name!r} is sparse, non-contiguous or "
+                                  f"{g.dtype}; the replay needs dense {s.param.dtype} gradients")
+            steps[si] = self.adapter.step_count(s.param)
+        blocks = [b for b in job.captured if b.slot in steps]
+        bufs = grad_pool.acquire()
+        pairs = []
+        for b in blocks:
+            g = self.plan.slots[b.slot].param.grad
+            pairs.append((grad_pool.buffer(bufs, b.slot, g)[b.start:b.end],
+                          flat(g)[b.start:b.end]))
+        ticket = self.engine.submit(pairs, GRADIENT)
+        record = StepRecord(j, self.adapter.scalars(), steps, blocks, bufs,
+                            torch.get_num_threads(), ticket,
+                            lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
+                            final=j == job.k - 1)
+        job.metrics.grad_bytes += ticket.nbytes
+        job.grad_tickets.append(ticket)
+        return record

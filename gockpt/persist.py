@@ -1,0 +1,279 @@
+"""The last stage: version F from host memory to a committed checkpoint on storage.
+
+One background thread ("gockpt-persist") takes three kinds of work, in order, per job:
+
+    open       at the boundary of F: the layout and small state are known, the writer opens
+    captured   every block is captured: the last group and the static blocks are final
+    persist    every block is at F and self-checked: write what is left, fsync, commit
+
+Streaming (single rank): blocks are written as they reach F -- the last group when it is
+captured, the others as the replay of step F finishes each of them (:meth:`block_final`, on the
+replay thread); whatever is left (e.g. a step F skipped by GradScaler) is written at commit
+time. ``sync`` mode persists inline (:meth:`persist`), inside ``save_checkpoint``.
+
+The writer is looked up through the ``storage`` module at call time, so that it can be replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from typing import Callable, Dict, Optional
+
+from . import metrics as metrics_mod
+from . import storage
+from .config import Config
+from .errors import GockptError, StorageError
+from .job import Job
+from .plan import Block, Plan
+from .ranks import Ranks
+
+log = logging.getLogger("gockpt")
+
+
+class Persister:
+    """The persist thread of one Checkpointer.
+
+    ``step_time`` and ``host_bytes`` are read when a checkpoint is written (for its metrics);
+    ``on_durable(job)`` runs once a checkpoint is committed, before its handle is released.
+    """
+
+    def __init__(self, config: Config, plan: Plan, ranks: Ranks, optimizer_class: str,
+                 step_time: Callable[[], float], host_bytes: Callable[[], int],
+                 on_durable: Callable[[Job], None]):
+        self.config, self.plan, self.ranks = config, plan, ranks
+        self.optimizer_class = optimizer_class
+        self.step_time, self.host_bytes, self.on_durable = step_time, host_bytes, on_durable
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="gockpt-persist", daemon=True)
+        self._thread.start()
+
+    def queue_open(self, job: Job) -> None:
+        self._queue.put(("open", job))
+
+    def queue_captured(self, job: Job) -> None:
+        self._queue.put(("captured", job))
+
+    def queue_persist(self, job: Job) -> None:
+        self._queue.put(("persist", job))
+
+    def close(self) -> None:
+        """Finish the queued work and stop the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            what, job = item
+            if what == "open":
+                self._open_writer(job)
+            elif what == "captured":
+                self._write_captured(job)
+            else:
+                self.persist(job)
+
+    # ------------------------------------------------------------------ streaming
+
+    def _layout(self, job: Job) -> Dict[str, tuple]:
+        layout = {}
+        for si, s in enumerate(self.plan.slots):
+            layout[f"model/{s.name}"] = (s.param.dtype, tuple(s.param.shape))
+            for key in (job.aligned.get(s.opt_index, ()) if not s.static else ()):
+                layout[f"optim/{s.opt_index}/{key}"] = (job.host.state[si][key].dtype,
+                                                        tuple(s.param.shape))
+        for name, t in job.small_tensors.items():
+            layout[name] = (t.dtype, tuple(t.shape))
+        return layout
+
+    def _write_block(self, job: Job, b: Block) -> None:
+        """Queue block ``b`` (caller holds ``job.stream_lock``; writer open)."""
+        if b in job.written:
+            return
+        job.written.add(b)
+        s = self.plan.slots[b.slot]
+        job.writer.write(f"model/{s.name}", job.host.param[b.slot][b.start:b.end],
+                         start=b.start)
+        for key in (job.aligned.get(s.opt_index, ()) if not s.static else ()):
+            job.writer.write(f"optim/{s.opt_index}/{key}",
+                             job.host.state[b.slot][key][b.start:b.end], start=b.start)
+
+    def _open_writer(self, job: Job) -> None:
+        if job.error is not None or job.dropped:
+            return
+        try:
+            writer = storage.CheckpointWriter(self.config.directory,
+                                              storage.checkpoint_name(job.handle.final_step))
+            try:
+                writer.begin(self._layout(job))
+                for name, t in job.small_tensors.items():
+                    writer.write(name, t)
+            except BaseException:
+                writer.abort()
+                raise
+            with job.stream_lock:
+                job.writer = writer
+                for b in job.final_blocks:
+                    self._write_block(job, b)
+        except BaseException as exc:
+            job.fail(exc if isinstance(exc, GockptError) else StorageError(
+                f"opening the checkpoint of step {job.handle.final_step} in "
+                f"{self.config.directory} failed: {exc}"))
+
+    def _write_captured(self, job: Job) -> None:
+        """Every block is captured: the last group (copied at F) and static ones are final."""
+        with job.stream_lock:
+            if job.writer is None or job.error is not None:
+                return
+            try:
+                for b in job.groups[-1]:
+                    self._write_block(job, b)
+                for b in job.captured:
+                    if self.plan.slots[b.slot].static:
+                        self._write_block(job, b)
+            except BaseException as exc:
+                err = exc
+            else:
+                return
+        job.fail(err)
+
+    def block_final(self, job: Job, block: Block) -> None:
+        """Replay thread: ``block`` has reached version F."""
+        with job.stream_lock:
+            if job.writer is None:
+                job.final_blocks.append(block)
+            elif job.error is None:
+                self._write_block(job, block)
+
+    # ------------------------------------------------------------------ commit
+
+    def persist(self, job: Job) -> None:
+        """Write, fsync and commit version F (on several ranks: together, see ranks.py)."""
+        if job.persist_entered:
+            return
+        job.persist_entered = True
+        t0 = time.perf_counter()
+        writer = None
+        name = storage.checkpoint_name(job.handle.final_step)
+        try:
+            if self.ranks.several:
+                write_part = None if job.error is not None else \
+                    (lambda shared: self._write(job, shared, self.ranks.part_name(), t0,
+                                                update_latest=False))
+                top = {"step": job.handle.final_step, "start_step": job.metrics.start_step,
+                       "mode": self.config.mode, "overlap_steps": job.k}
+                path = self.ranks.commit(self.config.directory, name, write_part, top)
+                if job.error is not None:
+                    return
+            else:
+                with job.stream_lock:
+                    writer = job.writer
+                if writer is None:
+                    writer = storage.CheckpointWriter(self.config.directory, name)
+                path = self._write(job, None, name, t0, writer=writer)
+            job.handle.path = path
+            m = job.metrics
+            m.time_to_durable_s = time.perf_counter() - job.t_start
+            if self.ranks.rank == 0:
+                metrics_mod.append(self.config.directory, m)
+                apply_retention(self.config.directory, self.config.keep_last)
+            self.on_durable(job)
+            log.info("gockpt: checkpoint of step %d durable at %s", job.handle.final_step, path)
+            job.handle._durable.set()
+        except BaseException as exc:
+            if writer is not None:
+                writer.abort()
+            if not isinstance(exc, GockptError):
+                exc = StorageError(f"writing the checkpoint of step {job.handle.final_step} to "
+                                   f"{self.config.directory} failed: {exc}")
+            job.fail(exc)
+
+    def _write(self, job: Job, root: Optional[str], name: str, t0: float, *, writer=None,
+               update_latest: bool = True) -> str:
+        """Write this process's tensors and manifest as checkpoint ``name`` in ``root``."""
+        host = job.host
+        tensors = {}
+        for si, s in enumerate(self.plan.slots):
+            tensors[f"model/{s.name}"] = host.param[si].view(s.param.shape)
+        for si, s in enumerate(self.plan.slots):
+            for key in job.aligned.get(s.opt_index, ()) if not s.static else ():
+                tensors[f"optim/{s.opt_index}/{key}"] = host.state[si][key].view(s.param.shape)
+        tensors.update(job.small_tensors)
+        if writer is None:
+            writer = storage.CheckpointWriter(root, name)
+        try:
+            if job.writer is writer and writer is not None:
+                with job.stream_lock:  # streamed: write only what is left
+                    for b in job.captured:
+                        self._write_block(job, b)
+                writer.finish()
+            else:
+                writer.write_tensors(tensors)
+            m = job.metrics
+            m.copy_s = sum(t.seconds for t in list(job.tickets.values()) + job.grad_tickets)
+            m.persist_s = time.perf_counter() - t0
+            if self.config.mode == "sync":  # the write happened inside save_checkpoint
+                m.add_blocked("save_checkpoint", m.persist_s)
+            m.time_to_durable_s = time.perf_counter() - job.t_start
+            m.step_time_s = self.step_time()
+            m.host_bytes = self.host_bytes()
+            manifest = {
+                "step": job.handle.final_step,
+                "start_step": m.start_step,
+                "mode": self.config.mode,
+                "overlap_steps": job.k,
+                "rank": self.ranks.rank,
+                "world_size": self.ranks.world_size,
+                "model": {"params": {s.name: f"model/{s.name}" for s in self.plan.slots},
+                          "aliases": self.plan.aliases},
+                "optimizer": {"class": self.optimizer_class,
+                              "aligned": {str(i): list(k) for i, k in job.aligned.items()}},
+                "small": job.small,
+                "metrics": m.to_dict(),
+            }
+            t_commit = time.perf_counter()
+            path = writer.commit(manifest, update_latest=update_latest)
+            if self.config.mode == "sync":
+                m.add_blocked("save_checkpoint", time.perf_counter() - t_commit)
+            return path
+        except BaseException:
+            writer.abort()
+            raise
+
+
+def apply_retention(directory: str, keep: Optional[int]) -> None:
+    """Delete committed checkpoints beyond ``keep`` (after a newer one committed)."""
+    if keep is None:
+        return
+    names = storage.list_checkpoints(directory)
+    latest = os.path.basename(storage.resolve(directory))
+    for name in [n for n in names if n != latest][:max(0, len(names) - keep)]:
+        # Rename first so the deletion is atomic for readers; a crash mid-delete leaves
+        # a .tmp-* entry that cleanup_temporaries removes.
+        doomed = os.path.join(directory,
+                              f"{storage.TMP_PREFIX}{name}.old-{os.getpid()}-{os.urandom(4).hex()}")
+        try:
+            os.rename(os.path.join(directory, name), doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        except OSError as exc:
+            log.warning("gockpt: could not delete old checkpoint %s: %s", name, exc)
+
+
+def ensure_writable(directory: str) -> None:
+    """Fail at construction, not at the first checkpoint, when the directory is unusable."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".gockpt-probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise StorageError(
+            f"checkpoint directory {directory!r} is not a writable directory ({exc.strerror or exc}); "
+            "pass a path you can write to") from exc
