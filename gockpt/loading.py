@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from . import smallstate, storage, tree
-from .errors import GockptError, LoadError
+from .errors import CorruptCheckpointError, GockptError, LoadError
 
 
 @dataclass
@@ -62,18 +62,42 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     expected.update({alias: params[name] for alias, name in aliases.items() if name in params})
     _check_params(path, target, expected, entries)
 
-    tensors = storage.read_tensors(path, manifest, verify=verify)
+    # Small state first (cheap): the model's buffers must fit before any parameter is read.
+    small_names = [n for n in entries if n.startswith("small/")]
+    tensors = storage.read_tensors(path, manifest, small_names, verify=verify)
     try:
         model_small = tree.decode(small["model"], tensors)
-        sd = {name: tensors[tname] for name, tname in expected.items()}
-        sd.update(model_small)
-        missing = sorted(set(target) - set(sd))
-        unexpected = sorted(set(sd) - set(target))
+        missing = sorted(set(target) - set(expected) - set(model_small))
+        unexpected = sorted((set(expected) | set(model_small)) - set(target))
         if missing or unexpected:
             raise LoadError(f"{path}: model state does not match: missing {missing[:5]}, "
                             f"unexpected {unexpected[:5]}")
         for name, value in model_small.items():
             _check_shape(path, name, target[name], value)
+        if optimizer is not None:
+            _check_optimizer(path, manifest, tensors, optimizer)
+    except GockptError:
+        raise
+    except (KeyError, ValueError, TypeError) as exc:
+        raise LoadError(f"{path}: cannot decode the model's small state: {exc}") from exc
+
+    # Parameters are read straight into the model's (CPU) tensors: names, dtypes and shapes
+    # were validated above, so only a checksum failure can interrupt a read.
+    direct = {}
+    for name, tname in params.items():
+        t = target.get(name)
+        if t is not None and t.device.type == "cpu" and t.is_contiguous():
+            direct[tname] = t
+    try:
+        tensors.update(storage.read_tensors(
+            path, manifest, [n for n in entries if n not in tensors], verify=verify, out=direct))
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(
+            f"{exc}; the model's parameters may be partly overwritten: load an intact "
+            "checkpoint (gockpt.load(..., tag=...)) before training on") from exc
+    try:
+        sd = {name: tensors[tname] for name, tname in expected.items()}
+        sd.update(model_small)
         model.load_state_dict(sd)
 
         if optimizer is not None:
@@ -139,7 +163,12 @@ def _check_shape(path, name, want, got) -> None:
                         f"but {list(want.shape)} in the model")
 
 
-def _optimizer_state(path, manifest, tensors, optimizer) -> dict:
+def _check_optimizer(path, manifest, tensors, optimizer) -> None:
+    """The optimizer must have the saved class, groups and parameter count."""
+    _optimizer_state(path, manifest, tensors, optimizer, aligned=False)
+
+
+def _optimizer_state(path, manifest, tensors, optimizer, aligned: bool = True) -> dict:
     opt = manifest.get("optimizer") or {}
     if opt.get("class") not in (None, type(optimizer).__name__):
         raise LoadError(f"{path}: saved with optimizer {opt.get('class')}, loading into "
@@ -152,7 +181,7 @@ def _optimizer_state(path, manifest, tensors, optimizer) -> dict:
                         f"{n_live} parameters, the checkpoint {len(small['param_groups'])} / "
                         f"{n_saved}")
     state = small["state"]
-    for idx, keys in opt.get("aligned", {}).items():
+    for idx, keys in (opt.get("aligned", {}) if aligned else {}).items():
         for key in keys:
             state.setdefault(int(idx), {})[key] = tensors[f"optim/{idx}/{key}"]
     return {"state": state, "param_groups": small["param_groups"]}

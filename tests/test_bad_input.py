@@ -218,3 +218,26 @@ def test_exception_in_loop_then_close_leaves_nothing_partial(tmp_path):
             1 / 0
     assert storage.list_checkpoints(str(tmp_path)) == []
     assert not [t for t in threading.enumerate() if t.name.startswith("gockpt-")]
+
+
+def test_load_with_a_mismatched_optimizer_touches_nothing(tmp_path):
+    model, opt, sched, ck = make(tmp_path, mode="async")
+    H.train_steps(model, opt, sched, 0, 3, ck, force={2})
+    ck.close()
+    m2, _, _ = H.build(seed=3)
+    before = {k: v.clone() for k, v in m2.state_dict().items()}
+    one_group = torch.optim.AdamW(m2.parameters())
+    with pytest.raises(gockpt.LoadError, match="groups"):
+        gockpt.load(str(tmp_path), m2, one_group)
+    H.assert_same(before, dict(m2.state_dict()))
+
+
+def test_load_reads_parameters_straight_into_the_model(tmp_path):
+    model, opt, sched, ck = make(tmp_path, mode="async")
+    H.train_steps(model, opt, sched, 0, 2, ck, force={2})  # checkpoint of the last step
+    ck.close()
+    m2, o2, s2 = H.build(seed=3)
+    ptrs = {n: p.data_ptr() for n, p in m2.named_parameters()}
+    gockpt.load(str(tmp_path), m2, o2, scheduler=s2)
+    assert {n: p.data_ptr() for n, p in m2.named_parameters()} == ptrs
+    H.assert_same(dict(model.state_dict()), dict(m2.state_dict()))

@@ -224,3 +224,51 @@ def test_blocks_are_streamed_to_storage_as_they_reach_F(tmp_path, monkeypatch):
     assert "gockpt-replay" in threads_before_finish
     _, state = load_snapshot(tmp_path, None)
     H.assert_same(snaps[handles[0].final_step], state)
+
+
+class GatedWriter(storage.CheckpointWriter):
+    """A storage plugin whose commit waits until the test opens ``gate``."""
+
+    gate = None
+
+    def finish(self):
+        assert GatedWriter.gate.wait(60)
+        return super().finish()
+
+
+@pytest.mark.parametrize("policy", ["skip", "wait"])
+def test_a_checkpoint_due_while_the_previous_persists(tmp_path, monkeypatch, policy):
+    import threading
+    GatedWriter.gate = threading.Event()
+    monkeypatch.setattr(storage, "CheckpointWriter", GatedWriter)
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="async", scheduler=sched,
+                             on_busy=policy)
+    handles = []
+    H.train_steps(model, opt, sched, 0, 2, ck, force={2},
+                  on_boundary=lambda s, h: h and handles.append(h))
+    first = handles[0]
+    assert not first.done()  # its write is held at the gate
+
+    class OpensGateWhenWaitedOn(threading.Event):
+        def wait(self, timeout=None):
+            GatedWriter.gate.set()  # the new checkpoint waits for the old: let it finish
+            return super().wait(timeout)
+
+    first._durable = OpensGateWhenWaitedOn()
+    if policy == "skip":
+        with pytest.warns(UserWarning, match="still persisting"):
+            H.train_steps(model, opt, sched, 2, 3, ck, force={3},
+                          on_boundary=lambda s, h: h and handles.append(h))
+        assert len(handles) == 1
+        GatedWriter.gate.set()
+    else:
+        H.train_steps(model, opt, sched, 2, 3, ck, force={3},
+                      on_boundary=lambda s, h: h and handles.append(h))
+        assert len(handles) == 2 and first.done()
+    ck.close()
+    records = gockpt.metrics.read(str(tmp_path))
+    assert [r["final_step"] for r in records] == ([2] if policy == "skip" else [2, 3])
+    if policy == "wait":
+        assert records[1]["blocked_by_hook_s"]["save_checkpoint_busy_wait"] > 0
