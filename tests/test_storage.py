@@ -318,14 +318,22 @@ def test_unwritable_root(tmp_path):
         CheckpointWriter(str(blocker), "a")
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores permissions")
 def test_read_only_root(tmp_path):
-    tmp_path.chmod(0o500)
+    import subprocess
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() == 0:
+        # root ignores file modes: a read-only file system refuses root too
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+        undo = ["umount", "-l", str(ro)]
+    else:
+        ro.chmod(0o500)
+        undo = ["chmod", "700", str(ro)]
     try:
         with pytest.raises(StorageError, match="write"):
-            CheckpointWriter(str(tmp_path), "a")
+            CheckpointWriter(str(ro), "a")
     finally:
-        tmp_path.chmod(0o700)
+        subprocess.run(undo, check=True)
 
 
 @pytest.mark.parametrize("name", ["", ".hidden", "latest", "a/b", "../a"])
