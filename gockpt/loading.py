@@ -86,8 +86,12 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     direct = {}
     for name, tname in params.items():
         t = target.get(name)
-        if t is not None and t.device.type == "cpu" and t.is_contiguous():
+        if t is None:
+            continue
+        if t.device.type == "cpu" and t.is_contiguous():
             direct[tname] = t
+        elif t.device.type == "cuda":  # pinned staging: the copy to the GPU is a fast DMA
+            direct[tname] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     try:
         tensors.update(storage.read_tensors(
             path, manifest, [n for n in entries if n not in tensors], verify=verify, out=direct))
