@@ -90,25 +90,48 @@ inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 #endif
 
 
+// Broadcast scalars, built once per call.
+struct VScalars {
+  vf wd, w1, w1m1, b2, c2, bc2s, eps, nss, decay;
+  explicit VScalars(const AdamScalars& s)
+      : wd(vset1(s.wd)), w1(vset1(s.w1)), w1m1(vset1(s.w1m1)), b2(vset1(s.b2)),
+        c2(vset1(s.c2)), bc2s(vset1(s.bc2s)), eps(vset1(s.eps)), nss(vset1(s.nss)),
+        decay(vset1(s.decay)) {}
+};
+
+// One vector of phase 1 (m, v): FMAs exactly where torch fuses, nothing else fused.
+template <bool L2, bool SMALL>
+inline void moments_vec(const float* p, float* m, float* v, const float* g, const VScalars& c) {
+  vf gi = vload(g);
+  if (L2) gi = vfma(vload(p), c.wd, gi);
+  const vf mi = vload(m);
+  const vf d = vsub(gi, mi);
+  vstore(m, SMALL ? vfma(c.w1, d, mi) : vfma(c.w1m1, d, gi));
+  const vf vb = vmul(vload(v), c.b2);
+  vstore(v, vfma(vmul(c.c2, gi), gi, vb));
+}
+
+// One vector of phase 2 (p), from m and sqrt(v): two roundings for den, no FMA.
+template <bool DECAY>
+inline void update_vec(float* p, const float* m, const float* sq, const VScalars& c) {
+  vf pp = vload(p);
+  if (DECAY) pp = vmul(pp, c.decay);
+  const vf den = vadd(vdiv(vload(sq), c.bc2s), c.eps);
+  vstore(p, vadd(pp, vdiv(vmul(c.nss, vload(m)), den)));
+}
+
+inline void prefetch(const float* a) {
+  if (GOCKPT_PF_AHEAD) _mm_prefetch(reinterpret_cast<const char*>(a + GOCKPT_PF_AHEAD), _MM_HINT_T0);
+}
+
 template <bool L2, bool SMALL>
 inline void phase1(const float* __restrict p, float* __restrict m, float* __restrict v,
                    const float* __restrict g, int64_t n, const AdamScalars& s) {
-  const vf wd = vset1(s.wd), w1 = vset1(s.w1), w1m1 = vset1(s.w1m1), b2 = vset1(s.b2),
-           c2 = vset1(s.c2);
+  const VScalars c(s);
   int64_t i = 0;
   for (; i + kW <= n; i += kW) {
-    if (GOCKPT_PF_AHEAD) {
-      _mm_prefetch(reinterpret_cast<const char*>(g + i + GOCKPT_PF_AHEAD), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(m + i + GOCKPT_PF_AHEAD), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(v + i + GOCKPT_PF_AHEAD), _MM_HINT_T0);
-    }
-    vf gi = vload(g + i);
-    if (L2) gi = vfma(vload(p + i), wd, gi);
-    const vf mi = vload(m + i);
-    const vf d = vsub(gi, mi);
-    vstore(m + i, SMALL ? vfma(w1, d, mi) : vfma(w1m1, d, gi));
-    const vf vb = vmul(vload(v + i), b2);
-    vstore(v + i, vfma(vmul(c2, gi), gi, vb));
+    prefetch(g + i); prefetch(m + i); prefetch(v + i);
+    moments_vec<L2, SMALL>(p + i, m + i, v + i, g + i, c);
   }
   if (i < n) phase1_scalar<L2, SMALL>(p + i, m + i, v + i, g + i, n - i, s);
 }
@@ -116,14 +139,9 @@ inline void phase1(const float* __restrict p, float* __restrict m, float* __rest
 template <bool DECAY>
 inline void phase2(float* __restrict p, const float* __restrict m, const float* __restrict sq,
                    int64_t n, const AdamScalars& s) {
-  const vf bc2s = vset1(s.bc2s), eps = vset1(s.eps), nss = vset1(s.nss), decay = vset1(s.decay);
+  const VScalars c(s);
   int64_t i = 0;
-  for (; i + kW <= n; i += kW) {
-    vf p1 = vload(p + i);
-    if (DECAY) p1 = vmul(p1, decay);
-    const vf den = vadd(vdiv(vload(sq + i), bc2s), eps);
-    vstore(p + i, vadd(p1, vdiv(vmul(nss, vload(m + i)), den)));
-  }
+  for (; i + kW <= n; i += kW) update_vec<DECAY>(p + i, m + i, sq + i, c);
   if (i < n) phase2_scalar<DECAY>(p + i, m + i, sq + i, n - i, s);
 }
 
@@ -136,31 +154,13 @@ inline void phase21(float* __restrict p2, const float* __restrict m2, const floa
                     int64_t n2, const float* __restrict p1, float* __restrict m1,
                     float* __restrict v1, const float* __restrict g1, int64_t n1,
                     const AdamScalars& s) {
-  const vf wd = vset1(s.wd), w1 = vset1(s.w1), w1m1 = vset1(s.w1m1), b2 = vset1(s.b2),
-           c2 = vset1(s.c2);
-  const vf bc2s = vset1(s.bc2s), eps = vset1(s.eps), nss = vset1(s.nss), decay = vset1(s.decay);
+  const VScalars c(s);
   const int64_t nb = n1 < n2 ? n1 : n2;
   int64_t i = 0;
   for (; i + kW <= nb; i += kW) {
-    if (GOCKPT_PF_AHEAD) {
-      _mm_prefetch(reinterpret_cast<const char*>(g1 + i + GOCKPT_PF_AHEAD), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(m1 + i + GOCKPT_PF_AHEAD), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(v1 + i + GOCKPT_PF_AHEAD), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p2 + i + GOCKPT_PF_AHEAD), _MM_HINT_T0);
-    }
-    // phase 1 of the next chunk
-    vf gi = vload(g1 + i);
-    if (L2) gi = vfma(vload(p1 + i), wd, gi);
-    const vf mi = vload(m1 + i);
-    const vf d = vsub(gi, mi);
-    vstore(m1 + i, SMALL ? vfma(w1, d, mi) : vfma(w1m1, d, gi));
-    const vf vb = vmul(vload(v1 + i), b2);
-    vstore(v1 + i, vfma(vmul(c2, gi), gi, vb));
-    // phase 2 of this chunk
-    vf pp = vload(p2 + i);
-    if (DECAY) pp = vmul(pp, decay);
-    const vf den = vadd(vdiv(vload(sq + i), bc2s), eps);
-    vstore(p2 + i, vadd(pp, vdiv(vmul(nss, vload(m2 + i)), den)));
+    prefetch(g1 + i); prefetch(m1 + i); prefetch(v1 + i); prefetch(p2 + i);
+    moments_vec<L2, SMALL>(p1 + i, m1 + i, v1 + i, g1 + i, c);  // phase 1 of the next chunk
+    update_vec<DECAY>(p2 + i, m2 + i, sq + i, c);              // phase 2 of this chunk
   }
   if (i < n2) phase2<DECAY>(p2 + i, m2 + i, sq + i, n2 - i, s);
   if (i < n1) phase1<L2, SMALL>(p1 + i, m1 + i, v1 + i, g1 + i, n1 - i, s);
