@@ -37,20 +37,14 @@ class Capture:
             if s.static:
                 continue
             if self.adapter is not None:
-                host.set_keys(si, self.adapter.state_keys, s.param)
+                host.set_keys(si, {k: s.param for k in self.adapter.state_keys})
             else:
                 live = self.optimizer.state.get(s.param, {})
-                keys = [k for k, v in live.items() if isinstance(v, torch.Tensor)
-                        and k != "step" and v.shape == s.param.shape]
-                for k in keys:
-                    host.set_keys(si, keys, live[k])
-                if not keys:
-                    host.set_keys(si, (), s.param)
+                host.set_keys(si, {k: v for k, v in live.items() if isinstance(v, torch.Tensor)
+                                   and k != "step" and v.shape == s.param.shape})
 
-    def state_bytes(self, host: Optional[HostCopy], assume_replay: bool = False) -> int:
+    def state_bytes(self, host: HostCopy) -> int:
         """Bytes of parameters and aligned state one checkpoint copies."""
-        if host is None or assume_replay:
-            return self.plan.state_bytes(2)
         total = 0
         for si, s in enumerate(self.plan.slots):
             total += s.numel * s.param.element_size()

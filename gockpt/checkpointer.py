@@ -128,7 +128,6 @@ class Checkpointer:
         self._boundary = 0
         self._steps_seen = 0
         self._job: Optional[Job] = None
-        self._last: Optional[Job] = None
         self._grad_tickets: List = []
         self._errors: List[Job] = []
         self._errors_lock = threading.Lock()
@@ -243,7 +242,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the latest started checkpoint is durable; re-raise background errors."""
-        last = self._last
+        last = self._job
         if last is not None and not last.capturing:
             last.handle._durable.wait()
         self._raise_pending()
@@ -336,7 +335,7 @@ class Checkpointer:
         job.metrics.add_blocked("save_checkpoint_busy_wait", waited)
         self.capture.declare_state_keys(self.host)
         job.metrics.state_bytes = self.capture.state_bytes(self.host)
-        self._job = self._last = job
+        self._job = job
 
         t0 = time.perf_counter()
         try:
@@ -395,11 +394,10 @@ class Checkpointer:
 
     def _plan_host_bytes(self) -> int:
         """Host memory of one state copy plus, with replay, the pool of gradient buffers."""
-        params = sum(s.numel * s.param.element_size() for s in self.plan.slots)
-        opt = sum(s.numel * s.param.element_size() for s in self.plan.slots if not s.static)
+        planned = self.plan.state_bytes(2)  # Adam-like optimizers: two aligned state tensors
         if self.config.replays:
-            return params + 2 * opt + GradPool.SIZE * opt
-        return params + 2 * opt  # Adam-like optimizers: two aligned state tensors
+            planned += GradPool.SIZE * self.plan.optimized_bytes()
+        return planned
 
     def _choose_k(self) -> int:
         fixed = self.config.fixed_overlap_steps()
@@ -409,7 +407,7 @@ class Checkpointer:
             return 2  # nothing measured yet
         fwd_bwd = statistics.median(self._fwd_bwd_times)
         bandwidth = self.engine.bandwidth() or _probe_bandwidth()
-        copy_s = self.capture.state_bytes(self.host, assume_replay=True) / bandwidth
+        copy_s = self.plan.state_bytes(2) / bandwidth  # Adam: parameter + two moments
         # Enough steps for the state copies to ride under forward/backward; the paper's
         # analysis finds the best K near 7 on GPUs, beyond which gradient traffic grows
         # faster than the saving.

@@ -388,15 +388,7 @@ def _summary(path: str, manifest: dict, run_dir: Optional[str]) -> dict:
     # The format holds one process's state; rank fields are shown if a writer adds them.
     ranks = {k: manifest[k] for k in ("rank", "world_size", "ranks") if k in manifest}
     return {
-        "path": os.path.abspath(path),
-        "run_dir": os.path.abspath(run_dir) if run_dir else None,
-        "format": manifest.get("format"),
-        "format_version": manifest.get("format_version"),
-        "step": manifest.get("step"),
-        "start_step": manifest.get("start_step"),
-        "mode": manifest.get("mode"),
-        "overlap_steps": manifest.get("overlap_steps"),
-        "written": _iso(_mtime(path)),
+        **_identity(path, run_dir, manifest),
         "ranks": ranks or {"world_size": 1},
         "disk_bytes": _disk_usage(path),
         "tensor_bytes": sum(e["nbytes"] for e in entries.values()),
@@ -423,6 +415,21 @@ def _numel(shape) -> int:
 
 def _fmt_s(x) -> str:
     return f"{x:.4f}s" if isinstance(x, (int, float)) else "-"
+
+
+def _identity(path: str, run_dir, manifest: dict) -> dict:
+    """The fields every summary starts with (single- and multi-rank)."""
+    return {
+        "path": os.path.abspath(path),
+        "run_dir": os.path.abspath(run_dir) if run_dir else None,
+        "format": manifest.get("format"),
+        "format_version": manifest.get("format_version"),
+        "step": manifest.get("step"),
+        "start_step": manifest.get("start_step"),
+        "mode": manifest.get("mode"),
+        "overlap_steps": manifest.get("overlap_steps"),
+        "written": _iso(_mtime(path)),
+    }
 
 
 def _print_header(s: dict, none: str = "none") -> None:
@@ -568,15 +575,7 @@ def _multi_summary(path: str, manifest: dict, run_dir: Optional[str], parts: lis
         part_rows.append(row)
     ref_rank, rs = ref if ref is not None else (None, {})
     return {
-        "path": os.path.abspath(path),
-        "run_dir": os.path.abspath(run_dir) if run_dir else None,
-        "format": manifest.get("format"),
-        "format_version": manifest.get("format_version"),
-        "step": manifest.get("step"),
-        "start_step": manifest.get("start_step"),
-        "mode": manifest.get("mode"),
-        "overlap_steps": manifest.get("overlap_steps"),
-        "written": _iso(_mtime(path)),
+        **_identity(path, run_dir, manifest),
         "ranks": {"world_size": manifest.get("world_size", world), "ranks": list(
             p["name"] for p in parts)},
         "disk_bytes": _disk_usage(path),

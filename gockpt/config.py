@@ -121,7 +121,3 @@ class Config:
             return 1
         return self.overlap_steps
 
-
-def resolve_mode_alias(mode: Union[str, None]) -> str:
-    """Accept ``async_o`` / ``gockpt_o`` spellings as well as the dashed ones."""
-    return mode.replace("_", "-") if isinstance(mode, str) else mode

@@ -22,7 +22,9 @@ import queue
 import shutil
 import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+import torch
 
 from . import metrics as metrics_mod
 from . import storage
@@ -81,28 +83,33 @@ class Persister:
 
     # ------------------------------------------------------------------ streaming
 
-    def _layout(self, job: Job) -> Dict[str, tuple]:
-        layout = {}
+    def _slot_tensors(self, job: Job, si: int) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(stored name, flat host buffer) of slot ``si``: its parameter and the aligned
+        optimizer state it has at F. The one place that names the stored tensors."""
+        s = self.plan.slots[si]
+        yield f"model/{s.name}", job.host.param[si]
+        for key in (() if s.static else job.aligned.get(s.opt_index, ())):
+            yield f"optim/{s.opt_index}/{key}", job.host.state[si][key]
+
+    def _host_tensors(self, job: Job) -> Dict[str, torch.Tensor]:
+        """Every tensor of this process's checkpoint, shaped as stored."""
+        tensors = {}
         for si, s in enumerate(self.plan.slots):
-            layout[f"model/{s.name}"] = (s.param.dtype, tuple(s.param.shape))
-            for key in (job.aligned.get(s.opt_index, ()) if not s.static else ()):
-                layout[f"optim/{s.opt_index}/{key}"] = (job.host.state[si][key].dtype,
-                                                        tuple(s.param.shape))
-        for name, t in job.small_tensors.items():
-            layout[name] = (t.dtype, tuple(t.shape))
-        return layout
+            for name, buf in self._slot_tensors(job, si):
+                tensors[name] = buf.view(s.param.shape)
+        tensors.update(job.small_tensors)
+        return tensors
+
+    def _layout(self, job: Job) -> Dict[str, tuple]:
+        return {name: (t.dtype, tuple(t.shape)) for name, t in self._host_tensors(job).items()}
 
     def _write_block(self, job: Job, b: Block) -> None:
         """Queue block ``b`` (caller holds ``job.stream_lock``; writer open)."""
         if b in job.written:
             return
         job.written.add(b)
-        s = self.plan.slots[b.slot]
-        job.writer.write(f"model/{s.name}", job.host.param[b.slot][b.start:b.end],
-                         start=b.start)
-        for key in (job.aligned.get(s.opt_index, ()) if not s.static else ()):
-            job.writer.write(f"optim/{s.opt_index}/{key}",
-                             job.host.state[b.slot][key][b.start:b.end], start=b.start)
+        for name, buf in self._slot_tensors(job, b.slot):
+            job.writer.write(name, buf[b.start:b.end], start=b.start)
 
     def _open_writer(self, job: Job) -> None:
         if job.error is not None or job.dropped:
@@ -197,14 +204,6 @@ class Persister:
     def _write(self, job: Job, root: Optional[str], name: str, t0: float, *, writer=None,
                update_latest: bool = True) -> str:
         """Write this process's tensors and manifest as checkpoint ``name`` in ``root``."""
-        host = job.host
-        tensors = {}
-        for si, s in enumerate(self.plan.slots):
-            tensors[f"model/{s.name}"] = host.param[si].view(s.param.shape)
-        for si, s in enumerate(self.plan.slots):
-            for key in job.aligned.get(s.opt_index, ()) if not s.static else ():
-                tensors[f"optim/{s.opt_index}/{key}"] = host.state[si][key].view(s.param.shape)
-        tensors.update(job.small_tensors)
         if writer is None:
             writer = storage.CheckpointWriter(root, name)
         try:
@@ -214,7 +213,7 @@ class Persister:
                         self._write_block(job, b)
                 writer.finish()
             else:
-                writer.write_tensors(tensors)
+                writer.write_tensors(self._host_tensors(job))
             m = job.metrics
             m.copy_s = sum(t.seconds for t in list(job.tickets.values()) + job.grad_tickets)
             m.persist_s = time.perf_counter() - t0

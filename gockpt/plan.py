@@ -54,13 +54,14 @@ class Plan:
     blocks: List[Block]
     aliases: Dict[str, str]  # extra state_dict names of tied parameters -> canonical name
 
+    def optimized_bytes(self) -> int:
+        """Bytes of the parameters the optimizer updates (one gradient or state tensor each)."""
+        return sum(s.numel * s.param.element_size() for s in self.slots if not s.static)
+
     def state_bytes(self, state_tensors_per_param: int) -> int:
         """Bytes of one full copy: every param plus its aligned state tensors."""
-        total = 0
-        for s in self.slots:
-            per = 1 if s.static else 1 + state_tensors_per_param
-            total += s.numel * s.param.element_size() * per
-        return total
+        params = sum(s.numel * s.param.element_size() for s in self.slots)
+        return params + state_tensors_per_param * self.optimized_bytes()
 
     def groups(self, k: int) -> List[List[Block]]:
         """Split the blocks into ``k`` capture groups of about equal bytes, in storage order

@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import torch
 
-from .plan import Plan, flat
+from .plan import Plan
 
 
 class HostCopy:
@@ -26,13 +26,14 @@ class HostCopy:
         self.state: List[Dict[str, torch.Tensor]] = [{} for _ in plan.slots]
         self.keys: List[tuple] = [() for _ in plan.slots]  # aligned keys of this checkpoint
 
-    def set_keys(self, slot: int, keys, like: torch.Tensor) -> None:
-        """Declare the aligned state keys this checkpoint carries for ``slot``."""
-        for key in keys:
+    def set_keys(self, slot: int, likes: Dict[str, torch.Tensor]) -> None:
+        """Declare the aligned state keys this checkpoint carries for ``slot`` (key -> a
+        tensor of the dtype its buffer needs); buffers are reused while the dtype fits."""
+        for key, like in likes.items():
             buf = self.state[slot].get(key)
             if buf is None or buf.dtype != like.dtype:
                 self.state[slot][key] = self.device.empty(self.slots[slot].numel, like.dtype)
-        self.keys[slot] = tuple(keys)
+        self.keys[slot] = tuple(likes)
 
     def nbytes(self) -> int:
         total = sum(t.numel() * t.element_size() for t in self.param)
@@ -75,6 +76,3 @@ class GradPool:
         with self._cv:
             return sum(t.numel() * t.element_size() for b in self._free for t in b.values())
 
-
-def source(slot_param: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    return flat(slot_param)[start:end]
