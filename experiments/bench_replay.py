@@ -27,7 +27,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gockpt import _C, _kernels  # noqa: E402
+from gockpt import _C  # noqa: E402
+from gockpt.replay import arithmetic  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
@@ -138,7 +139,7 @@ def bench(sizes, threads_list, repeat):
                         step[0] += 1
                         for o in range(0, n, call):
                             k = min(call, n - o)
-                            _kernels.adam_replay(p[o:o + k], m[o:o + k], v[o:o + k], g[o:o + k],
+                            arithmetic.adam_replay(p[o:o + k], m[o:o + k], v[o:o + k], g[o:o + k],
                                                  impl=impl, decoupled=True, step=step[0],
                                                  offset=o, full_numel=n, threads=t,
                                                  torch_threads=t, **HP)
@@ -170,7 +171,7 @@ def bench(sizes, threads_list, repeat):
             del opts, fns
         del p, g, m, v
     notes = {
-        "sqrt_backend": _kernels.sqrt_backend(), "isa": _C.isa(),
+        "sqrt_backend": arithmetic.sqrt_backend(), "isa": _C.isa(),
         "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
         "loadavg_at_start": os.getloadavg(),

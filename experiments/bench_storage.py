@@ -50,7 +50,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gockpt import _io, storage  # noqa: E402
+from gockpt import storage  # noqa: E402
+from gockpt.storage import io as _io  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

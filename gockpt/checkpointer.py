@@ -39,18 +39,21 @@ from typing import Callable, List, Optional, Union
 
 import torch
 
-from . import selfcheck, storage
-from .capture import Capture
+from . import storage
+from .capture.copies import Capture
+from .capture.device import device_for
+from .capture.plan import Block, build_plan
+from .capture.staging import GradPool, HostCopy
+from .capture.transfer import CopyEngine
 from .config import Config
-from .device import device_for
 from .errors import CheckpointFailedError, ConfigError, GockptError, HookOrderError
 from .job import CheckpointHandle, Job
-from .persist import Persister, ensure_writable
-from .plan import Block, build_plan
-from .ranks import Ranks
-from .replay import Replayer, adapter_for
-from .staging import GradPool, HostCopy
-from .transfer import CopyEngine
+from .replay import selfcheck
+from .replay.adapters import adapter_for
+from .replay.replayer import Replayer
+from .storage.commit import cleanup_temporaries, ensure_writable
+from .storage.persist import Persister
+from .storage.ranks import Ranks
 
 log = logging.getLogger("gockpt")
 
@@ -100,7 +103,7 @@ class Checkpointer:
         self.plan = build_plan(model, optimizer, self.config.block_bytes)
         self.adapter = adapter_for(optimizer) if self.config.replays else None
         ensure_writable(self.config.directory)
-        storage.cleanup_temporaries(self.config.directory)
+        cleanup_temporaries(self.config.directory)
 
         self.planned_host_bytes = self._plan_host_bytes()
         cap = self.config.max_host_bytes

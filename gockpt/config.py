@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from .errors import ConfigError
 
@@ -71,6 +71,11 @@ class Config:
     replay_threads: Optional[int] = None
     """Threads of the C++ replay kernel; ``None``: the number of CPU cores."""
 
+    storage_writer: Optional[Callable] = None
+    """Storage plugin: ``storage_writer(root, name)`` returns the writer of one checkpoint, an
+    object with :class:`gockpt.storage.CheckpointWriter`'s methods (usually a subclass of it).
+    ``None``: :class:`~gockpt.storage.CheckpointWriter`. Tests inject faults through it."""
+
     def __post_init__(self):
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
             raise ConfigError(f"directory must be a path, got {self.directory!r}")
@@ -105,6 +110,9 @@ class Config:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+        if self.storage_writer is not None and not callable(self.storage_writer):
+            raise ConfigError(f"storage_writer must be a callable (root, name) -> writer, got "
+                              f"{self.storage_writer!r}")
         if self.replay_threads is not None and (
                 not isinstance(self.replay_threads, int) or self.replay_threads < 1):
             raise ConfigError(

@@ -15,7 +15,7 @@ import torch
 
 from . import metrics as metrics_mod
 from .errors import CheckpointFailedError
-from .plan import Block
+from .capture.plan import Block
 
 
 class CheckpointHandle:

@@ -8,7 +8,9 @@ from typing import Any, Optional
 
 import torch
 
-from . import smallstate, storage, tree
+from . import storage
+from .capture import smallstate
+from .storage import tree
 from .errors import CorruptCheckpointError, GockptError, LoadError
 
 

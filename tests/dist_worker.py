@@ -14,7 +14,13 @@ from gockpt import storage  # noqa: E402
 
 
 class FailingPart(storage.CheckpointWriter):
+    """The storage plugin of every rank; armed on rank 1 only."""
+
+    armed = False
+
     def write_tensors(self, tensors):
+        if not FailingPart.armed:
+            return super().write_tensors(tensors)
         raise OSError(28, "No space left on device (injected on one rank)")
 
 
@@ -25,7 +31,8 @@ def main():
     H.seed_all(100 + rank)  # every rank has different state: its part must be its own
     model, opt, sched = H.build(seed=100 + rank)
     ck = gockpt.Checkpointer(model, opt, directory, mode="gockpt-o", overlap_steps=2,
-                             scheduler=sched, block_bytes=512, self_check=1.0)
+                             scheduler=sched, block_bytes=512, self_check=1.0,
+                             storage_writer=FailingPart)
     snaps, handles = {}, []
 
     def on_boundary(step, h):
@@ -40,7 +47,7 @@ def main():
     assert os.path.basename(storage.resolve(directory)) == "step-000000004"
     if scenario == "one-rank-fails":
         if rank == 1:
-            storage.CheckpointWriter = FailingPart  # the part writer of rank 1 fails
+            FailingPart.armed = True  # the part writer of rank 1 fails
         try:
             H.train_steps(model, opt, sched, 6, 10, ck, force={7}, on_boundary=on_boundary)
             ck.wait()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import gockpt
-from gockpt import replay, storage
+from gockpt import storage
+from gockpt.replay import adapters as replay
 
 import harness as H
 
@@ -147,22 +148,27 @@ def test_extra_state_that_needs_pickle_is_refused(tmp_path):
 
 
 class DiskFull(storage.CheckpointWriter):
-    """A storage writer that fails like a full disk, once the test opens ``gate``."""
+    """A storage plugin that fails like a full disk once armed, when the test opens ``gate``."""
 
     gate = None
+    armed = False
 
     def finish(self):
+        if not DiskFull.armed:
+            return super().finish()
         assert DiskFull.gate.wait(60)
         self.abort()
         raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def test_background_write_failure_surfaces_and_keeps_previous_latest(tmp_path, monkeypatch):
-    model, opt, sched, ck = make(tmp_path, mode="gockpt-o", overlap_steps=2)
+    monkeypatch.setattr(DiskFull, "armed", False)
+    model, opt, sched, ck = make(tmp_path, mode="gockpt-o", overlap_steps=2,
+                                 storage_writer=DiskFull)
     H.train_steps(model, opt, sched, 0, 5, ck, force={2})
     ck.wait()
     good = storage.resolve(str(tmp_path))
-    monkeypatch.setattr(storage, "CheckpointWriter", DiskFull)
+    monkeypatch.setattr(DiskFull, "armed", True)
     before = H.snapshot(model, opt, sched)
     handle = None
 

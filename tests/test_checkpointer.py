@@ -18,12 +18,13 @@ MODES_K = [("sync", None), ("async", None), ("async-o", None)] + \
 
 
 def run_and_snapshot(tmp_path, mode, k, *, impl="single", optim="adamw", scaler=None,
-                     inf_steps=(), force=(4, 15), steps=24, block_bytes=512):
+                     inf_steps=(), force=(4, 15), steps=24, block_bytes=512, **options):
     """Train with checkpoints forced at ``force``; snapshot the live state at every F."""
     H.seed_all(0)
     model, opt, sched = H.build(optim=optim, impl=impl)
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode=mode, overlap_steps=k,
-                             scheduler=sched, block_bytes=block_bytes, self_check=1.0)
+                             scheduler=sched, block_bytes=block_bytes, self_check=1.0,
+                             **options)
     pending, snaps, handles = [], {}, []
 
     def on_boundary(step, handle):
@@ -185,7 +186,7 @@ def test_host_memory_is_planned_and_capped(tmp_path):
 
 def test_blocks_are_streamed_to_storage_as_they_reach_F(tmp_path, monkeypatch):
     import threading
-    from gockpt import replay
+    from gockpt.replay import adapters as replay
     calls = []
     opened = threading.Event()
     real_apply = replay.AdamAdapter.apply
@@ -197,7 +198,7 @@ def test_blocks_are_streamed_to_storage_as_they_reach_F(tmp_path, monkeypatch):
             assert opened.wait(60)
         real_apply(self, record, block, host, threads)
 
-    from gockpt import persist
+    from gockpt.storage import persist
     real_open = persist.Persister._open_writer
 
     def open_then_release(self, job):
@@ -214,10 +215,10 @@ def test_blocks_are_streamed_to_storage_as_they_reach_F(tmp_path, monkeypatch):
             calls.append((threading.current_thread().name, "finish"))
             return super().finish()
 
-    monkeypatch.setattr(storage, "CheckpointWriter", Recording)
     monkeypatch.setattr(replay.AdamAdapter, "apply", slow_final_apply)
     monkeypatch.setattr(persist.Persister, "_open_writer", open_then_release)
-    snaps, handles = run_and_snapshot(tmp_path, "gockpt-o", 3, force=(5,), steps=10)
+    snaps, handles = run_and_snapshot(tmp_path, "gockpt-o", 3, force=(5,), steps=10,
+                                      storage_writer=Recording)
     threads_before_finish = {t for t, n in calls[:calls.index(("gockpt-persist", "finish"))]}
     # blocks finished by the replay of step F were written from the replay thread, before
     # the commit, and the checkpoint is still exactly the live state at F
@@ -240,11 +241,10 @@ class GatedWriter(storage.CheckpointWriter):
 def test_a_checkpoint_due_while_the_previous_persists(tmp_path, monkeypatch, policy):
     import threading
     GatedWriter.gate = threading.Event()
-    monkeypatch.setattr(storage, "CheckpointWriter", GatedWriter)
     H.seed_all(0)
     model, opt, sched = H.build()
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="async", scheduler=sched,
-                             on_busy=policy)
+                             on_busy=policy, storage_writer=GatedWriter)
     handles = []
     H.train_steps(model, opt, sched, 0, 2, ck, force={2},
                   on_boundary=lambda s, h: h and handles.append(h))

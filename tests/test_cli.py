@@ -536,7 +536,7 @@ def test_ranks_verify_reports_a_missing_part(ranks_copy, capsys, how):
 
 def _part_model(part):
     """The model state of a part, read with gockpt.storage (name -> tensor)."""
-    from gockpt import tree
+    from gockpt.storage import tree
     manifest = storage.read_manifest(part)
     tensors = storage.read_tensors(part, manifest)
     sd = {name: tensors[t] for name, t in manifest["model"]["params"].items()}

@@ -123,20 +123,25 @@ def test_read_only_file_system_surfaces(tmp_path, small_fs):
 
 
 class PermissionDenied(storage.CheckpointWriter):
-    """A storage plugin that fails as a file system denying access would (root ignores
-    file modes here, so the fault is injected)."""
+    """A storage plugin that, once armed, fails as a file system denying access would (root
+    ignores file modes here, so the fault is injected)."""
+
+    armed = False
 
     def begin(self, layout):
+        if not PermissionDenied.armed:
+            return super().begin(layout)
         self.abort()
         raise PermissionError(errno.EACCES, "Permission denied", self.tmp_path)
 
 
 def test_permission_denied_surfaces(tmp_path, monkeypatch):
-    model, opt, sched, ck = train_with(tmp_path, 0, ())
+    monkeypatch.setattr(PermissionDenied, "armed", False)
+    model, opt, sched, ck = train_with(tmp_path, 0, (), storage_writer=PermissionDenied)
     H.train_steps(model, opt, sched, 0, 4, ck, force={2})
     ck.wait()
     good = storage.resolve(str(tmp_path))
-    monkeypatch.setattr(storage, "CheckpointWriter", PermissionDenied)
+    monkeypatch.setattr(PermissionDenied, "armed", True)
     with pytest.raises(gockpt.CheckpointFailedError, match="Permission denied"):
         H.train_steps(model, opt, sched, 4, 10, ck, force={5})
         ck.wait()

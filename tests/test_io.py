@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from gockpt import _C, _io, storage
+from faulty_storage import failing_writer
+from gockpt import _C, storage
+from gockpt.storage import io as _io
 from gockpt.errors import CorruptCheckpointError, LoadError, StorageError
 from gockpt.storage import CheckpointWriter, read_manifest, read_tensors
 
@@ -331,8 +333,7 @@ def test_streaming_misuse(tmp_path):
 
 
 def test_write_failure_surfaces_as_storage_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "_inject_fault", (0, 5))  # EIO on the first data write
-    w = CheckpointWriter(str(tmp_path), "a")
+    w = failing_writer(0, 5)(str(tmp_path), "a")  # EIO on the first data write
     with pytest.raises(StorageError, match="Input/output error"):
         w.write_tensors({"x": torch.randn(2 * MiB)})
     assert os.listdir(tmp_path) == []

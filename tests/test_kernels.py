@@ -1,9 +1,10 @@
-"""Bitwise tests of gockpt._kernels.adam_replay against torch's own Adam/AdamW (CPU, float32)."""
+"""Bitwise tests of gockpt.arithmetic.adam_replay against torch's own Adam/AdamW (CPU, float32)."""
 import numpy as np
 import pytest
 import torch
 
-from gockpt import _C, _kernels
+from gockpt import _C
+from gockpt.replay import arithmetic
 
 IMPLS = ("single", "foreach", "fused")
 SETTINGS = (
@@ -58,7 +59,7 @@ def _compare(impl, decoupled, wd, n, torch_threads, steps, s, seed=0, init_step=
             g["lr"] = lr
         p.grad = grads[k].clone()
         opt.step()
-        _kernels.adam_replay(rp, rm, rv, grads[k], impl=replay_impl or impl, decoupled=decoupled,
+        arithmetic.adam_replay(rp, rm, rv, grads[k], impl=replay_impl or impl, decoupled=decoupled,
                              lr=lr, beta1=s["betas"][0], beta2=s["betas"][1], eps=s["eps"],
                              weight_decay=wd, step=init_step + k + 1, torch_threads=torch_threads,
                              threads=threads)
@@ -118,10 +119,10 @@ def test_slices_equal_whole(impl):
     kw = dict(impl=impl, decoupled=True, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.1)
     for k, g in enumerate(grads):
-        _kernels.adam_replay(*whole, g, step=k + 1, **kw)
+        arithmetic.adam_replay(*whole, g, step=k + 1, **kw)
         for a, b in zip(cuts[:-1], cuts[1:]):
             sl = [t[a:b].clone() for t in parts]
-            _kernels.adam_replay(*sl, g[a:b].clone(), step=k + 1, offset=a, full_numel=n, **kw)
+            arithmetic.adam_replay(*sl, g[a:b].clone(), step=k + 1, offset=a, full_numel=n, **kw)
             for t, u in zip(parts, sl):
                 t[a:b] = u
     for a, b in zip(whole, parts):
@@ -146,7 +147,7 @@ def test_fused_slice_needs_full_numel():
         for full in (n, n + 1):  # correct full_numel vs. pretending the parameter goes on
             st = [p0[-15:].clone(), torch.zeros(15), torch.zeros(15)]
             for k, g in enumerate(grads):
-                _kernels.adam_replay(*st, g[-15:].clone(), impl="fused", decoupled=True, lr=1e-3,
+                arithmetic.adam_replay(*st, g[-15:].clone(), impl="fused", decoupled=True, lr=1e-3,
                                      beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                                      step=k + 1, offset=n - 15, full_numel=full)
             outs.append(st)
@@ -170,7 +171,7 @@ def test_isa_and_threads_agree(impl):
             _C.set_isa(isa)
             st = [p0.clone(), torch.zeros(n), torch.zeros(n)]
             for k, g in enumerate(grads):
-                _kernels.adam_replay(*st, g, impl=impl, decoupled=False, lr=2e-3, beta1=0.8,
+                arithmetic.adam_replay(*st, g, impl=impl, decoupled=False, lr=2e-3, beta1=0.8,
                                      beta2=0.99, eps=1e-7, weight_decay=0.01, step=k + 1,
                                      threads=threads)
             results.append(st)
@@ -181,8 +182,8 @@ def test_isa_and_threads_agree(impl):
 
 
 def test_sqrt_backend_matches_torch_sqrt():
-    assert _kernels.sqrt_backend() in ("mkl-vml", "ieee")
-    ok, why = _kernels.exactness_supported()
+    assert arithmetic.sqrt_backend() in ("mkl-vml", "ieee")
+    ok, why = arithmetic.exactness_supported()
     assert ok, why
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 0x7F800000, size=1_000_003, dtype=np.int64).astype(np.uint32)
@@ -192,7 +193,7 @@ def test_sqrt_backend_matches_torch_sqrt():
     ref = torch.sqrt(x)
     assert torch.equal(out, ref)
     ieee = torch.from_numpy(np.sqrt(x.numpy()))
-    if _kernels.sqrt_backend() == "mkl-vml":
+    if arithmetic.sqrt_backend() == "mkl-vml":
         # torch.sqrt is not IEEE here; otherwise the VML path would be pointless
         assert int((ieee != ref).sum()) > 0
     else:
@@ -200,17 +201,17 @@ def test_sqrt_backend_matches_torch_sqrt():
 
 
 def test_sqrt_backend_fallback_is_ieee():
-    if _kernels.sqrt_backend() != "mkl-vml":
+    if arithmetic.sqrt_backend() != "mkl-vml":
         pytest.skip("VML not available")
     try:
         _C.disable_vml_sqrt()
-        assert _kernels.sqrt_backend() == "ieee"
+        assert arithmetic.sqrt_backend() == "ieee"
         x = torch.rand(10007) * 100
         out = torch.empty_like(x)
         _C.torch_sqrt(x.data_ptr(), out.data_ptr(), x.numel())
         assert torch.equal(out, torch.from_numpy(np.sqrt(x.numpy())))
     finally:
-        assert _C.init_vml_sqrt(_kernels._libtorch_cpu_path()) == "mkl-vml"
+        assert _C.init_vml_sqrt(arithmetic._libtorch_cpu_path()) == "mkl-vml"
 
 
 def _args(n=10):
@@ -236,14 +237,14 @@ def test_validation(mutate, match):
     a, kw = _args(), dict(KW)
     mutate(a, kw)
     with pytest.raises(ValueError, match=match):
-        _kernels.adam_replay(*a, **kw)
+        arithmetic.adam_replay(*a, **kw)
 
 
 def _replay_steps(st, grads, impl="single", threads=None, **kw):
     hp = dict(decoupled=True, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
     hp.update(kw)
     for k, g in enumerate(grads):
-        _kernels.adam_replay(*st, g, impl=impl, step=k + 1, threads=threads, **hp)
+        arithmetic.adam_replay(*st, g, impl=impl, step=k + 1, threads=threads, **hp)
     return st
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gockpt.errors import ConfigError
-from gockpt.plan import build_plan
+from gockpt.capture.plan import build_plan
 
 import harness as H
 

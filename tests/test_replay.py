@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gockpt.errors import UnsupportedOptimizerError
-from gockpt.replay import adapter_for
+from gockpt.replay.adapters import adapter_for
 
 
 def opt_of(cls=torch.optim.AdamW, **kw):

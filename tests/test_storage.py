@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from faulty_storage import failing_writer
 from gockpt import storage
 from gockpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from gockpt.storage import (
@@ -119,7 +120,7 @@ def test_safetensors_can_read(tmp_path):
 
 
 def test_large_tensor_in_several_blocks(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(storage.writer, "BLOCK_BYTES", 4096)
     tensors = {"big": torch.randn(100, 37), "nc": torch.randn(37, 100).t(), "bf": torch.randn(9999).bfloat16()}
     path = save(tmp_path, "a", tensors)
     m = read_manifest(path)
@@ -233,7 +234,7 @@ def test_bad_manifest_entry(tmp_path, monkeypatch, field, value, message):
     def no_alloc(*a, **k):
         raise AssertionError("allocated a tensor from an invalid manifest")
 
-    monkeypatch.setattr(storage.torch, "empty", no_alloc)
+    monkeypatch.setattr(storage.reader.torch, "empty", no_alloc)
     with pytest.raises(CorruptCheckpointError, match=message) as exc:
         read_manifest(path)
     assert "'f32'" in str(exc.value) and path in str(exc.value)
@@ -275,10 +276,10 @@ def test_commit_rejects_reserved_and_non_json(tmp_path):
         w.commit({"tensors": {}})
     assert os.listdir(tmp_path) == []  # the failed commit aborted
     w = CheckpointWriter(str(tmp_path), "a")
-    with pytest.raises(TypeError, match="gockpt.tree"):
+    with pytest.raises(TypeError, match="gockpt.storage.tree"):
         w.commit({"x": float("nan")})
     w = CheckpointWriter(str(tmp_path), "a")
-    with pytest.raises(TypeError, match="gockpt.tree"):
+    with pytest.raises(TypeError, match="gockpt.storage.tree"):
         w.commit({"x": object()})
     assert os.listdir(tmp_path) == []
 
@@ -364,8 +365,8 @@ def test_write_twice_is_an_error(tmp_path):
 
 def test_failure_in_write_keeps_previous_latest(tmp_path, monkeypatch):
     prev = save(tmp_path, checkpoint_name(1))
-    monkeypatch.setattr(storage, "_inject_fault", (2, 28))  # the third data pwrite: "disk full"
-    w = CheckpointWriter(str(tmp_path), checkpoint_name(2))
+    # a storage plugin whose third data pwrite fails: "disk full"
+    w = failing_writer(2, 28)(str(tmp_path), checkpoint_name(2))
     with pytest.raises(StorageError, match="No space left") as exc:
         w.write_tensors(sample_tensors())
     monkeypatch.undo()

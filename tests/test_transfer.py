@@ -2,8 +2,8 @@ import threading
 
 import torch
 
-from gockpt.device import HostDevice
-from gockpt.transfer import GRADIENT, STATE, CopyEngine
+from gockpt.capture.device import HostDevice
+from gockpt.capture.transfer import GRADIENT, STATE, CopyEngine
 
 
 class GatedDevice(HostDevice):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gockpt import tree
+from gockpt.storage import tree
 
 
 def same(a, b) -> bool:

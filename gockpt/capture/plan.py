@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass

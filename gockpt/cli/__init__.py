@@ -36,8 +36,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import storage, tree
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
+from .. import storage
+from ..storage import tree
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
 
 __all__ = ["main"]
 

@@ -12,9 +12,9 @@ import warnings
 
 import torch
 
-from .errors import ConsistencyError
-from .job import Job
-from .plan import Plan, flat
+from ..capture.plan import Plan, flat
+from ..errors import ConsistencyError
+from ..job import Job
 
 
 def sample(job: Job, plan: Plan, optimizer: torch.optim.Optimizer, fraction: float) -> None:

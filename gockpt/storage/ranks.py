@@ -18,8 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
-from . import storage
-from .errors import StorageError
+from ..errors import StorageError
+from .format import TMP_PREFIX
 
 
 class Ranks:
@@ -62,9 +62,10 @@ class Ranks:
         return [int(v) for v in t.tolist()]
 
     def commit(self, root: str, name: str, write_part: Optional[Callable[[str], None]],
-               top_manifest: dict) -> str:
+               top_manifest: dict, new_writer: Callable) -> str:
         """Commit one checkpoint of every rank (persist thread, called on every rank).
 
+        ``new_writer(root, name)`` makes the storage writer of the top-level directory;
         ``write_part(dir)`` writes and commits this rank's part inside ``dir``; ``None`` means
         this rank's checkpoint already failed (it still votes, so that nobody waits forever).
         Returns the final path; raises StorageError on every rank if any rank failed.
@@ -72,7 +73,7 @@ class Ranks:
         top = None
         if self.rank == 0:
             try:
-                top = storage.CheckpointWriter(root, name)
+                top = new_writer(root, name)
                 pid, token = top.tmp_path.rsplit("-", 2)[-2:]
                 header = [1, int(pid), int(token, 16)]
             except Exception:
@@ -83,7 +84,7 @@ class Ranks:
         mine = 0
         if ok and write_part is not None:
             shared = os.path.join(os.path.abspath(root),
-                                  f"{storage.TMP_PREFIX}{name}-{pid}-{token:08x}")
+                                  f"{TMP_PREFIX}{name}-{pid}-{token:08x}")
             try:
                 write_part(shared)
                 mine = 1

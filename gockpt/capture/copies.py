@@ -14,11 +14,13 @@ from typing import Dict, Optional
 
 import torch
 
-from . import smallstate, tree
-from .errors import ConfigError, HookOrderError
-from .job import Job
+from ..errors import ConfigError, HookOrderError
+from ..job import Job
+from ..replay.adapters import AdamAdapter
+from ..replay.records import StepRecord
+from ..storage import tree
+from . import smallstate
 from .plan import Plan, flat
-from .replay import AdamAdapter, StepRecord
 from .staging import GradPool, HostCopy
 from .transfer import GRADIENT, STATE, CopyEngine
 

@@ -17,22 +17,22 @@ The writer is looked up through the ``storage`` module at call time, so that it 
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import shutil
 import threading
 import time
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from . import metrics as metrics_mod
-from . import storage
-from .config import Config
-from .errors import GockptError, StorageError
-from .job import Job
-from .plan import Block, Plan
+from .. import metrics as metrics_mod
+from ..capture.plan import Block, Plan
+from ..config import Config
+from ..errors import GockptError, StorageError
+from ..job import Job
+from .commit import apply_retention
+from .format import checkpoint_name
 from .ranks import Ranks
+from .writer import CheckpointWriter
 
 log = logging.getLogger("gockpt")
 
@@ -53,6 +53,11 @@ class Persister:
         self._queue: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="gockpt-persist", daemon=True)
         self._thread.start()
+
+    def new_writer(self, root: str, name: str):
+        """The storage plugin's writer of checkpoint ``name`` in ``root`` (Config.storage_writer)."""
+        factory = self.config.storage_writer or CheckpointWriter
+        return factory(root, name)
 
     def queue_open(self, job: Job) -> None:
         self._queue.put(("open", job))
@@ -115,8 +120,8 @@ class Persister:
         if job.error is not None or job.dropped:
             return
         try:
-            writer = storage.CheckpointWriter(self.config.directory,
-                                              storage.checkpoint_name(job.handle.final_step))
+            writer = self.new_writer(self.config.directory,
+                                              checkpoint_name(job.handle.final_step))
             try:
                 writer.begin(self._layout(job))
                 for name, t in job.small_tensors.items():
@@ -167,7 +172,7 @@ class Persister:
         job.persist_entered = True
         t0 = time.perf_counter()
         writer = None
-        name = storage.checkpoint_name(job.handle.final_step)
+        name = checkpoint_name(job.handle.final_step)
         try:
             if self.ranks.several:
                 write_part = None if job.error is not None else \
@@ -175,14 +180,15 @@ class Persister:
                                                 update_latest=False))
                 top = {"step": job.handle.final_step, "start_step": job.metrics.start_step,
                        "mode": self.config.mode, "overlap_steps": job.k}
-                path = self.ranks.commit(self.config.directory, name, write_part, top)
+                path = self.ranks.commit(self.config.directory, name, write_part, top,
+                                         self.new_writer)
                 if job.error is not None:
                     return
             else:
                 with job.stream_lock:
                     writer = job.writer
                 if writer is None:
-                    writer = storage.CheckpointWriter(self.config.directory, name)
+                    writer = self.new_writer(self.config.directory, name)
                 path = self._write(job, None, name, t0, writer=writer)
             job.handle.path = path
             m = job.metrics
@@ -205,7 +211,7 @@ class Persister:
                update_latest: bool = True) -> str:
         """Write this process's tensors and manifest as checkpoint ``name`` in ``root``."""
         if writer is None:
-            writer = storage.CheckpointWriter(root, name)
+            writer = self.new_writer(root, name)
         try:
             if job.writer is writer and writer is not None:
                 with job.stream_lock:  # streamed: write only what is left
@@ -244,35 +250,3 @@ class Persister:
         except BaseException:
             writer.abort()
             raise
-
-
-def apply_retention(directory: str, keep: Optional[int]) -> None:
-    """Delete committed checkpoints beyond ``keep`` (after a newer one committed)."""
-    if keep is None:
-        return
-    names = storage.list_checkpoints(directory)
-    latest = os.path.basename(storage.resolve(directory))
-    for name in [n for n in names if n != latest][:max(0, len(names) - keep)]:
-        # Rename first so the deletion is atomic for readers; a crash mid-delete leaves
-        # a .tmp-* entry that cleanup_temporaries removes.
-        doomed = os.path.join(directory,
-                              f"{storage.TMP_PREFIX}{name}.old-{os.getpid()}-{os.urandom(4).hex()}")
-        try:
-            os.rename(os.path.join(directory, name), doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
-        except OSError as exc:
-            log.warning("gockpt: could not delete old checkpoint %s: %s", name, exc)
-
-
-def ensure_writable(directory: str) -> None:
-    """Fail at construction, not at the first checkpoint, when the directory is unusable."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".gockpt-probe-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as exc:
-        raise StorageError(
-            f"checkpoint directory {directory!r} is not a writable directory ({exc.strerror or exc}); "
-            "pass a path you can write to") from exc

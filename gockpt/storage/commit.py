@@ -1,0 +1,229 @@
+"""Making a checkpoint visible, finding it again, and cleaning up.
+
+Crash safety: everything is written into ``<root>/.tmp-<name>-<pid>-<random>``, fsynced, and only
+then renamed to ``<root>/<name>``; ``latest`` is replaced with ``os.replace``. A crash at any
+point leaves either the previous state or the new one, plus perhaps a ``.tmp-*`` entry that
+:func:`cleanup_temporaries` removes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import warnings
+from typing import Optional
+
+from ..errors import CheckpointNotFoundError, StorageError
+from .format import LATEST_FILE, MANIFEST_FILE, TMP_PREFIX, TMP_RE, check_name, fsync_dir, write_all
+
+log = logging.getLogger("gockpt")
+
+
+def write_file(path: str, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(root: str, tmp_path: str, name: str) -> None:
+    """Rename the temporary directory ``tmp_path`` to ``<root>/<name>``, replacing an old
+    checkpoint of that name only once the new one is in place."""
+    final = os.path.join(root, name)
+    old = None
+    if os.path.lexists(final):
+        # No atomic directory swap in the stdlib: move the old one aside
+        # (still a .tmp-* name, so cleanup_temporaries finds it after a crash).
+        old = os.path.join(root, f"{TMP_PREFIX}{name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        os.rename(final, old)
+    try:
+        os.rename(tmp_path, final)
+    except OSError:
+        if old is not None:
+            os.rename(old, final)  # put the previous checkpoint back
+        raise
+    fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_latest(root: str, name: str) -> None:
+    """Atomically make ``<root>/latest`` contain ``name``."""
+    tmp = os.path.join(root, f"{TMP_PREFIX}{LATEST_FILE}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        write_file(tmp, name.encode("utf-8"))
+        os.replace(tmp, os.path.join(root, LATEST_FILE))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(root)
+
+
+def is_committed(path: str) -> bool:
+    # manifest.json is written inside the temporary directory before the rename,
+    # so a visible directory with a manifest is a committed checkpoint.
+    return os.path.isfile(os.path.join(path, MANIFEST_FILE))
+
+
+def list_checkpoints(root: str) -> list[str]:
+    """Names of the committed checkpoints in ``root``, oldest first.
+
+    Age is the modification time of ``manifest.json`` (written at commit), ties
+    broken by name. Temporaries (``.tmp-*``) and other entries are ignored; a
+    missing root gives an empty list.
+    """
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise StorageError(f"cannot list checkpoint directory {root!r}: {e}") from e
+    found = []
+    for name in names:
+        if name.startswith(".") or name == LATEST_FILE:
+            continue
+        manifest = os.path.join(root, name, MANIFEST_FILE)
+        try:
+            found.append((os.stat(manifest).st_mtime_ns, name))
+        except OSError:
+            continue  # not a checkpoint directory
+    return [name for _, name in sorted(found)]
+
+
+def _describe_root(root: str) -> str:
+    names = list_checkpoints(root)
+    if not names:
+        return f"{root!r} contains no committed checkpoint"
+    shown = ", ".join(names[-10:])
+    more = f" (and {len(names) - 10} older)" if len(names) > 10 else ""
+    return f"{root!r} contains: {shown}{more}"
+
+
+def resolve(root: str, tag: str | None = None) -> str:
+    """Path of checkpoint ``tag`` in ``root``, or (tag None or "latest") of the one ``<root>/latest`` names.
+
+    If ``latest`` is missing or names a checkpoint that does not exist, falls
+    back to the newest committed checkpoint with a warning. Raises
+    ``CheckpointNotFoundError`` saying what ``root`` contains if nothing fits.
+    """
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
+    if tag == LATEST_FILE:
+        tag = None
+    if tag is not None:
+        try:
+            check_name(tag, "checkpoint tag")
+        except ValueError as e:
+            raise CheckpointNotFoundError(str(e)) from None
+        path = os.path.join(root, tag)
+        if not is_committed(path):
+            raise CheckpointNotFoundError(f"no checkpoint {tag!r}: {_describe_root(root)}")
+        return path
+
+    latest_path = os.path.join(root, LATEST_FILE)
+    try:
+        with open(latest_path, encoding="utf-8") as f:
+            latest = f.read().strip()
+    except FileNotFoundError:
+        latest = None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointNotFoundError(f"cannot read {latest_path!r}: {e}") from e
+    if latest is not None:
+        try:
+            check_name(latest)
+            if is_committed(os.path.join(root, latest)):
+                return os.path.join(root, latest)
+        except ValueError:
+            pass
+    names = list_checkpoints(root)
+    if not names:
+        raise CheckpointNotFoundError(f"no checkpoint to load: {_describe_root(root)}")
+    why = "is missing" if latest is None else f"names {latest!r}, which is not a committed checkpoint"
+    warnings.warn(
+        f"{latest_path!r} {why}; using the newest committed checkpoint {names[-1]!r}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return os.path.join(root, names[-1])
+
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    except OverflowError:
+        return False
+    return True
+
+
+def cleanup_temporaries(root: str) -> list[str]:
+    """Remove ``.tmp-*`` entries of ``root`` left behind by processes that are no longer alive.
+
+    Entries of live processes (including this one) are kept. Returns the paths
+    removed. Note: liveness is checked on this host only, so on a file system
+    shared between machines call it only when no other machine is writing.
+    """
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in sorted(names):
+        m = TMP_RE.match(name)
+        if not m or _pid_alive(int(m.group(2))):
+            continue
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        if not os.path.lexists(path):
+            removed.append(path)
+    return removed
+
+
+def apply_retention(directory: str, keep: Optional[int]) -> None:
+    """Delete committed checkpoints beyond ``keep`` (after a newer one committed)."""
+    if keep is None:
+        return
+    names = list_checkpoints(directory)
+    latest = os.path.basename(resolve(directory))
+    for name in [n for n in names if n != latest][:max(0, len(names) - keep)]:
+        # Rename first so the deletion is atomic for readers; a crash mid-delete leaves
+        # a .tmp-* entry that cleanup_temporaries removes.
+        doomed = os.path.join(directory,
+                              f"{TMP_PREFIX}{name}.old-{os.getpid()}-{os.urandom(4).hex()}")
+        try:
+            os.rename(os.path.join(directory, name), doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        except OSError as exc:
+            log.warning("gockpt: could not delete old checkpoint %s: %s", name, exc)
+
+
+def ensure_writable(directory: str) -> None:
+    """Fail at construction, not at the first checkpoint, when the directory is unusable."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".gockpt-probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise StorageError(
+            f"checkpoint directory {directory!r} is not a writable directory ({exc.strerror or exc}); "
+            "pass a path you can write to") from exc
