@@ -19,6 +19,7 @@ from ..job import Job
 from ..replay.adapters import AdamAdapter
 from ..replay.records import StepRecord
 from ..storage import tree
+from ..storage.manifest import SmallSection, small_prefix
 from . import smallstate
 from .plan import Plan, flat
 from .staging import GradPool, HostCopy
@@ -92,17 +93,16 @@ class Capture:
         job.aligned = aligned
         tensors: Dict[str, torch.Tensor] = {}
         planned = [id(s.param) for s in self.plan.slots]
+        values = {
+            "model": smallstate.model_small(self.model, planned),
+            "optimizer": smallstate.optimizer_small(self.optimizer, aligned),
+            "scheduler": smallstate.scheduler_state(self.scheduler),
+            "rng": smallstate.capture_rng(),
+            "extra_state": extra_state,
+        }
         try:
-            small = {
-                "model": tree.encode(smallstate.model_small(self.model, planned), tensors,
-                                     "small/model"),
-                "optimizer": tree.encode(smallstate.optimizer_small(self.optimizer, aligned),
-                                         tensors, "small/optimizer"),
-                "scheduler": tree.encode(smallstate.scheduler_state(self.scheduler), tensors,
-                                         "small/scheduler"),
-                "rng": tree.encode(smallstate.capture_rng(), tensors, "small/rng"),
-                "extra_state": tree.encode(extra_state, tensors, "small/extra_state"),
-            }
+            small = SmallSection(**{section: tree.encode(value, tensors, small_prefix(section))
+                                    for section, value in values.items()})
         except TypeError as exc:
             raise ConfigError(f"cannot store the state of step {step}: {exc}") from exc
         job.small, job.small_tensors = small, tensors

@@ -31,6 +31,8 @@ from ..errors import GockptError, StorageError
 from ..job import Job
 from .commit import apply_retention
 from .format import checkpoint_name
+from .manifest import (Manifest, ModelSection, OptimizerSection, PartsManifest, optim_tensor,
+                       param_tensor, part_name)
 from .ranks import Ranks
 from .writer import CheckpointWriter
 
@@ -92,9 +94,9 @@ class Persister:
         """(stored name, flat host buffer) of slot ``si``: its parameter and the aligned
         optimizer state it has at F. The one place that names the stored tensors."""
         s = self.plan.slots[si]
-        yield f"model/{s.name}", job.host.param[si]
+        yield param_tensor(s.name), job.host.param[si]
         for key in (() if s.static else job.aligned.get(s.opt_index, ())):
-            yield f"optim/{s.opt_index}/{key}", job.host.state[si][key]
+            yield optim_tensor(s.opt_index, key), job.host.state[si][key]
 
     def _host_tensors(self, job: Job) -> Dict[str, torch.Tensor]:
         """Every tensor of this process's checkpoint, shaped as stored."""
@@ -178,8 +180,9 @@ class Persister:
                 write_part = None if job.error is not None else \
                     (lambda shared: self._write(job, shared, self.ranks.part_name(), t0,
                                                 update_latest=False))
-                top = {"step": job.handle.final_step, "start_step": job.metrics.start_step,
-                       "mode": self.config.mode, "overlap_steps": job.k}
+                top = PartsManifest(job.handle.final_step, job.metrics.start_step,
+                                    self.config.mode, job.k,
+                                    [part_name(r) for r in range(self.ranks.world_size)])
                 path = self.ranks.commit(self.config.directory, name, write_part, top,
                                          self.new_writer)
                 if job.error is not None:
@@ -228,22 +231,15 @@ class Persister:
             m.time_to_durable_s = time.perf_counter() - job.t_start
             m.step_time_s = self.step_time()
             m.host_bytes = self.host_bytes()
-            manifest = {
-                "step": job.handle.final_step,
-                "start_step": m.start_step,
-                "mode": self.config.mode,
-                "overlap_steps": job.k,
-                "rank": self.ranks.rank,
-                "world_size": self.ranks.world_size,
-                "model": {"params": {s.name: f"model/{s.name}" for s in self.plan.slots},
-                          "aliases": self.plan.aliases},
-                "optimizer": {"class": self.optimizer_class,
-                              "aligned": {str(i): list(k) for i, k in job.aligned.items()}},
-                "small": job.small,
-                "metrics": m.to_dict(),
-            }
+            manifest = Manifest(
+                step=job.handle.final_step, start_step=m.start_step, mode=self.config.mode,
+                overlap_steps=job.k, rank=self.ranks.rank, world_size=self.ranks.world_size,
+                model=ModelSection({s.name: param_tensor(s.name) for s in self.plan.slots},
+                                   self.plan.aliases),
+                optimizer=OptimizerSection(self.optimizer_class, dict(job.aligned)),
+                small=job.small, metrics=m.to_dict())
             t_commit = time.perf_counter()
-            path = writer.commit(manifest, update_latest=update_latest)
+            path = writer.commit(manifest.to_json(), update_latest=update_latest)
             if self.config.mode == "sync":
                 m.add_blocked("save_checkpoint", time.perf_counter() - t_commit)
             return path

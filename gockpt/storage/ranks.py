@@ -20,6 +20,7 @@ import torch
 
 from ..errors import StorageError
 from .format import TMP_PREFIX
+from .manifest import PartsManifest, part_name
 
 
 class Ranks:
@@ -38,8 +39,9 @@ class Ranks:
     def several(self) -> bool:
         return self.world_size > 1
 
-    def part_name(self, rank: Optional[int] = None) -> str:
-        return f"rank-{self.rank if rank is None else rank:05d}"
+    def part_name(self) -> str:
+        """This rank's part directory."""
+        return part_name(self.rank)
 
     def agree_max(self, value: int) -> int:
         """The largest ``value`` over the ranks (training thread)."""
@@ -62,7 +64,7 @@ class Ranks:
         return [int(v) for v in t.tolist()]
 
     def commit(self, root: str, name: str, write_part: Optional[Callable[[str], None]],
-               top_manifest: dict, new_writer: Callable) -> str:
+               top_manifest: PartsManifest, new_writer: Callable) -> str:
         """Commit one checkpoint of every rank (persist thread, called on every rank).
 
         ``new_writer(root, name)`` makes the storage writer of the top-level directory;
@@ -95,9 +97,7 @@ class Ranks:
         if self.rank == 0 and top is not None:
             if everyone:
                 try:
-                    top_manifest = dict(top_manifest, world_size=self.world_size,
-                                        ranks=[self.part_name(r) for r in range(self.world_size)])
-                    top.commit(top_manifest)
+                    top.commit(top_manifest.to_json())
                     committed = 1
                 except Exception:
                     committed = 0

@@ -198,7 +198,8 @@ def read_tensors(path: str, manifest: dict, names=None, *, verify: bool = True, 
                  threads: int | None = None, direct: bool | None = None) -> dict:
     """Read tensors of checkpoint ``path`` into CPU tensors, in parallel.
 
-    ``manifest`` is what ``read_manifest(path)`` returned; ``names`` selects tensors
+    ``manifest`` is what ``read_manifest(path)`` returned (or its typed
+    :class:`~gockpt.storage.manifest.Manifest`); ``names`` selects tensors
     (default: all). Tensors named in ``out`` (name -> CPU tensor of the stored dtype and
     shape) are read straight into those tensors (returned as the same objects); the others
     into new tensors. Every block's crc32c is checked unless ``verify=False``. Reads use
@@ -212,7 +213,7 @@ def read_tensors(path: str, manifest: dict, names=None, *, verify: bool = True, 
     ``out`` tensor has another dtype or shape. After an error, the ``out`` tensors may hold
     partly read data.
     """
-    entries = manifest["tensors"]
+    entries = manifest.tensors if hasattr(manifest, "tensors") else manifest["tensors"]
     names = list(entries) if names is None else list(names)
     out = {} if out is None else out
     by_file: dict[str, list] = {}

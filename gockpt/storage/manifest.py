@@ -1,0 +1,280 @@
+"""The manifest of a gockpt checkpoint: its typed sections, the names of stored tensors, the
+parts written by several ranks, and their validation. The one module that knows these fields.
+
+``manifest.json`` holds the storage format's own fields (``format``, ``format_version`` and the
+``tensors`` table, written and validated by :mod:`.writer` / :mod:`.reader`) and gockpt's:
+
+    step, start_step, mode, overlap_steps   which version F, captured how
+    rank, world_size                        this part's place among the ranks
+    model      {"params": {state_dict name: stored tensor}, "aliases": {tied name: name}}
+    optimizer  {"class": name, "aligned": {state index: [keys stored as tensors]}}
+    small      everything small at F, as gockpt.storage.tree-encoded JSON:
+               model (buffers), optimizer (param groups, steps), scheduler, rng, extra_state
+    metrics    what the checkpoint cost (gockpt.metrics.CheckpointMetrics)
+
+A checkpoint written by several ranks has a top-level manifest without tensors that lists its
+parts (``"ranks": ["rank-00000", ...]``); each part is a complete single-rank checkpoint.
+
+Everything here is read from untrusted files: :meth:`Manifest.from_json` checks every field's
+type before anyone uses it and raises :class:`~gockpt.errors.CorruptCheckpointError` naming the
+checkpoint and the field.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import CorruptCheckpointError, LoadError
+from . import tree
+
+# ------------------------------------------------------------------ stored tensor names
+
+SMALL_SECTIONS = ("model", "optimizer", "scheduler", "rng", "extra_state")
+
+
+def param_tensor(name: str) -> str:
+    """Stored name of the model parameter ``name`` (its ``state_dict`` name)."""
+    return f"model/{name}"
+
+
+def optim_tensor(index: int, key: str) -> str:
+    """Stored name of the aligned optimizer state ``key`` of the ``index``-th parameter."""
+    return f"optim/{index}/{key}"
+
+
+def small_prefix(section: str) -> str:
+    """Prefix of the tensors inside the small-state section ``section``."""
+    return f"small/{section}"
+
+
+def is_small_tensor(name: str) -> bool:
+    return name.startswith("small/")
+
+
+# ------------------------------------------------------------------ parts of several ranks
+
+def part_name(rank: int) -> str:
+    """Directory name of the part written by ``rank``."""
+    return f"rank-{rank:05d}"
+
+
+def check_part_name(path: str, name) -> str:
+    """``name`` if it is a plain directory name inside the checkpoint, else CorruptCheckpointError."""
+    if not isinstance(name, str) or name in ("", ".", "..") or name.startswith(".") \
+            or any(c in name for c in "/\\\0"):
+        raise CorruptCheckpointError(f"checkpoint {path!r}: invalid part name {name!r:.60} in "
+                                     "the manifest")
+    return name
+
+
+# ------------------------------------------------------------------ typed sections
+
+@dataclass
+class ModelSection:
+    """Where the model's parameters are stored."""
+
+    params: Dict[str, str]
+    """``state_dict`` name of each planned parameter -> stored tensor name."""
+    aliases: Dict[str, str] = field(default_factory=dict)
+    """Extra ``state_dict`` names of tied parameters -> their canonical name."""
+
+    def expected(self) -> Dict[str, str]:
+        """Every ``state_dict`` name the parameters answer to (aliases included) -> tensor."""
+        out = dict(self.params)
+        out.update({alias: self.params[name] for alias, name in self.aliases.items()
+                    if name in self.params})
+        return out
+
+
+@dataclass
+class OptimizerSection:
+    """What the optimizer's ``state_dict`` needs besides the small state."""
+
+    cls: str
+    """Class name of the optimizer that was checkpointed."""
+    aligned: Dict[int, List[str]] = field(default_factory=dict)
+    """Optimizer state index -> keys stored as tensors of the parameter's shape."""
+
+
+@dataclass
+class SmallSection:
+    """Everything small at version F, each a :mod:`gockpt.storage.tree` encoding whose tensors
+    are stored under :func:`small_prefix` of its section."""
+
+    model: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    rng: Any = None
+    extra_state: Any = None
+
+    def decode(self, section: str, tensors: dict):
+        """The Python value of ``section`` given the stored tensors it refers to."""
+        return tree.decode(getattr(self, section), tensors)
+
+
+@dataclass
+class Manifest:
+    """gockpt's fields of one (single-rank, or one rank's part) checkpoint manifest."""
+
+    step: int
+    """The user's step number at version F."""
+    start_step: int
+    """The step boundary at which the checkpoint started (F = start_step + K - 1)."""
+    mode: str
+    overlap_steps: int
+    model: ModelSection
+    small: SmallSection
+    optimizer: Optional[OptimizerSection] = None
+    rank: int = 0
+    world_size: int = 1
+    metrics: Dict[str, Any] = field(default_factory=dict)
+    tensors: Dict[str, dict] = field(default_factory=dict)
+    """The storage format's validated tensor table (read only; the writer produces it)."""
+
+    def to_json(self) -> dict:
+        """The fields gockpt writes (the storage writer adds format, version and tensors)."""
+        out = {"step": self.step, "start_step": self.start_step, "mode": self.mode,
+               "overlap_steps": self.overlap_steps, "rank": self.rank,
+               "world_size": self.world_size,
+               "model": {"params": dict(self.model.params), "aliases": dict(self.model.aliases)},
+               "small": asdict(self.small), "metrics": dict(self.metrics)}
+        if self.optimizer is not None:
+            out["optimizer"] = {"class": self.optimizer.cls,
+                                "aligned": {str(i): list(k)
+                                            for i, k in self.optimizer.aligned.items()}}
+        return out
+
+    @classmethod
+    def from_json(cls, path: str, data: dict) -> "Manifest":
+        """Typed view of a manifest read by :func:`gockpt.storage.read_manifest`.
+
+        Raises CorruptCheckpointError naming ``path`` and the field when a section is missing
+        or of the wrong type (a manifest that is not gockpt's, or was damaged)."""
+        def bad(msg):
+            return CorruptCheckpointError(f"checkpoint {path!r}: manifest: {msg}; is this a "
+                                          "gockpt checkpoint?")
+
+        for key in ("step", "start_step", "overlap_steps"):
+            if not _is_int(data.get(key)):
+                raise bad(f"{key!r} is {data.get(key)!r:.40}, expected an int")
+        if not isinstance(data.get("mode"), str):
+            raise bad("'mode' is missing")
+        model = data.get("model")
+        if not isinstance(model, dict) or not _str_map(model.get("params")) \
+                or not _str_map(model.get("aliases", {})):
+            raise bad("the 'model' section is missing or malformed")
+        small = data.get("small")
+        if not isinstance(small, dict) or any(s not in small for s in SMALL_SECTIONS):
+            raise bad("the 'small' section is missing or incomplete")
+        optimizer = None
+        opt = data.get("optimizer")
+        if opt is not None:
+            aligned = opt.get("aligned", {}) if isinstance(opt, dict) else None
+            if not isinstance(opt, dict) or not isinstance(opt.get("class"), (str, type(None))) \
+                    or not isinstance(aligned, dict) \
+                    or not all(_is_index(i) and isinstance(k, list)
+                               and all(isinstance(x, str) for x in k)
+                               for i, k in aligned.items()):
+                raise bad("the 'optimizer' section is malformed")
+            optimizer = OptimizerSection(opt.get("class") or "",
+                                         {int(i): list(k) for i, k in aligned.items()})
+        for key in ("rank", "world_size"):
+            if key in data and not _is_int(data[key]):
+                raise bad(f"{key!r} is {data[key]!r:.40}, expected an int")
+        metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else {}
+        return cls(step=data["step"], start_step=data["start_step"], mode=data["mode"],
+                   overlap_steps=data["overlap_steps"],
+                   model=ModelSection(dict(model["params"]), dict(model.get("aliases", {}))),
+                   small=SmallSection(**{s: small[s] for s in SMALL_SECTIONS}),
+                   optimizer=optimizer, rank=data.get("rank", 0),
+                   world_size=data.get("world_size", 1), metrics=metrics,
+                   tensors=data.get("tensors", {}))
+
+    def optimizer_state_dict(self, path: str, tensors: dict, optimizer=None,
+                             aligned: bool = True) -> dict:
+        """The optimizer's ``state_dict`` at F from the small state and the aligned tensors
+        (``aligned=False``: without the aligned tensors, to check the structure cheaply).
+
+        With ``optimizer`` given, raises LoadError if its class, number of param groups or
+        of parameters differs from the checkpoint's."""
+        opt = self.optimizer
+        if optimizer is not None and opt is not None and opt.cls \
+                and opt.cls != type(optimizer).__name__:
+            raise LoadError(f"{path}: saved with optimizer {opt.cls}, loading into "
+                            f"{type(optimizer).__name__}")
+        small = self.small.decode("optimizer", tensors)
+        if optimizer is not None:
+            n_live = sum(len(g["params"]) for g in optimizer.param_groups)
+            n_saved = sum(len(g["params"]) for g in small["param_groups"])
+            if n_live != n_saved or len(small["param_groups"]) != len(optimizer.param_groups):
+                raise LoadError(f"{path}: the optimizer has {len(optimizer.param_groups)} "
+                                f"groups / {n_live} parameters, the checkpoint "
+                                f"{len(small['param_groups'])} / {n_saved}")
+        state = small["state"]
+        if aligned and opt is not None:
+            for idx, keys in opt.aligned.items():
+                for key in keys:
+                    state.setdefault(idx, {})[key] = tensors[optim_tensor(idx, key)]
+        return {"state": state, "param_groups": small["param_groups"]}
+
+
+@dataclass
+class PartsManifest:
+    """The top-level manifest of a checkpoint written by several ranks."""
+
+    step: int
+    start_step: int
+    mode: str
+    overlap_steps: int
+    parts: List[str]
+    """Part directory of each rank, in rank order."""
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "start_step": self.start_step, "mode": self.mode,
+                "overlap_steps": self.overlap_steps, "world_size": len(self.parts),
+                "ranks": list(self.parts)}
+
+
+def parts_of(path: str, data: dict) -> Optional[List[str]]:
+    """The validated part names of a multi-rank checkpoint's manifest; None for one rank."""
+    ranks = data.get("ranks")
+    if ranks is None:
+        return None
+    if not isinstance(ranks, list) or not ranks:
+        raise CorruptCheckpointError(f"checkpoint {path!r}: manifest 'ranks' is {ranks!r:.60}, "
+                                     "expected a non-empty list of part directory names")
+    return [check_part_name(path, p) for p in ranks]
+
+
+def read(path: str, rank: Optional[int] = None, live_world: int = 1) -> Tuple[str, Manifest]:
+    """(directory, typed manifest) of the checkpoint at ``path``, or of ``rank``'s part of it
+    when several ranks wrote it (``rank`` None: rank 0). ``live_world`` > 1 is the number of
+    ranks of the job loading it, which must match."""
+    from .reader import read_manifest
+
+    data = read_manifest(path)
+    parts = parts_of(path, data)
+    if parts is not None:
+        if live_world > 1 and live_world != len(parts):
+            raise LoadError(f"{path} was written by {len(parts)} ranks; this job has {live_world}")
+        rank = 0 if rank is None else rank
+        if not _is_int(rank) or not rank < len(parts):
+            raise LoadError(f"{path} has parts for ranks 0..{len(parts) - 1}; rank {rank!r} asked")
+        path = os.path.join(path, parts[rank])
+        data = read_manifest(path)
+    return path, Manifest.from_json(path, data)
+
+
+def _is_int(x) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _is_index(x) -> bool:
+    return isinstance(x, str) and x.isdigit() or _is_int(x)
+
+
+def _str_map(x) -> bool:
+    return isinstance(x, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                       for k, v in x.items())
