@@ -9,12 +9,13 @@ Public API::
 """
 
 from .checkpointer import CheckpointHandle, Checkpointer
-from .config import MODES, Config
+from .config import Config
 from .errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError,
                      ConsistencyError, CorruptCheckpointError, GockptError, HookOrderError,
                      LoadError, StorageError, UnsupportedOptimizerError)
 from .loading import Restored, load
-from . import metrics
+from .modes import MODES
+from . import metrics  # noqa: F401  (gockpt.metrics.read)
 
 __version__ = "0.1.0"
 

@@ -7,12 +7,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from .errors import ConfigError
+from .modes import MODES, POLICIES, ModePolicy
 
-MODES = ("sync", "async", "async-o", "gockpt", "gockpt-o")
-#: Modes whose checkpoint is assembled from copies taken at older versions plus replayed updates.
-REPLAY_MODES = ("gockpt", "gockpt-o")
-#: Modes that need no optimizer replay and therefore accept any optimizer.
-NO_REPLAY_MODES = ("sync", "async", "async-o")
 
 
 @dataclass
@@ -24,7 +20,7 @@ class Config:
     pointer and ``metrics.jsonl``. Created if missing; must be writable."""
 
     mode: str = "gockpt-o"
-    """What may block training (see DESIGN.md's table): ``sync`` copies and writes at the step
+    """What may block training (see :mod:`gockpt.modes`): ``sync`` copies and writes at the step
     boundary; ``async`` copies at the boundary and writes in the background; ``async-o`` lets the
     copies ride under the next step's forward/backward; ``gockpt`` spreads them over K steps and
     replays the gradients in between; ``gockpt-o`` also overlaps the gradient copies with the
@@ -119,13 +115,11 @@ class Config:
                 f"replay_threads must be None or an int >= 1, got {self.replay_threads!r}")
 
     @property
-    def replays(self) -> bool:
-        """Whether this mode rebuilds blocks by replaying optimizer steps."""
-        return self.mode in REPLAY_MODES
+    def policy(self) -> ModePolicy:
+        """What the mode does (:mod:`gockpt.modes`)."""
+        return POLICIES[self.mode]
 
     def fixed_overlap_steps(self) -> Optional[int]:
         """K when it does not depend on measurements, else ``None``."""
-        if self.mode in ("sync", "async", "async-o"):
-            return 1
-        return self.overlap_steps
+        return self.policy.fixed_k or self.overlap_steps
 

@@ -1,25 +1,44 @@
-"""One checkpoint in flight: the handle the caller holds and the book-keeping behind it.
+"""One checkpoint in flight: the handle the caller holds and the job behind it.
 
-The job is shared by the training-loop hooks, the transfer, replay and persist threads; it is
-the one place that knows whether the checkpoint failed, so every thread fails it through
-:meth:`Job.fail` and the handle's events are always released.
+A job lives through explicit states::
+
+    CAPTURING -> CAPTURED -> STAGED -> DURABLE
+        \\------------\\----------\\---> FAILED     (any thread, through Job.fail)
+         \\-----------------------------> DROPPED    (close() before F was reached)
+
+Its window is K steps: the checkpoint starts at boundary N (``start_boundary``) and holds
+version F, the state right after the update of boundary ``f_boundary = N + K - 1``. Each stage
+keeps its own part of the book-keeping in its own object (``job.capture`` written by
+:mod:`gockpt.capture.copies`, ``job.stream`` by :mod:`gockpt.storage.persist`), so that no field
+is written from two modules; the job alone moves the state and releases the handle's events.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 
 from . import metrics as metrics_mod
-from .errors import CheckpointFailedError
 from .capture.plan import Block
+from .errors import CheckpointFailedError
+
+
+class State(enum.Enum):
+    CAPTURING = "capturing"   # blocks are still being copied during training steps
+    CAPTURED = "captured"     # every block copied; replay / self-check / persist in progress
+    STAGED = "staged"         # version F complete and consistent in host memory
+    DURABLE = "durable"       # written, fsynced, committed
+    FAILED = "failed"
+    DROPPED = "dropped"       # abandoned at close() before F: nothing of it is visible
 
 
 class CheckpointHandle:
-    """A checkpoint in flight. ``final_step`` is known when it starts."""
+    """A checkpoint in flight, as the caller sees it. ``final_step`` is known when it starts."""
 
     def __init__(self, final_step: int, path: str):
         self.final_step = final_step
@@ -56,49 +75,111 @@ class CheckpointHandle:
         return f"CheckpointHandle(final_step={self.final_step}, {state}, path={self.path!r})"
 
 
-class Job:
-    """Book-keeping of one checkpoint (owned by the Checkpointer)."""
+@dataclass
+class CaptureBook:
+    """What the capture stage has queued and frozen (written by gockpt.capture.copies only)."""
 
-    def __init__(self, start_step, k, start_boundary, groups, mode, state_bytes, path):
+    groups: List[List[Block]]
+    """Group j (1-based) is copied during step j of the window."""
+    captured: List[Block] = field(default_factory=list)
+    """Blocks whose copy has landed, in capture order."""
+    tickets: Dict[int, object] = field(default_factory=dict)
+    """Transfer ticket of each group's state copies."""
+    grad_tickets: List = field(default_factory=list)
+    recorded: Set[int] = field(default_factory=set)
+    """Window steps whose gradients were recorded."""
+    small: object = None
+    """The small state frozen at F (a gockpt.storage.manifest.SmallSection)."""
+    small_tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+    aligned: Dict[int, tuple] = field(default_factory=dict)
+    """Optimizer state index -> state keys stored as tensors."""
+    samples: List = field(default_factory=list)
+    """Self-check samples: (block, direct copies at F) (written by gockpt.replay.selfcheck)."""
+
+
+@dataclass
+class StreamBook:
+    """Streaming persistence of this job (written by gockpt.storage.persist only)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    writer: object = None
+    written: Set[Block] = field(default_factory=set)
+    waiting: List[Block] = field(default_factory=list)
+    """Blocks at F that reached it before the writer opened."""
+    entered: bool = False
+    """The persist step has started (it runs once)."""
+
+
+class Job:
+    """Book-keeping of one checkpoint (created and driven by the Checkpointer)."""
+
+    def __init__(self, start_step: int, k: int, start_boundary: int, groups, mode: str,
+                 path: str, host=None):
         self.k = k
         self.start_boundary = start_boundary
         self.f_boundary = start_boundary + k - 1
-        self.groups: List[List[Block]] = groups
-        self.captured: List[Block] = []
-        self.tickets: Dict[int, object] = {}
-        self.grad_tickets: List = []
-        self.recorded = set()
-        self.capturing = True
-        self.small = None            # manifest parts frozen at F
-        self.small_tensors: Dict[str, torch.Tensor] = {}
-        self.aligned: Dict[int, tuple] = {}
-        self.samples = []
+        self.state = State.CAPTURING
         self.error: Optional[BaseException] = None
         self.t_start = time.perf_counter()
         self.handle = CheckpointHandle(start_step + k - 1, path)
-        self.metrics = metrics_mod.CheckpointMetrics(start_step, start_step + k - 1, mode, k,
-                                                     state_bytes=state_bytes)
-        self.host = None
-        self.on_fail: Optional[Callable] = None
-        self.persist_entered = False
-        self.dropped = False
-        # Streaming: blocks at version F are written while others still replay.
-        self.writer = None
-        self.stream_lock = threading.Lock()
-        self.written = set()
-        self.final_blocks: List[Block] = []   # at F, waiting for the writer to open
-        self.on_final: Optional[Callable] = None
+        self.metrics = metrics_mod.CheckpointMetrics(start_step, start_step + k - 1, mode, k)
+        self.host = host
+        self.capture = CaptureBook(groups)
+        self.stream = StreamBook()
+        self.on_fail: Optional[Callable[["Job"], None]] = None
+        self.on_final: Optional[Callable[["Job", Block], None]] = None
+        """Called with each block as it reaches F (streaming persistence), if set."""
+
+    # ------------------------------------------------------------------ the window
+
+    def window_step(self, boundary: int) -> int:
+        """1-based index, within the window, of the training step that follows ``boundary``:
+        its update_begin waits for group ``window_step`` and its update produces version
+        ``start + window_step - 1``."""
+        return boundary - self.start_boundary + 1
+
+    def is_final_boundary(self, boundary: int) -> bool:
+        """Whether ``boundary`` is the one right after the update that produces version F."""
+        return boundary == self.f_boundary
+
+    @property
+    def capturing(self) -> bool:
+        return self.state is State.CAPTURING
+
+    @property
+    def dropped(self) -> bool:
+        return self.state is State.DROPPED
+
+    # ------------------------------------------------------------------ transitions
+
+    def captured(self) -> None:
+        """Every block has been copied."""
+        if self.state is State.CAPTURING:
+            self.state = State.CAPTURED
+
+    def staged(self) -> None:
+        """Version F is complete and consistent in host memory."""
+        if self.error is None:
+            self.state = State.STAGED
+            self.handle._staged.set()
+
+    def durable(self, path: str) -> None:
+        """Committed at ``path``."""
+        self.handle.path = path
+        self.state = State.DURABLE
+        self.handle._durable.set()
 
     def fail(self, exc: BaseException) -> None:
+        """Fail the checkpoint (any thread; the first error wins and aborts the writer)."""
         if self.error is None:
             self.error = exc
             self.handle.error = exc
-            with self.stream_lock:
-                if self.writer is not None:
-                    self.writer.abort()
+            self.state = State.FAILED
+            with self.stream.lock:
+                if self.stream.writer is not None:
+                    self.stream.writer.abort()
             if self.on_fail:
                 self.on_fail(self)
-        self.capturing = False
         self.handle._staged.set()
         self.handle._durable.set()
 
@@ -109,12 +190,23 @@ class Job:
 
     def drop(self) -> None:
         """Abandon a checkpoint that still needed training steps: nothing of it is visible."""
-        self.capturing = False
-        self.dropped = True
-        with self.stream_lock:
-            if self.writer is not None:
-                self.writer.abort()
+        self.state = State.DROPPED
+        with self.stream.lock:
+            if self.stream.writer is not None:
+                self.stream.writer.abort()
         self.handle.error = CheckpointFailedError("dropped at close()")
         self.handle._reported = True
         self.handle._staged.set()
         self.handle._durable.set()
+
+    def renamed(self, final_step: int, path: str) -> None:
+        """The step passed at F differs from the expected one: the checkpoint takes its name."""
+        self.handle.final_step = self.metrics.final_step = final_step
+        self.handle.path = path
+
+    @property
+    def reported(self) -> bool:
+        return self.handle._reported
+
+    def mark_reported(self) -> None:
+        self.handle._reported = True

@@ -150,8 +150,8 @@ def test_interval_auto_recomputes_from_measured_stall(tmp_path, caplog):
     records = gockpt.metrics.read(str(tmp_path))
     assert records[0]["start_step"] == 3
     from gockpt.interval import auto_interval
-    assert ck._auto_interval == auto_interval(
-        records[0]["blocked_s"], ck._auto_step_time, 3600.0)
+    assert ck.schedule.auto_interval == auto_interval(
+        records[0]["blocked_s"], ck.schedule.auto_inputs[1], 3600.0)
     assert any("checkpoint interval" in r.message for r in caplog.records)
 
 

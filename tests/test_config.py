@@ -6,7 +6,7 @@ from gockpt.errors import ConfigError
 
 def test_defaults_and_fixed_k():
     c = Config(directory="x")
-    assert c.mode == "gockpt-o" and c.replays and c.fixed_overlap_steps() is None
+    assert c.mode == "gockpt-o" and c.policy.replays and c.fixed_overlap_steps() is None
     assert Config(directory="x", mode="async-o", overlap_steps=5).fixed_overlap_steps() == 1
     assert Config(directory="x", mode="gockpt", overlap_steps=5).fixed_overlap_steps() == 5
 

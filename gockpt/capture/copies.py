@@ -59,7 +59,7 @@ class Capture:
         """Queue the copies of group j: they hold the version of the last completed update."""
         host = job.host
         pairs = []
-        for b in job.groups[j - 1]:
+        for b in job.capture.groups[j - 1]:
             slot = self.plan.slots[b.slot]
             s, e = b.start, b.end
             pairs.append((host.param[b.slot][s:e], flat(slot.param)[s:e]))
@@ -70,17 +70,26 @@ class Capture:
                     pairs.append((dst, flat(live[key])[s:e]))
                 else:
                     dst.zero_()  # no state yet: the replayed first update starts from zeros
-        job.tickets[j] = self.engine.submit(pairs, STATE)
+        job.capture.tickets[j] = self.engine.submit(pairs, STATE)
+
+    def land_group(self, job: Job, j: int) -> None:
+        """update_begin of window step j: group j's copies must have landed (they hold the
+        version before this step's update)."""
+        ticket = job.capture.tickets.get(j)
+        if ticket is not None:
+            ticket.wait()
+            job.capture.captured.extend(job.capture.groups[j - 1])
 
     def copy_rest(self, job: Job) -> None:
         """Copy every block not yet captured now, blocking (sync/async, or close())."""
+        book = job.capture
         for j in range(1, job.k + 1):
-            if j not in job.tickets:
+            if j not in book.tickets:
                 self.enqueue_group(job, j)
         for j in range(1, job.k + 1):
-            job.tickets[j].wait()
-        job.captured = [b for g in job.groups for b in g]
-        job.capturing = False
+            book.tickets[j].wait()
+        book.captured = [b for g in book.groups for b in g]
+        job.captured()
 
     def freeze_small(self, job: Job, step: int, extra_state) -> None:
         """Encode everything small at the boundary of F (tensors apart, no pickle)."""
@@ -90,7 +99,7 @@ class Capture:
         for si, s in enumerate(self.plan.slots):
             if not s.static and s.param in self.optimizer.state:
                 aligned[s.opt_index] = job.host.keys[si]
-        job.aligned = aligned
+        job.capture.aligned = aligned
         tensors: Dict[str, torch.Tensor] = {}
         planned = [id(s.param) for s in self.plan.slots]
         values = {
@@ -105,7 +114,7 @@ class Capture:
                                     for section, value in values.items()})
         except TypeError as exc:
             raise ConfigError(f"cannot store the state of step {step}: {exc}") from exc
-        job.small, job.small_tensors = small, tensors
+        job.capture.small, job.capture.small_tensors = small, tensors
 
     def gradients(self, job: Job, j: int, grad_pool: GradPool) -> Optional[StepRecord]:
         """Queue the copies of this step's gradients for the blocks captured so far; the
@@ -115,10 +124,10 @@ class Capture:
         why = self.adapter.unsupported_step()
         if why:
             raise ConfigError(f"this optimizer step cannot be replayed: {why}")
-        if j in job.recorded:
+        if j in job.capture.recorded:
             raise HookOrderError("optimizer.step() ran twice in one training step; gockpt "
                                  "supports one optimizer step per save_checkpoint() boundary")
-        job.recorded.add(j)
+        job.capture.recorded.add(j)
         steps = {}
         for si, s in enumerate(self.plan.slots):
             g = s.param.grad
@@ -128,7 +137,7 @@ class Capture:
                 raise ConfigError(f"the gradient of {s.name!r} is sparse, non-contiguous or "
                                   f"{g.dtype}; the replay needs dense {s.param.dtype} gradients")
             steps[si] = self.adapter.step_count(s.param)
-        blocks = [b for b in job.captured if b.slot in steps]
+        blocks = [b for b in job.capture.captured if b.slot in steps]
         bufs = grad_pool.acquire()
         pairs = []
         for b in blocks:
@@ -141,5 +150,5 @@ class Capture:
                             lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
                             final=j == job.k - 1)
         job.metrics.grad_bytes += ticket.nbytes
-        job.grad_tickets.append(ticket)
+        job.capture.grad_tickets.append(ticket)
         return record

@@ -12,7 +12,7 @@ from typing import Dict, Optional
 import torch
 
 from ..capture.plan import Block
-from ..config import NO_REPLAY_MODES
+from ..modes import NO_REPLAY_MODES
 from ..errors import UnsupportedOptimizerError
 from . import arithmetic
 from .probe import probe

@@ -19,7 +19,7 @@ from ..job import Job
 
 def sample(job: Job, plan: Plan, optimizer: torch.optim.Optimizer, fraction: float) -> None:
     """At the boundary of F: copy a ``fraction`` of the replayed blocks directly."""
-    replayed = list(job.captured)  # captured before F: their copies get replayed
+    replayed = list(job.capture.captured)  # captured before F: their copies get replayed
     if not replayed or fraction <= 0:
         return
     n = max(1, round(fraction * len(replayed)))
@@ -33,23 +33,23 @@ def sample(job: Job, plan: Plan, optimizer: torch.optim.Optimizer, fraction: flo
         for key in job.host.keys[b.slot]:
             if key in live:
                 direct[key] = flat(live[key])[b.start:b.end].to("cpu", copy=True)
-        job.samples.append((b, direct))
+        job.capture.samples.append((b, direct))
 
 
 def verify(job: Job, plan: Plan, strict: bool) -> None:
     """After the replay: compare the samples; raise (``strict``) or warn on a mismatch."""
     host = job.host
     bad = []
-    for b, direct in job.samples:
+    for b, direct in job.capture.samples:
         s, e = b.start, b.end
         if not torch.equal(direct["param"], host.param[b.slot][s:e]):
             bad.append(f"{plan.slots[b.slot].name}[{s}:{e}] (param)")
         for key, ref in direct.items():
             if key != "param" and not torch.equal(ref, host.state[b.slot][key][s:e]):
                 bad.append(f"{plan.slots[b.slot].name}[{s}:{e}] ({key})")
-    job.metrics.self_check_blocks = len(job.samples)
+    job.metrics.self_check_blocks = len(job.capture.samples)
     job.metrics.self_check_mismatches = len(bad)
-    job.samples = []
+    job.capture.samples = []
     if bad:
         msg = (f"self-check: {len(bad)} replayed block(s) differ from a direct copy at step "
                f"{job.handle.final_step}: {', '.join(bad[:5])}")

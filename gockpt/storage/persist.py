@@ -95,7 +95,7 @@ class Persister:
         optimizer state it has at F. The one place that names the stored tensors."""
         s = self.plan.slots[si]
         yield param_tensor(s.name), job.host.param[si]
-        for key in (() if s.static else job.aligned.get(s.opt_index, ())):
+        for key in (() if s.static else job.capture.aligned.get(s.opt_index, ())):
             yield optim_tensor(s.opt_index, key), job.host.state[si][key]
 
     def _host_tensors(self, job: Job) -> Dict[str, torch.Tensor]:
@@ -104,19 +104,19 @@ class Persister:
         for si, s in enumerate(self.plan.slots):
             for name, buf in self._slot_tensors(job, si):
                 tensors[name] = buf.view(s.param.shape)
-        tensors.update(job.small_tensors)
+        tensors.update(job.capture.small_tensors)
         return tensors
 
     def _layout(self, job: Job) -> Dict[str, tuple]:
         return {name: (t.dtype, tuple(t.shape)) for name, t in self._host_tensors(job).items()}
 
     def _write_block(self, job: Job, b: Block) -> None:
-        """Queue block ``b`` (caller holds ``job.stream_lock``; writer open)."""
-        if b in job.written:
+        """Queue block ``b`` (caller holds ``job.stream.lock``; writer open)."""
+        if b in job.stream.written:
             return
-        job.written.add(b)
+        job.stream.written.add(b)
         for name, buf in self._slot_tensors(job, b.slot):
-            job.writer.write(name, buf[b.start:b.end], start=b.start)
+            job.stream.writer.write(name, buf[b.start:b.end], start=b.start)
 
     def _open_writer(self, job: Job) -> None:
         if job.error is not None or job.dropped:
@@ -126,14 +126,14 @@ class Persister:
                                               checkpoint_name(job.handle.final_step))
             try:
                 writer.begin(self._layout(job))
-                for name, t in job.small_tensors.items():
+                for name, t in job.capture.small_tensors.items():
                     writer.write(name, t)
             except BaseException:
                 writer.abort()
                 raise
-            with job.stream_lock:
-                job.writer = writer
-                for b in job.final_blocks:
+            with job.stream.lock:
+                job.stream.writer = writer
+                for b in job.stream.waiting:
                     self._write_block(job, b)
         except BaseException as exc:
             job.fail(exc if isinstance(exc, GockptError) else StorageError(
@@ -142,13 +142,13 @@ class Persister:
 
     def _write_captured(self, job: Job) -> None:
         """Every block is captured: the last group (copied at F) and static ones are final."""
-        with job.stream_lock:
-            if job.writer is None or job.error is not None:
+        with job.stream.lock:
+            if job.stream.writer is None or job.error is not None:
                 return
             try:
-                for b in job.groups[-1]:
+                for b in job.capture.groups[-1]:
                     self._write_block(job, b)
-                for b in job.captured:
+                for b in job.capture.captured:
                     if self.plan.slots[b.slot].static:
                         self._write_block(job, b)
             except BaseException as exc:
@@ -159,9 +159,9 @@ class Persister:
 
     def block_final(self, job: Job, block: Block) -> None:
         """Replay thread: ``block`` has reached version F."""
-        with job.stream_lock:
-            if job.writer is None:
-                job.final_blocks.append(block)
+        with job.stream.lock:
+            if job.stream.writer is None:
+                job.stream.waiting.append(block)
             elif job.error is None:
                 self._write_block(job, block)
 
@@ -169,9 +169,9 @@ class Persister:
 
     def persist(self, job: Job) -> None:
         """Write, fsync and commit version F (on several ranks: together, see ranks.py)."""
-        if job.persist_entered:
+        if job.stream.entered:
             return
-        job.persist_entered = True
+        job.stream.entered = True
         t0 = time.perf_counter()
         writer = None
         name = checkpoint_name(job.handle.final_step)
@@ -188,12 +188,11 @@ class Persister:
                 if job.error is not None:
                     return
             else:
-                with job.stream_lock:
-                    writer = job.writer
+                with job.stream.lock:
+                    writer = job.stream.writer
                 if writer is None:
                     writer = self.new_writer(self.config.directory, name)
                 path = self._write(job, None, name, t0, writer=writer)
-            job.handle.path = path
             m = job.metrics
             m.time_to_durable_s = time.perf_counter() - job.t_start
             if self.ranks.rank == 0:
@@ -201,7 +200,7 @@ class Persister:
                 apply_retention(self.config.directory, self.config.keep_last)
             self.on_durable(job)
             log.info("gockpt: checkpoint of step %d durable at %s", job.handle.final_step, path)
-            job.handle._durable.set()
+            job.durable(path)
         except BaseException as exc:
             if writer is not None:
                 writer.abort()
@@ -216,17 +215,17 @@ class Persister:
         if writer is None:
             writer = self.new_writer(root, name)
         try:
-            if job.writer is writer and writer is not None:
-                with job.stream_lock:  # streamed: write only what is left
-                    for b in job.captured:
+            if job.stream.writer is writer and writer is not None:
+                with job.stream.lock:  # streamed: write only what is left
+                    for b in job.capture.captured:
                         self._write_block(job, b)
                 writer.finish()
             else:
                 writer.write_tensors(self._host_tensors(job))
             m = job.metrics
-            m.copy_s = sum(t.seconds for t in list(job.tickets.values()) + job.grad_tickets)
+            m.copy_s = sum(t.seconds for t in list(job.capture.tickets.values()) + job.capture.grad_tickets)
             m.persist_s = time.perf_counter() - t0
-            if self.config.mode == "sync":  # the write happened inside save_checkpoint
+            if self.config.policy.persists_inline:  # the write happened inside save_checkpoint
                 m.add_blocked("save_checkpoint", m.persist_s)
             m.time_to_durable_s = time.perf_counter() - job.t_start
             m.step_time_s = self.step_time()
@@ -236,11 +235,11 @@ class Persister:
                 overlap_steps=job.k, rank=self.ranks.rank, world_size=self.ranks.world_size,
                 model=ModelSection({s.name: param_tensor(s.name) for s in self.plan.slots},
                                    self.plan.aliases),
-                optimizer=OptimizerSection(self.optimizer_class, dict(job.aligned)),
-                small=job.small, metrics=m.to_dict())
+                optimizer=OptimizerSection(self.optimizer_class, dict(job.capture.aligned)),
+                small=job.capture.small, metrics=m.to_dict())
             t_commit = time.perf_counter()
             path = writer.commit(manifest.to_json(), update_latest=update_latest)
-            if self.config.mode == "sync":
+            if self.config.policy.persists_inline:
                 m.add_blocked("save_checkpoint", time.perf_counter() - t_commit)
             return path
         except BaseException:

@@ -1,0 +1,80 @@
+"""The training loop as the Checkpointer sees it: which hook may come next, and the errors of
+background threads waiting to be raised at the next hook.
+
+Each step calls, in this order::
+
+    backward_begin()   loss.backward()   update_begin()   optimizer.step()   save_checkpoint(step)
+
+Recovery: after a gockpt error has been raised, or after ``loss.backward()`` raised between
+``backward_begin()`` and ``update_begin()``, the step may be abandoned: ``backward_begin()`` may
+be called again.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import List, Optional
+
+from .errors import CheckpointFailedError, GockptError, HookOrderError
+
+IDLE, BACKWARD, UPDATE = "idle (after save_checkpoint)", "backward", "update"
+
+
+class Loop:
+    """Phase of the loop and errors pending for the training thread."""
+
+    def __init__(self):
+        self.phase = IDLE
+        self.boundary = 0          # save_checkpoint calls so far
+        self.steps_seen = 0        # completed training steps (boundaries after an update)
+        self.closed = False
+        self._after_error = False
+        self._hook_error: Optional[str] = None
+        self._failed: List = []    # jobs failed in the background, not reported yet
+        self._lock = threading.Lock()
+
+    def expect(self, hook: str, phase: str) -> None:
+        """Raise HookOrderError unless the loop is in ``phase``."""
+        after_error, self._after_error = self._after_error, False
+        if hook == "backward_begin" and (after_error or self.phase == BACKWARD):
+            return  # the previous step was abandoned (an error, or backward raised): afresh
+        if self.phase != phase:
+            raise HookOrderError(
+                f"{hook}() called in phase '{self.phase}'; each step calls backward_begin(), "
+                "loss.backward(), update_begin(), optimizer.step(), save_checkpoint(step) in "
+                "this order")
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise HookOrderError("this Checkpointer is closed; create a new one to continue")
+
+    def hook_error(self, message: str) -> None:
+        """A misuse seen outside a hook (e.g. in the optimizer's step): raised at the next one."""
+        self._hook_error = message
+
+    def job_failed(self, job) -> None:
+        """A background thread failed ``job`` (any thread)."""
+        with self._lock:
+            self._failed.append(job)
+
+    def raise_pending(self) -> None:
+        """Raise the first error not reported yet (training thread)."""
+        try:
+            self._raise_pending()
+        except GockptError:
+            self._after_error = True
+            raise
+
+    def _raise_pending(self) -> None:
+        if self._hook_error:
+            msg, self._hook_error = self._hook_error, None
+            raise HookOrderError(msg)
+        with self._lock:
+            pending = [j for j in self._failed if not j.reported]
+            self._failed = []
+        if pending:
+            job = pending[0]
+            job.mark_reported()
+            raise CheckpointFailedError(
+                f"checkpoint of step {job.handle.final_step} failed: {job.error}; the previous "
+                "checkpoint stays latest", job.handle.final_step) from job.error

@@ -1,0 +1,125 @@
+"""When to checkpoint and over how many steps: the interval (fixed, or Young/Daly ``"auto"``
+re-measured after every checkpoint) and K, chosen from the measured step times and copy
+bandwidth. Everything here is decided from step counts and measurements of this process."""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from typing import List, Optional
+
+import torch
+
+from .config import Config
+
+log = logging.getLogger("gockpt")
+
+_HISTORY = 16  # measurements kept (the medians ignore a few outliers)
+
+
+class Schedule:
+    """Step-time measurements and the decisions made from them."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.fwd_bwd_times: List[float] = []    # boundary -> update_begin
+        self.step_times: List[float] = []       # boundary -> boundary
+        self._t_boundary = time.perf_counter()
+        self._last_start: Optional[int] = None
+        self._stalls: List[float] = []          # blocked time of the last durable checkpoints
+        self._durable = 0                       # checkpoints committed so far ...
+        self._durable_used = 0                  # ... of which N* has seen
+        self.auto_interval: Optional[int] = None
+        """With ``interval="auto"``: the current N*, once the first checkpoint measured it."""
+        self.auto_inputs: Optional[tuple] = None
+        """(stall, step time, MTBF) that gave ``auto_interval``."""
+
+    # ------------------------------------------------------------------ measurements
+
+    def reached_update(self) -> None:
+        """update_begin: forward/backward of this step is over."""
+        self.fwd_bwd_times = _keep(self.fwd_bwd_times, time.perf_counter() - self._t_boundary)
+
+    def reached_boundary(self, completed_step: bool) -> None:
+        """save_checkpoint: a training step (if ``completed_step``) is over."""
+        if completed_step:
+            self.step_times = _keep(self.step_times, time.perf_counter() - self._t_boundary)
+
+    def boundary_done(self) -> None:
+        """The boundary's own work is over: the next step's clock starts."""
+        self._t_boundary = time.perf_counter()
+
+    def durable(self, blocked_s: float) -> None:
+        """A checkpoint was committed having blocked training ``blocked_s`` (persist thread)."""
+        self._stalls = (self._stalls + [blocked_s])[-8:]
+        self._durable += 1
+
+    def median_step_time(self) -> float:
+        return statistics.median(self.step_times) if self.step_times else 0.0
+
+    # ------------------------------------------------------------------ decisions
+
+    def due(self, step: int) -> bool:
+        """Whether the boundary of ``step`` starts a checkpoint (without ``force``)."""
+        interval = self.config.interval
+        if interval is None:
+            return False
+        if interval != "auto":
+            return step % interval == 0
+        self._update_auto_interval()
+        if self._last_start is None:
+            return step >= self.config.first_auto_step
+        if self.auto_interval is None:
+            return False  # the first checkpoint's stall is not measured yet
+        return step - self._last_start >= self.auto_interval
+
+    def started(self, step: int) -> None:
+        self._last_start = step
+
+    def choose_k(self, state_bytes: int, bandwidth: float) -> int:
+        """K: enough steps for the state copies to ride under forward/backward."""
+        fixed = self.config.fixed_overlap_steps()
+        if fixed is not None:
+            return fixed
+        if not self.fwd_bwd_times:
+            return 2  # nothing measured yet
+        fwd_bwd = statistics.median(self.fwd_bwd_times)
+        copy_s = state_bytes / (bandwidth or _probe_bandwidth())
+        # The paper finds the best K near 7 on GPUs, beyond which gradient traffic grows
+        # faster than the saving.
+        return max(1, min(8, math.ceil(copy_s / max(fwd_bwd, 1e-6))))
+
+    def _update_auto_interval(self) -> None:
+        """Recompute N* from the stalls and step time measured so far (after each checkpoint)."""
+        # Imported here: `python -m gockpt.interval` must not find it imported by gockpt.
+        from .interval import auto_interval
+
+        stalls, durable = list(self._stalls), self._durable
+        if durable == self._durable_used or not stalls or not self.step_times:
+            return
+        self._durable_used = durable
+        stall = statistics.median(stalls)
+        step_time = self.median_step_time()
+        if stall <= 0 or step_time <= 0:
+            return
+        new = auto_interval(stall, step_time, self.config.mtbf)
+        self.auto_inputs = (stall, step_time, self.config.mtbf)
+        if new != self.auto_interval:
+            log.info("gockpt: checkpoint interval %s -> %d steps (stall %.4fs, step %.4fs, "
+                     "MTBF %.0fs)", self.auto_interval, new, stall, step_time, self.config.mtbf)
+            self.auto_interval = new
+
+
+def _keep(values: List[float], value: float) -> List[float]:
+    return (values + [value])[-_HISTORY:]
+
+
+def _probe_bandwidth() -> float:
+    """Host copy bandwidth from one 32 MiB copy (used before any checkpoint measured it)."""
+    src = torch.ones(8 << 20)
+    dst = torch.empty_like(src)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return src.numel() * 4 / max(time.perf_counter() - t0, 1e-6)
