@@ -31,13 +31,13 @@ from .capture.plan import build_plan
 from .capture.staging import GradPool, HostCopy
 from .capture.transfer import CopyEngine
 from .config import Config
-from .errors import CheckpointFailedError, ConfigError, GockptError, HookOrderError
+from .errors import ConfigError, GockptError, HookOrderError
 from .job import CheckpointHandle, Job
 from .loop import BACKWARD, IDLE, UPDATE, Loop
-from .modes import GRADS_AT_BACKWARD, GRADS_IN_STEP
-from .replay import selfcheck
+from .modes import GRADS_AT_BACKWARD
 from .replay.adapters import adapter_for
 from .replay.replayer import Replayer
+from .pipeline import Pipeline
 from .schedule import Schedule
 from .storage.commit import cleanup_temporaries, ensure_writable
 from .storage.persist import Persister
@@ -103,6 +103,8 @@ class Checkpointer:
                                    host_bytes=lambda: self.host_bytes,
                                    on_durable=lambda job: self.schedule.durable(
                                        job.metrics.blocked_s))
+        self.pipeline = Pipeline(self.config, self.capture, self.replayer, self.persister,
+                                 lambda step: _checkpoint_path(self.config.directory, step))
         self.loop = Loop()
         self._job: Optional[Job] = None
         self._grad_tickets: List = []
@@ -137,16 +139,7 @@ class Checkpointer:
         self.schedule.reached_update()
         job = self._job
         if job is not None and job.capturing and job.error is None:
-            j = job.window_step(self.loop.boundary)
-            t0 = time.perf_counter()
-            try:
-                self.capture.land_group(job, j)
-            except BaseException as exc:
-                job.fail(exc)
-            job.metrics.add_blocked("update_begin", time.perf_counter() - t0)
-            if j >= job.k and job.error is None:
-                job.captured()
-                self._finish_capture(job)
+            self.pipeline.land(job, job.window_step(self.loop.boundary))
         self.loop.phase = UPDATE
         self.loop.raise_pending()
 
@@ -175,7 +168,7 @@ class Checkpointer:
         loop.phase = IDLE
         job = self._job
         if job is not None and job.capturing and job.error is None:
-            self._continue(job, step, extra_state)
+            self.pipeline.boundary(job, step, loop.boundary, extra_state)
         loop.raise_pending()  # the boundary is recorded; no new checkpoint after a failure
         handle = None
         if force or self.schedule.due(step):
@@ -209,7 +202,7 @@ class Checkpointer:
                 if self.loop.boundary >= job.f_boundary and job.capture.small is not None \
                         and self.loop.phase == IDLE:
                     self.capture.copy_rest(job)
-                    self._finish_capture(job)
+                    self.pipeline.finish_capture(job)
                 else:
                     warnings.warn(
                         f"gockpt: checkpoint of step {job.handle.final_step} was still being "
@@ -269,20 +262,7 @@ class Checkpointer:
         self.capture.declare_state_keys(self.host)
         job.metrics.state_bytes = self.capture.state_bytes(self.host)
         self._job = job
-        t0 = time.perf_counter()
-        try:
-            if k == 1:
-                self._capture_small(job, step, extra_state)
-            self.capture.enqueue_group(job, 1)
-            if self.policy.copies_at_start:
-                self.capture.copy_rest(job)
-        except BaseException as exc:
-            self._fail_at_boundary(job, exc, f"checkpoint at step {step} could not start")
-        finally:
-            # Accounted before the job can reach the writer, which records the metrics.
-            job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
-        if self.policy.copies_at_start:
-            self._finish_capture(job)  # sync: persists inline, the time counted by the persister
+        self.pipeline.begin(job, step, self.loop.boundary, extra_state)
         if self.policy.persists_inline:
             self.loop.raise_pending()
         return job.handle
@@ -307,67 +287,6 @@ class Checkpointer:
         waited = time.perf_counter() - t0
         self.loop.raise_pending()
         return waited
-
-    def _continue(self, job: Job, step: int, extra_state) -> None:
-        """A boundary inside the window: freeze the small state at F, queue the next group."""
-        t0 = time.perf_counter()
-        try:
-            if job.is_final_boundary(self.loop.boundary):
-                self._capture_small(job, step, extra_state)
-            j_next = job.window_step(self.loop.boundary)
-            if j_next <= job.k:
-                self.capture.enqueue_group(job, j_next)
-        except BaseException as exc:
-            self._fail_at_boundary(job, exc, f"checkpoint of step {job.handle.final_step} "
-                                   "failed at the step boundary")
-        finally:
-            job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
-
-    @staticmethod
-    def _fail_at_boundary(job: Job, exc: BaseException, what: str) -> None:
-        """Fail ``job`` with ``exc`` and raise it now (so it is reported once)."""
-        job.fail_reported(exc)
-        if isinstance(exc, GockptError) or not isinstance(exc, Exception):
-            raise exc
-        raise CheckpointFailedError(f"{what}: {exc}", job.handle.final_step) from exc
-
-    def _capture_small(self, job: Job, step: int, extra_state) -> None:
-        """Freeze everything small at the boundary of F (and sample blocks for the self-check)."""
-        if step != job.handle.final_step:
-            warnings.warn(f"gockpt: expected step {job.handle.final_step} at the final boundary "
-                          f"of this checkpoint, got {step}; save_checkpoint should be called "
-                          "every step with consecutive step numbers", stacklevel=4)
-            job.renamed(step, _checkpoint_path(self.config.directory, step))
-        self.capture.freeze_small(job, step, extra_state)
-        if self.adapter is not None:
-            selfcheck.sample(job, self.plan, self.optimizer, self.config.self_check)
-        if job.on_final is not None:
-            self.persister.queue_open(job)
-
-    def _finish_capture(self, job: Job) -> None:
-        """All blocks captured: replay (if any) then self-check and persist."""
-        if job.on_final is not None:
-            self.persister.queue_captured(job)  # the last group is at F: write it
-        if self.replayer is not None:
-            self.replayer.barrier(lambda: self._after_replay(job))
-        else:
-            self._after_replay(job)
-
-    def _after_replay(self, job: Job) -> None:
-        """Every block is at version F (runs on the replay thread, or inline without replay)."""
-        if job.error is not None:
-            return
-        try:
-            selfcheck.verify(job, self.plan, self.config.self_check_strict)
-        except BaseException as exc:
-            job.fail(exc)
-            return
-        job.metrics.time_to_staged_s = time.perf_counter() - job.t_start
-        job.staged()
-        if self.policy.persists_inline:
-            self.persister.persist(job)
-        else:
-            self.persister.queue_persist(job)
 
     def _plan_host_bytes(self) -> int:
         """Host memory of one state copy plus, with replay, the pool of gradient buffers;
@@ -398,21 +317,10 @@ class Checkpointer:
         if job is None or not job.capturing or job.error is not None or self.adapter is None:
             return
         j = job.window_step(self.loop.boundary)
-        if j >= job.k:
-            return  # this update produces version F + 1: not needed
-        t0 = time.perf_counter()
-        try:
-            record = self.capture.gradients(job, j, self.grad_pool)
-            if record is not None:
-                if self.policy.grad_wait == GRADS_IN_STEP:
-                    record.ticket.wait()
-                else:
-                    self._grad_tickets.append(record.ticket)
-                self.replayer.submit(record, job)
-        except BaseException as exc:
-            job.fail(exc)
-        finally:
-            job.metrics.add_blocked("optimizer_step", time.perf_counter() - t0)
+        if j < job.k:  # the update of window step K produces F + 1: not needed
+            ticket = self.pipeline.record_gradients(job, j, self.grad_pool)
+            if ticket is not None:
+                self._grad_tickets.append(ticket)
 
     def _wait_grad_copies(self, hook: Optional[str]) -> None:
         if not self._grad_tickets:

@@ -1,0 +1,152 @@
+"""One checkpoint through the pipeline, stage by stage:
+
+    capture (copies of groups, small state at F, gradients)  ->  replay to F  ->  self-check
+    ->  persist (streamed blocks, commit)
+
+The Checkpointer's hooks call these at the right moments of the training loop; the stages
+themselves live in ``capture/``, ``replay/`` and ``storage/``. Errors raised here at a step
+boundary fail the job and are raised to the training loop at once (reported once).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable, Optional
+
+from .capture.copies import Capture
+from .config import Config
+from .errors import CheckpointFailedError, GockptError
+from .job import Job
+from .modes import GRADS_IN_STEP
+from .replay import selfcheck
+from .replay.replayer import Replayer
+from .storage.persist import Persister
+
+
+class Pipeline:
+    """Moves jobs through capture -> replay -> self-check -> persist."""
+
+    def __init__(self, config: Config, capture: Capture, replayer: Optional[Replayer],
+                 persister: Persister, path_of: Callable[[int], str]):
+        self.config, self.policy = config, config.policy
+        self.capture, self.replayer, self.persister = capture, replayer, persister
+        self.path_of = path_of  # step -> directory of its checkpoint
+
+    # ------------------------------------------------------------------ at boundaries
+
+    def begin(self, job: Job, step: int, boundary: int, extra_state) -> None:
+        """The boundary that starts ``job``: queue group 1 (everything, blocking, in the
+        modes that copy at the start)."""
+        t0 = time.perf_counter()
+        try:
+            if job.is_final_boundary(boundary):
+                self.freeze_small(job, step, extra_state)
+            self.capture.enqueue_group(job, 1)
+            if self.policy.copies_at_start:
+                self.capture.copy_rest(job)
+        except BaseException as exc:
+            _fail_now(job, exc, f"checkpoint at step {step} could not start")
+        finally:
+            # Accounted before the job can reach the writer, which records the metrics.
+            job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
+        if self.policy.copies_at_start:
+            self.finish_capture(job)  # sync: persists inline, the time counted by the persister
+
+    def boundary(self, job: Job, step: int, boundary: int, extra_state) -> None:
+        """A boundary inside the window: freeze the small state at F, queue the next group."""
+        t0 = time.perf_counter()
+        try:
+            if job.is_final_boundary(boundary):
+                self.freeze_small(job, step, extra_state)
+            j_next = job.window_step(boundary)
+            if j_next <= job.k:
+                self.capture.enqueue_group(job, j_next)
+        except BaseException as exc:
+            _fail_now(job, exc, f"checkpoint of step {job.handle.final_step} failed at the "
+                      "step boundary")
+        finally:
+            job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
+
+    def freeze_small(self, job: Job, step: int, extra_state) -> None:
+        """Freeze everything small at the boundary of F (and sample blocks for the self-check)."""
+        if step != job.handle.final_step:
+            warnings.warn(f"gockpt: expected step {job.handle.final_step} at the final boundary "
+                          f"of this checkpoint, got {step}; save_checkpoint should be called "
+                          "every step with consecutive step numbers", stacklevel=5)
+            job.renamed(step, self.path_of(step))
+        self.capture.freeze_small(job, step, extra_state)
+        if self.replayer is not None:
+            selfcheck.sample(job, self.capture.plan, self.capture.optimizer,
+                             self.config.self_check)
+        if job.on_final is not None:
+            self.persister.queue_open(job)
+
+    # ------------------------------------------------------------------ in a step
+
+    def land(self, job: Job, j: int) -> None:
+        """update_begin of window step ``j``: group j must have landed; after the last group
+        every block is captured and the job moves on."""
+        t0 = time.perf_counter()
+        try:
+            self.capture.land_group(job, j)
+        except BaseException as exc:
+            job.fail(exc)
+        job.metrics.add_blocked("update_begin", time.perf_counter() - t0)
+        if j >= job.k and job.error is None:
+            job.captured()
+            self.finish_capture(job)
+
+    def record_gradients(self, job: Job, j: int, grad_pool):
+        """Optimizer step pre-hook of window step ``j`` < K: copy the consumed gradients and
+        queue their replay. Returns the copies' ticket to wait for later (gockpt-o), or None."""
+        t0 = time.perf_counter()
+        ticket = None
+        try:
+            record = self.capture.gradients(job, j, grad_pool)
+            if record is not None:
+                if self.policy.grad_wait == GRADS_IN_STEP:
+                    record.ticket.wait()
+                else:
+                    ticket = record.ticket
+                self.replayer.submit(record, job)
+        except BaseException as exc:
+            job.fail(exc)
+        finally:
+            job.metrics.add_blocked("optimizer_step", time.perf_counter() - t0)
+        return ticket
+
+    # ------------------------------------------------------------------ after capture
+
+    def finish_capture(self, job: Job) -> None:
+        """All blocks captured: replay (if any) then self-check and persist."""
+        if job.on_final is not None:
+            self.persister.queue_captured(job)  # the last group is at F: write it
+        if self.replayer is not None:
+            self.replayer.barrier(lambda: self.after_replay(job))
+        else:
+            self.after_replay(job)
+
+    def after_replay(self, job: Job) -> None:
+        """Every block is at version F (runs on the replay thread, or inline without replay)."""
+        if job.error is not None:
+            return
+        try:
+            selfcheck.verify(job, self.capture.plan, self.config.self_check_strict)
+        except BaseException as exc:
+            job.fail(exc)
+            return
+        job.metrics.time_to_staged_s = time.perf_counter() - job.t_start
+        job.staged()
+        if self.policy.persists_inline:
+            self.persister.persist(job)
+        else:
+            self.persister.queue_persist(job)
+
+
+def _fail_now(job: Job, exc: BaseException, what: str) -> None:
+    """Fail ``job`` with ``exc`` and raise it now (so it is reported once)."""
+    job.fail_reported(exc)
+    if isinstance(exc, GockptError) or not isinstance(exc, Exception):
+        raise exc
+    raise CheckpointFailedError(f"{what}: {exc}", job.handle.final_step) from exc
