@@ -38,7 +38,7 @@ setup(
     description="Gradient-assisted multi-step overlapped checkpointing for PyTorch",
     python_requires=">=3.9",
     packages=["gockpt", "gockpt.capture", "gockpt.replay", "gockpt.storage", "gockpt.cli",
-              "gockpt.integrations"],
+],
     package_dir={"gockpt": "gockpt", "gockpt.integrations": "integrations"},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},

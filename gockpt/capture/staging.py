@@ -19,7 +19,6 @@ class HostCopy:
     """
 
     def __init__(self, plan: Plan, device):
-        self.plan = plan
         self.slots = plan.slots
         self.device = device
         self.param: List[torch.Tensor] = [device.empty(s.numel, s.param.dtype) for s in plan.slots]
