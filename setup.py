@@ -3,7 +3,7 @@ import glob
 import os
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 try:
     from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -37,7 +37,7 @@ setup(
     version="0.1.0",
     description="Gradient-assisted multi-step overlapped checkpointing for PyTorch",
     python_requires=">=3.9",
-    packages=["gockpt", "gockpt.capture", "gockpt.replay", "gockpt.storage", "gockpt.cli"],
+    packages=find_packages(include=["gockpt", "gockpt.*"]),
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     install_requires=["torch>=2.1,<2.14", "numpy"],
