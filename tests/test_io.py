@@ -112,7 +112,7 @@ def test_roundtrip_odd_sizes(tmp_path, direct):
     for name, t in tensors.items():
         e = m["tensors"][name]
         assert e["offset"] % 4096 == 0, name
-        assert e["block_bytes"] == storage.BLOCK_BYTES
+        assert e["block_bytes"] == storage.CHUNK_BYTES
         assert len(e["crc32c"]) == -(-e["nbytes"] // e["block_bytes"])
     assert m["tensors"]["b4MiB+1"]["crc32c"][1] == _io.crc32c(bits(tensors["b4MiB+1"])[4 * MiB:].numpy())
     assert m["tensors"]["empty"]["crc32c"] == []
@@ -183,8 +183,8 @@ def test_fallback_is_logged_once(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(_C, "IoWriter", Fake)
     with caplog.at_level("DEBUG", logger="gockpt"):
-        _io.Writer(str(tmp_path / "x"), 4096, b"", [], block_bytes=4096, direct=True)
-        _io.Writer(str(tmp_path / "y"), 4096, b"", [], block_bytes=4096, direct=True)
+        _io.Writer(str(tmp_path / "x"), 4096, b"", [], chunk_bytes=4096, direct=True)
+        _io.Writer(str(tmp_path / "y"), 4096, b"", [], chunk_bytes=4096, direct=True)
     warnings = [r for r in caplog.records if r.levelname == "WARNING" and "O_DIRECT" in r.getMessage()]
     assert len(warnings) == 1 and "buffered" in warnings[0].getMessage()
 

@@ -120,7 +120,7 @@ def test_safetensors_can_read(tmp_path):
 
 
 def test_large_tensor_in_several_blocks(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage.writer, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(storage.writer, "CHUNK_BYTES", 4096)
     tensors = {"big": torch.randn(100, 37), "nc": torch.randn(37, 100).t(), "bf": torch.randn(9999).bfloat16()}
     path = save(tmp_path, "a", tensors)
     m = read_manifest(path)
