@@ -138,18 +138,34 @@ void bind_crc32c(py::module_& m) {
   m.def("force_crc32c_impl", &force_crc32c_impl, py::arg("which"));
 }
 
-void bind_writer(py::module_& m) {
-  py::class_<FinishResult>(m, "FinishResult", "What IoWriter.finish() found (read-only).")
-      .def_readonly("err", &FinishResult::err, "0 ok, an errno, or -1 (msg, bad_tensor, bad_offset say what)")
-      .def_readonly("msg", &FinishResult::msg)
-      .def_readonly("bad_tensor", &FinishResult::bad_tensor, "index of the tensor not written exactly once, or -1")
-      .def_readonly("bad_offset", &FinishResult::bad_offset, "its first byte not written exactly once")
-      .def_readonly("crcs", &FinishResult::crcs, "per tensor, the crc32c of each chunk")
-      .def("__repr__", [](const FinishResult& r) {
-        return "FinishResult(err=" + std::to_string(r.err) + ", msg='" + r.msg + "')";
+// A result type with its fields err and msg (read-only) and a repr showing them; the caller
+// adds the type's other fields.
+template <typename R>
+py::class_<R> bind_result(py::module_& m, const char* name, const char* doc) {
+  return py::class_<R>(m, name, doc)
+      .def_readonly("err", &R::err)
+      .def_readonly("msg", &R::msg)
+      .def("__repr__", [name](const R& r) {
+        return std::string(name) + "(err=" + std::to_string(r.err) + ", msg=" +
+               py::repr(py::str(r.msg)).cast<std::string>() + ")";
       });
+}
 
-  py::class_<Writer>(m, "IoWriter")
+// The named results of IoWriter.finish() and read_into(), fields read-only.
+void bind_results(py::module_& m) {
+  bind_result<FinishResult>(m, "FinishResult", "err: 0, an errno, or -1 (msg, bad_tensor, bad_offset say what)")
+      .def_readonly("bad_tensor", &FinishResult::bad_tensor, "the tensor not written exactly once, or -1")
+      .def_readonly("bad_offset", &FinishResult::bad_offset, "its first byte not written exactly once")
+      .def_readonly("crcs", &FinishResult::crcs, "per tensor, the crc32c of each chunk");
+  bind_result<ReadResult>(m, "ReadResult", "err: 0 or the errno of the first failed read (msg says where)")
+      .def_readonly("bad_item", &ReadResult::bad_item, "the item whose read failed, or -1")
+      .def_readonly("direct", &ReadResult::direct, "whether O_DIRECT was used")
+      .def_readonly("mismatches", &ReadResult::mismatches, "sorted [(item, chunk, crc32c found)]")
+      .def_readonly("truncated", &ReadResult::truncated, "sorted [(item, file offset of the end of file)]");
+}
+
+void bind_writer(py::module_& m) {
+  py::class_<Writer>(m, "IoWriter", "The parallel writer of one checkpoint data file (csrc/writer.h).")
       .def(py::init([](const std::string& path, uint64_t file_size, py::bytes header,
                        const std::vector<std::pair<uint64_t, uint64_t>>& tensors,
                        uint64_t chunk_bytes, int threads, bool direct) {
@@ -170,18 +186,6 @@ void bind_writer(py::module_& m) {
 }
 
 void bind_reader(py::module_& m) {
-  py::class_<ReadResult>(m, "ReadResult", "What read_into() found (read-only).")
-      .def_readonly("err", &ReadResult::err, "0 or the errno of the first failed read")
-      .def_readonly("msg", &ReadResult::msg)
-      .def_readonly("bad_item", &ReadResult::bad_item, "index of the item whose read failed, or -1")
-      .def_readonly("direct", &ReadResult::direct, "whether O_DIRECT was used")
-      .def_readonly("mismatches", &ReadResult::mismatches, "sorted [(item, chunk, crc32c found)]")
-      .def_readonly("truncated", &ReadResult::truncated, "sorted [(item, file offset of the end of file)]")
-      .def("__repr__", [](const ReadResult& r) {
-        return "ReadResult(err=" + std::to_string(r.err) + ", msg='" + r.msg + "', mismatches=" +
-               std::to_string(r.mismatches.size()) + ", truncated=" + std::to_string(r.truncated.size()) + ")";
-      });
-
   using ItemTuple = std::tuple<uint64_t, uint64_t, uintptr_t, uint64_t, std::vector<uint32_t>>;
   m.def(
       "read_into",
@@ -214,6 +218,7 @@ void bind_io(py::module_& m) {
     }
   });
   bind_crc32c(m);
+  bind_results(m);
   bind_writer(m);
   bind_reader(m);
 }

@@ -282,7 +282,7 @@ FinishResult Writer::finish() {
   r.crcs.resize(tensors_.size());
   for (size_t i = 0; i < tensors_.size(); i++)
     if (!combine_chunks(i, r)) return r;
-  if (!edges_.empty()) {  // cannot happen once every piece is accounted for
+  if (!edges_.empty()) {  // a page never completed; cannot happen once every piece is accounted for
     r.err = -1;
     r.msg = "incomplete padding block";
     return r;

@@ -91,8 +91,11 @@ def checkpoint_name(step: int) -> str:
 
 
 def check_name(name: str, what: str = "checkpoint name") -> None:
-    # A name is a single path component: it must not escape the root, hide
-    # (names starting with '.' are reserved for temporaries) or shadow `latest`.
+    """Raise ``ValueError`` unless ``name`` is a plain checkpoint name.
+
+    A name is a single path component: it must not escape the root, hide (names starting
+    with '.' are reserved for temporaries) or shadow ``latest``.
+    """
     if (
         not isinstance(name, str)
         or not name
@@ -125,6 +128,7 @@ def write_all(fd: int, data) -> None:
 
 
 def round_up(x: int, a: int) -> int:
+    """``x`` rounded up to a multiple of ``a``."""
     return -(-x // a) * a
 
 
@@ -214,7 +218,10 @@ def check_tensor_entry(e, size_of, *, checksums: bool = True) -> str | None:
 
 
 def check_checksums(e: dict) -> str | None:
-    """What is wrong with the chunk size / crc32c fields of entry ``e`` (None if fine)."""
+    """What is wrong with the chunk size / crc32c fields of entry ``e`` (None if fine).
+
+    The messages name the on-disk key and say "block checksums" (unchanged wording).
+    """
     cb, crcs = e.get(CHUNK_BYTES_KEY), e.get("crc32c")
     if not (is_plain_int(cb) and cb > 0 and cb % ALIGN == 0):
         return f"invalid {CHUNK_BYTES_KEY} {cb!r} (a positive multiple of {ALIGN})"

@@ -252,6 +252,8 @@ def _raise_for(reads: _FileReads, got: _ReadOutcome) -> None:
         tname = reads.item_names[got.bad_item] if got.bad_item >= 0 else reads.names[0]
         raise CorruptCheckpointError(f"{where}: tensor {tname!r}: {got.msg}") from OSError(got.err, got.msg)
     if got.mismatches:
+        # The message calls chunk k "block k": wording kept from format version 2's first
+        # release, users and tests match it.
         i, k, crc = got.mismatches[0]
         off, n, _, cb, crcs = reads.items[i]
         lo, hi = k * cb, min(n, (k + 1) * cb)
