@@ -13,7 +13,7 @@ using namespace gockpt;
 
 namespace gockpt {
 namespace io {
-void bind_io(py::module_& m);  // csrc/io.cpp
+void bind_io(py::module_& m);  // the checkpoint I/O section at the end of this file
 }
 }  // namespace gockpt
 
@@ -91,5 +91,137 @@ PYBIND11_MODULE(_C, mod) {
   mod.def("set_isa", [](const std::string& s) { force_isa(parse_isa(s)); }, py::arg("isa"));
   mod.def("_set_block", &set_block, py::arg("block"));
   mod.def("isa", []() { return std::string(isa_name(resolved_isa())); });
-  io::bind_io(mod);  // parallel checkpoint I/O and crc32c (csrc/io.cpp)
+  io::bind_io(mod);  // parallel checkpoint I/O and crc32c (section below)
 }
+
+// ============================================================================ checkpoint I/O
+// Bindings of crc32c (crc32c.h), the parallel checkpoint writer (writer.h) and reader
+// (reader.h), wrapped by gockpt/storage/io.py. Memory arrives as raw addresses that the Python
+// side validates and keeps alive while the C++ side uses it; the GIL is released around every
+// I/O. Results are named types (FinishResult, ReadResult); IoError raises OSError.
+
+#include <pybind11/stl.h>
+
+#include <tuple>
+#include <vector>
+
+#include "crc32c.h"
+#include "io_util.h"
+#include "reader.h"
+#include "writer.h"
+
+namespace gockpt {
+namespace io {
+
+namespace {
+
+void bind_crc32c(py::module_& m) {
+  m.def(
+      "crc32c",
+      [](py::buffer data, uint32_t crc) {
+        py::buffer_info info = data.request();
+        size_t n = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+        const void* p = info.ptr;
+        py::gil_scoped_release release;
+        return crc32c(crc, p, n);
+      },
+      py::arg("data"), py::arg("crc") = 0, "crc32c of a contiguous buffer, continuing from crc.");
+  m.def(
+      "crc32c_addr",
+      [](uintptr_t addr, uint64_t n, uint32_t crc) {
+        py::gil_scoped_release release;
+        return crc32c(crc, reinterpret_cast<const void*>(addr), n);
+      },
+      py::arg("addr"), py::arg("n"), py::arg("crc") = 0);
+  m.def("crc32c_combine", &crc32c_combine, py::arg("crc1"), py::arg("crc2"), py::arg("len2"));
+  m.def("crc32c_impl", []() { return std::string(crc32c_impl()); });
+  m.def("force_crc32c_impl", &force_crc32c_impl, py::arg("which"));
+}
+
+// A result type with its fields err and msg (read-only) and a repr showing them; the caller
+// adds the type's other fields.
+template <typename R>
+py::class_<R> bind_result(py::module_& m, const char* name, const char* doc) {
+  return py::class_<R>(m, name, doc)
+      .def_readonly("err", &R::err)
+      .def_readonly("msg", &R::msg)
+      .def("__repr__", [name](const R& r) {
+        return std::string(name) + "(err=" + std::to_string(r.err) + ", msg=" +
+               py::repr(py::str(r.msg)).cast<std::string>() + ")";
+      });
+}
+
+// The named results of IoWriter.finish() and read_into(), fields read-only.
+void bind_results(py::module_& m) {
+  bind_result<FinishResult>(m, "FinishResult", "err: 0, an errno, or -1 (msg, bad_tensor, bad_offset say what)")
+      .def_readonly("bad_tensor", &FinishResult::bad_tensor, "the tensor not written exactly once, or -1")
+      .def_readonly("bad_offset", &FinishResult::bad_offset, "its first byte not written exactly once")
+      .def_readonly("crcs", &FinishResult::crcs, "per tensor, the crc32c of each chunk");
+  bind_result<ReadResult>(m, "ReadResult", "err: 0 or the errno of the first failed read (msg says where)")
+      .def_readonly("bad_item", &ReadResult::bad_item, "the item whose read failed, or -1")
+      .def_readonly("direct", &ReadResult::direct, "whether O_DIRECT was used")
+      .def_readonly("mismatches", &ReadResult::mismatches, "sorted [(item, chunk, crc32c found)]")
+      .def_readonly("truncated", &ReadResult::truncated, "sorted [(item, file offset of the end of file)]");
+}
+
+void bind_writer(py::module_& m) {
+  py::class_<Writer>(m, "IoWriter", "The parallel writer of one checkpoint data file (csrc/writer.h).")
+      .def(py::init([](const std::string& path, uint64_t file_size, py::bytes header,
+                       const std::vector<std::pair<uint64_t, uint64_t>>& tensors,
+                       uint64_t chunk_bytes, int threads, bool direct) {
+             std::string h = header;
+             py::gil_scoped_release release;
+             return new Writer(path, file_size, h, tensors, chunk_bytes, threads, direct);
+           }),
+           py::arg("path"), py::arg("file_size"), py::arg("header"), py::arg("tensors"),
+           py::arg("chunk_bytes"), py::arg("threads"), py::arg("direct"))
+      .def("submit", &Writer::submit, py::arg("tensor"), py::arg("src"), py::arg("tstart"),
+           py::arg("len"), py::call_guard<py::gil_scoped_release>())
+      .def("finish", &Writer::finish, py::call_guard<py::gil_scoped_release>())
+      .def("close", &Writer::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("direct", &Writer::direct)
+      .def_property_readonly("fallback_reason", &Writer::fallback_reason)
+      .def_property_readonly("threads", &Writer::threads)
+      .def("inject_fault", &Writer::inject_fault, py::arg("after_writes"), py::arg("errno"));
+}
+
+void bind_reader(py::module_& m) {
+  using ItemTuple = std::tuple<uint64_t, uint64_t, uintptr_t, uint64_t, std::vector<uint32_t>>;
+  m.def(
+      "read_into",
+      [](const std::string& path, const std::vector<ItemTuple>& items, bool verify, int threads,
+         bool direct) {
+        std::vector<ReadItem> v;
+        v.reserve(items.size());
+        for (auto& t : items) {
+          ReadItem r;
+          std::tie(r.file_off, r.nbytes, r.dst, r.chunk_bytes, r.crcs) = t;
+          v.push_back(std::move(r));
+        }
+        py::gil_scoped_release release;
+        return read_into(path, v, verify, threads, direct);
+      },
+      py::arg("path"), py::arg("items"), py::arg("verify"), py::arg("threads"), py::arg("direct"),
+      "items: (file_offset, nbytes, dst_address, chunk_bytes, crcs); returns a ReadResult.");
+}
+
+}  // namespace
+
+void bind_io(py::module_& m) {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const IoError& e) {
+      PyObject* args = Py_BuildValue("(is)", e.err, e.what());
+      PyErr_SetObject(PyExc_OSError, args);
+      Py_XDECREF(args);
+    }
+  });
+  bind_crc32c(m);
+  bind_results(m);
+  bind_writer(m);
+  bind_reader(m);
+}
+
+}  // namespace io
+}  // namespace gockpt

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -52,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gockpt import storage  # noqa: E402
 from gockpt.storage import io as _io  # noqa: E402
+from gockpt.storage import pagecache  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -180,12 +182,12 @@ def resident(path: str) -> float | None:
         items = [(0, size)] if size else []
         if not items:
             return None
-        page = storage.mmap.PAGESIZE
+        page = mmap.PAGESIZE
         npages = -(-size // page)
         # Sample windows across the whole file with the reader's helper, item by item.
         step = max(1, npages // 256) * page
         chunks = [(off, min(page, size - off)) for off in range(0, size, step)]
-        got = storage._cached_items(path, chunks)
+        got = pagecache.cached_items(path, chunks)
         return None if got is None else sum(got) / len(got)
     except (OSError, AttributeError):
         return None

@@ -10,6 +10,6 @@ def failing_writer(after_writes: int, err: int):
     class FailingWriter(storage.CheckpointWriter):
         def begin(self, layout):
             super().begin(layout)
-            self._io.inject_fault(after_writes, err)
+            self._data_writer.inject_fault(after_writes, err)
 
     return FailingWriter

@@ -5,6 +5,7 @@
     io.py        the C++ parallel writer/reader and crc32c (gockpt._C)
     writer.py    CheckpointWriter: one checkpoint's data file, manifest and commit
     reader.py    the validated manifest and parallel, checksummed reads
+    pagecache.py which byte ranges of a file are in the page cache (buffered vs O_DIRECT reads)
     commit.py    atomic publish, ``latest``, listing, retention, leftovers of dead writers
     persist.py   the persist thread: streams blocks as they reach F, commits
     ranks.py     several ranks committing one checkpoint together
@@ -12,7 +13,7 @@
 """
 
 from .commit import cleanup_temporaries, list_checkpoints, resolve
-from .format import (ALIGN, BLOCK_BYTES, CODE_TO_DTYPE, DATA_FILE, DTYPE_TO_CODE, FORMAT,
+from .format import (ALIGN, CHUNK_BYTES, CODE_TO_DTYPE, DATA_FILE, DTYPE_TO_CODE, FORMAT,
                      FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, PAD_PREFIX, TMP_PREFIX,
                      checkpoint_name)
 from .reader import read_manifest, read_tensors
@@ -20,7 +21,7 @@ from .writer import CheckpointWriter
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "DATA_FILE", "MANIFEST_FILE", "LATEST_FILE", "TMP_PREFIX",
-    "PAD_PREFIX", "ALIGN", "BLOCK_BYTES", "DTYPE_TO_CODE", "CODE_TO_DTYPE", "checkpoint_name",
+    "PAD_PREFIX", "ALIGN", "CHUNK_BYTES", "DTYPE_TO_CODE", "CODE_TO_DTYPE", "checkpoint_name",
     "CheckpointWriter", "resolve", "list_checkpoints", "read_manifest", "read_tensors",
     "cleanup_temporaries",
 ]

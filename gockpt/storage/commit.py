@@ -52,24 +52,30 @@ def publish(root: str, tmp_path: str, name: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_latest(root: str, name: str) -> None:
-    """Atomically make ``<root>/latest`` contain ``name``."""
-    tmp = os.path.join(root, f"{TMP_PREFIX}{LATEST_FILE}-{os.getpid()}-{secrets.token_hex(4)}")
+def replace_atomically(final: str, tmp: str, write) -> None:
+    """Make ``final`` hold what ``write(tmp)`` writes into the new file ``tmp``: ``tmp`` then
+    replaces ``final`` in one step (``os.replace``); ``tmp`` is removed if anything fails."""
     try:
-        write_file(tmp, name.encode("utf-8"))
-        os.replace(tmp, os.path.join(root, LATEST_FILE))
+        write(tmp)
+        os.replace(tmp, final)
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+
+
+def write_latest(root: str, name: str) -> None:
+    """Atomically make ``<root>/latest`` contain ``name``."""
+    tmp = os.path.join(root, f"{TMP_PREFIX}{LATEST_FILE}-{os.getpid()}-{secrets.token_hex(4)}")
+    replace_atomically(os.path.join(root, LATEST_FILE), tmp, lambda path: write_file(path, name.encode("utf-8")))
     fsync_dir(root)
 
 
 def is_committed(path: str) -> bool:
-    # manifest.json is written inside the temporary directory before the rename,
-    # so a visible directory with a manifest is a committed checkpoint.
+    """Whether ``path`` is a committed checkpoint: manifest.json is written inside the temporary
+    directory before the rename, so a visible directory with a manifest is one."""
     return os.path.isfile(os.path.join(path, MANIFEST_FILE))
 
 
@@ -153,7 +159,6 @@ def resolve(root: str, tag: str | None = None) -> str:
         stacklevel=2,
     )
     return os.path.join(root, names[-1])
-
 
 
 def _pid_alive(pid: int) -> bool:

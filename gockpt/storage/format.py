@@ -12,15 +12,20 @@ A checkpoint is a directory ``<root>/<name>`` holding
 * ``manifest.json``: ``{"format": "gockpt", "format_version": 2, "tensors": {name: {"file",
   "dtype", "shape", "offset", "nbytes", "block_bytes", "crc32c"}}, ...}`` plus gockpt's typed
   sections (:mod:`gockpt.storage.manifest`). ``offset`` is the absolute byte offset in
-  ``file``; ``crc32c`` lists the crc32c (Castagnoli) of each ``block_bytes``-sized block of the
-  tensor's bytes (the last one shorter), computed by the writer threads while the data passes.
+  ``file``; ``crc32c`` lists the crc32c (Castagnoli) of each chunk of the tensor's bytes (the
+  last one shorter), computed by the writer threads while the data passes. The chunk size is
+  stored under the historical key ``"block_bytes"`` (see :data:`CHUNK_BYTES_KEY`).
 
 ``<root>/latest`` holds the name of the latest committed checkpoint (see :mod:`.commit`).
+
+This module owns these names, the layout of the data file (:func:`layout_file`) and the shape
+of a tensor entry: :func:`tensor_entry` builds one, :func:`check_tensor_entry` validates one.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -56,9 +61,16 @@ DTYPE_TO_CODE = {
 CODE_TO_DTYPE = {code: dtype for dtype, code in DTYPE_TO_CODE.items()}
 ITEMSIZE = {code: dtype.itemsize for dtype, code in DTYPE_TO_CODE.items()}
 
-# Checksum granularity: each tensor's bytes are checksummed (crc32c) per block of this many
-# bytes, so that a damaged byte is located to a block and the reader verifies in parallel.
-BLOCK_BYTES = 4 << 20
+# Checksum granularity: each tensor's bytes are checksummed (crc32c) per chunk of this many
+# bytes, so that a damaged byte is located to a chunk and the reader verifies in parallel.
+CHUNK_BYTES = 4 << 20
+# The manifest's tensor entries store the chunk size under the key "block_bytes": files of
+# format version 2 exist with that name, so it stays on disk. This is the one place that maps
+# it; code says chunk (a "block" is the copy/replay unit of training state).
+CHUNK_BYTES_KEY = "block_bytes"
+# The fields of a tensor entry: where its bytes are and what they are, then their checksums.
+LAYOUT_FIELDS = ("file", "dtype", "shape", "offset", "nbytes")
+CHECKSUM_FIELDS = (CHUNK_BYTES_KEY, "crc32c")
 # Every tensor starts at a multiple of ALIGN in data.safetensors (O_DIRECT needs it).
 ALIGN = 4096
 # Names of the filler tensors that keep the safetensors data region free of holes.
@@ -79,8 +91,11 @@ def checkpoint_name(step: int) -> str:
 
 
 def check_name(name: str, what: str = "checkpoint name") -> None:
-    # A name is a single path component: it must not escape the root, hide
-    # (names starting with '.' are reserved for temporaries) or shadow `latest`.
+    """Raise ``ValueError`` unless ``name`` is a plain checkpoint name.
+
+    A name is a single path component: it must not escape the root, hide (names starting
+    with '.' are reserved for temporaries) or shadow ``latest``.
+    """
     if (
         not isinstance(name, str)
         or not name
@@ -113,6 +128,7 @@ def write_all(fd: int, data) -> None:
 
 
 def round_up(x: int, a: int) -> int:
+    """``x`` rounded up to a multiple of ``a``."""
     return -(-x // a) * a
 
 
@@ -147,20 +163,74 @@ def layout_file(items: list) -> tuple:
 
 
 def is_plain_int(x) -> bool:
+    """Whether ``x`` is a non-negative int (not a bool, not a float)."""
     return type(x) is int and x >= 0
 
 
+def tensor_entry(file: str, code: str, shape: list, offset: int, nbytes: int, chunk_bytes: int,
+                 crcs: list) -> dict:
+    """The manifest entry of one stored tensor (``crcs``: the crc32c of each chunk)."""
+    return {"file": file, "dtype": code, "shape": list(shape), "offset": offset, "nbytes": nbytes,
+            CHUNK_BYTES_KEY: chunk_bytes, "crc32c": list(crcs)}
+
+
+def chunk_bytes_of(e: dict) -> int:
+    """The chunk size of tensor entry ``e``, or :data:`CHUNK_BYTES` where its field is unusable
+    (tolerated only when the checksums are not verified)."""
+    cb = e.get(CHUNK_BYTES_KEY)
+    return cb if is_plain_int(cb) and cb > 0 and cb % ALIGN == 0 else CHUNK_BYTES
+
+
+def check_tensor_entry(e, size_of, *, checksums: bool = True) -> str | None:
+    """What is wrong with the manifest's tensor entry ``e`` (None if nothing).
+
+    Checks, in this order: ``e`` is an object with the fields (the checksum fields only with
+    ``checksums``); ``file`` is a plain file name inside the checkpoint; the dtype is known;
+    shape, offset and nbytes are non-negative ints with ``nbytes == prod(shape) * itemsize``;
+    ``offset + nbytes`` lies within the file, whose size ``size_of(file)`` gives (called only
+    once the name is known to be plain; it may raise); with ``checksums``, the chunk size and
+    crc32c list (:func:`check_checksums`). Python ints, nothing allocated: safe on untrusted,
+    absurd numbers.
+    """
+    if not isinstance(e, dict):
+        return "entry is not an object"
+    missing = set(LAYOUT_FIELDS + (CHECKSUM_FIELDS if checksums else ())) - set(e)
+    if missing:
+        return f"missing fields {sorted(missing)}"
+    file = e["file"]
+    if not isinstance(file, str) or file in ("", ".", "..") or any(c in file for c in "/\\\0"):
+        return "file must be a plain file name inside the checkpoint directory"
+    code, shape, offset, nbytes = e["dtype"], e["shape"], e["offset"], e["nbytes"]
+    if not isinstance(code, str) or code not in ITEMSIZE:
+        return f"unknown dtype {code!r}"
+    if not isinstance(shape, list) or not all(is_plain_int(d) for d in shape):
+        return f"invalid shape {shape!r}"
+    if not (is_plain_int(offset) and is_plain_int(nbytes)):
+        return f"invalid offset {offset!r} or nbytes {nbytes!r}"
+    expected = math.prod(shape) * ITEMSIZE[code]
+    if nbytes != expected:
+        return f"nbytes {nbytes} does not match shape {shape} of {code} ({expected})"
+    size = size_of(file)
+    if offset + nbytes > size:
+        return (f"bytes {offset}..{offset + nbytes} lie beyond the end of the file ({size} bytes): "
+                "the file is truncated")
+    return check_checksums(e) if checksums else None
+
+
 def check_checksums(e: dict) -> str | None:
-    """What is wrong with the block_bytes / crc32c fields of entry ``e`` (None if fine)."""
-    bb, crcs = e.get("block_bytes"), e.get("crc32c")
-    if not (is_plain_int(bb) and bb > 0 and bb % ALIGN == 0):
-        return f"invalid block_bytes {bb!r} (a positive multiple of {ALIGN})"
+    """What is wrong with the chunk size / crc32c fields of entry ``e`` (None if fine).
+
+    The messages name the on-disk key and say "block checksums" (unchanged wording).
+    """
+    cb, crcs = e.get(CHUNK_BYTES_KEY), e.get("crc32c")
+    if not (is_plain_int(cb) and cb > 0 and cb % ALIGN == 0):
+        return f"invalid {CHUNK_BYTES_KEY} {cb!r} (a positive multiple of {ALIGN})"
     if not isinstance(crcs, list):
         return f"invalid crc32c {crcs!r:.60} (a list of block checksums)"
-    nblocks = -(-e["nbytes"] // bb)
-    if len(crcs) != nblocks:
-        return f"crc32c lists {len(crcs)} block checksums, {e['nbytes']} bytes in blocks of {bb} need {nblocks}"
+    nchunks = -(-e["nbytes"] // cb)
+    if len(crcs) != nchunks:
+        return (f"crc32c lists {len(crcs)} block checksums, {e['nbytes']} bytes in blocks of {cb} "
+                f"need {nchunks}")
     if not all(is_plain_int(c) and c < 2**32 for c in crcs):
         return "invalid crc32c: block checksums must be ints in [0, 2**32)"
     return None
-

@@ -1,12 +1,15 @@
-"""Thin wrapper over the parallel checkpoint I/O of ``gockpt._C`` (``csrc/io.cpp``).
+"""Thin wrapper over the parallel checkpoint I/O of ``gockpt._C`` (``csrc/crc32c.h``,
+``csrc/writer.h``, ``csrc/reader.h``; bound in ``csrc/module.cpp``): thread and O_DIRECT
+defaults, the once-only fallback warning, keeping submitted memory alive.
 
 * ``crc32c(data, crc=0)``: Castagnoli CRC (SSE4.2 when the CPU has it, else a table),
   zlib-style continuation; ``crc32c(b"123456789") == 0xE3069283``.
 * ``Writer``: several threads pwrite tensor bytes at precomputed, 4096-aligned offsets of one
   file, with O_DIRECT where the file system accepts it (else buffered writes + fsync, logged
-  once), checksumming every block while the data passes.
+  once), checksumming every chunk while the data passes; ``finish`` returns a
+  ``_C.FinishResult``.
 * ``read_into``: several threads pread byte ranges straight into destination memory,
-  verifying the per-block checksums.
+  verifying the per-chunk checksums; returns a ``_C.ReadResult``.
 
 Knobs: ``GOCKPT_IO_THREADS`` (default: the number of cores for writing, twice that for
 reading) and ``GOCKPT_IO_DIRECT=0`` (force
@@ -48,6 +51,7 @@ def crc32c_impl() -> str:
 
 
 def default_threads() -> int:
+    """Writer threads: ``GOCKPT_IO_THREADS`` if it is an int >= 1, else the number of cores."""
     env = os.environ.get("GOCKPT_IO_THREADS")
     if env:
         try:
@@ -68,6 +72,7 @@ def default_read_threads() -> int:
 
 
 def default_direct() -> bool:
+    """Whether to try O_DIRECT: yes unless ``GOCKPT_IO_DIRECT`` is 0/false/no/off."""
     return os.environ.get("GOCKPT_IO_DIRECT", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -81,19 +86,20 @@ def _say_fallback(path: str, reason: str) -> None:
 
 
 class Writer:
-    """One file written by a pool of threads; see ``csrc/io.h`` for the layout contract.
+    """One file written by a pool of threads; see ``csrc/writer.h`` for the layout contract.
 
     ``tensors`` is a list of (file offset, nbytes): offsets multiples of 4096, the header
     (``len(header)`` a multiple of 4096) at offset 0, ``file_size`` a multiple of 4096.
+    Every tensor's bytes are checksummed per chunk of ``chunk_bytes`` (a multiple of 4096).
     Creates the file (O_EXCL), reserves its size and writes the header before returning.
     """
 
-    def __init__(self, path: str, file_size: int, header: bytes, tensors, *, block_bytes: int,
+    def __init__(self, path: str, file_size: int, header: bytes, tensors, *, chunk_bytes: int,
                  threads: int | None = None, direct: bool | None = None):
         threads = default_threads() if threads is None else int(threads)
         want_direct = default_direct() if direct is None else bool(direct)
         self._owners: list = []  # objects owning submitted memory, kept until close()
-        self._w = _C.IoWriter(path, file_size, header, list(tensors), block_bytes, threads, want_direct)
+        self._w = _C.IoWriter(path, file_size, header, list(tensors), chunk_bytes, threads, want_direct)
         self.path = path
         self.direct = self._w.direct
         self.threads = self._w.threads
@@ -111,7 +117,9 @@ class Writer:
         self._w.submit(index, address, start, nbytes)
 
     def finish(self):
-        """Wait, check coverage, fsync. Returns (err, msg, bad_tensor, bad_offset, crcs)."""
+        """Wait for the queued writes, check that every tensor byte was written exactly once,
+        fsync. Returns a ``_C.FinishResult``: ``err`` (0, an errno, or -1 with ``bad_tensor``
+        and ``bad_offset``), ``msg``, and ``crcs`` (per tensor, per chunk)."""
         return self._w.finish()
 
     def close(self) -> None:
@@ -132,9 +140,11 @@ class Writer:
 
 def read_into(path: str, items, *, verify: bool = True, threads: int | None = None,
               direct: bool | None = None):
-    """Read ``items`` [(file_offset, nbytes, dst_address, block_bytes, crcs)] of ``path``.
+    """Read ``items`` [(file_offset, nbytes, dst_address, chunk_bytes, crcs)] of ``path``.
 
-    Returns (errno, message, item, direct_used, mismatches, truncated); see csrc/io.h.
+    Returns a ``_C.ReadResult``: ``err`` (0 or an errno), ``msg``, ``bad_item``, ``direct``
+    (O_DIRECT used), ``mismatches`` [(item, chunk, crc32c found)] and ``truncated``
+    [(item, file offset of the end of file)]; see ``csrc/reader.h``.
     """
     threads = default_read_threads() if threads is None else int(threads)
     direct = default_direct() if direct is None else bool(direct)
