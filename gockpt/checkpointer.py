@@ -16,6 +16,7 @@ lives in its own package: ``capture/`` -> ``replay/`` -> ``storage/``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -31,15 +32,15 @@ from .capture.plan import build_plan
 from .capture.staging import GradPool, HostCopy
 from .capture.transfer import CopyEngine
 from .config import Config
-from .errors import ConfigError, GockptError, HookOrderError
+from .errors import ConfigError, DirectoryInUseError, GockptError, HookOrderError
 from .job import CheckpointHandle, Job
 from .loop import BACKWARD, IDLE, UPDATE, Loop
-from .modes import GRADS_AT_BACKWARD
 from .replay.adapters import adapter_for
 from .replay.replayer import Replayer
 from .pipeline import Pipeline
 from .schedule import Schedule
 from .storage.commit import cleanup_temporaries, ensure_writable
+from .storage.lock import DirectoryLock
 from .storage.persist import Persister
 from .storage.ranks import Ranks
 
@@ -89,6 +90,15 @@ class Checkpointer:
         self.plan = build_plan(model, optimizer, self.config.block_bytes)
         self.adapter = adapter_for(optimizer) if self.policy.replays else None
         ensure_writable(self.config.directory)
+        self.lock = _lock_directory(self.config.directory, self.ranks)
+        try:
+            self._build(model, optimizer, scheduler)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build(self, model, optimizer, scheduler) -> None:
+        """Everything that needs the directory lock."""
         cleanup_temporaries(self.config.directory)
         self.planned_host_bytes = self._plan_host_bytes()
         self.device = device_for([s.param for s in self.plan.slots])
@@ -108,12 +118,8 @@ class Checkpointer:
         self.loop = Loop()
         self._job: Optional[Job] = None
         self._grad_tickets: List = []
-        self._pre_hook = optimizer.register_step_pre_hook(self._on_optimizer_step)
-        self._orig_zero_grad = optimizer.zero_grad
-        if self.policy.grad_wait == GRADS_AT_BACKWARD:
-            # Gradient copies may still be reading .grad after the step; an in-place zeroing
-            # (set_to_none=False) must wait for them.
-            optimizer.zero_grad = self._zero_grad
+        self._hooks = [optimizer.register_step_pre_hook(self._on_optimizer_step),
+                       optimizer.register_step_post_hook(self._after_optimizer_step)]
         log.info("gockpt: %s mode, %d tensors in %d blocks, %.1f MiB host staging planned",
                  self.config.mode, len(self.plan.slots), len(self.plan.blocks),
                  self.planned_host_bytes / 2**20)
@@ -127,7 +133,6 @@ class Checkpointer:
         (``loss.backward()`` raised, or a gockpt error was raised and caught)."""
         self.loop.check_open()
         self.loop.expect("backward_begin", IDLE)
-        self._wait_grad_copies("backward_begin")
         self.loop.phase = BACKWARD
         self.loop.raise_pending()  # after the transition: a caught error leaves the loop usable
 
@@ -137,9 +142,10 @@ class Checkpointer:
         self.loop.check_open()
         self.loop.expect("update_begin", BACKWARD)
         self.schedule.reached_update()
-        job = self._job
-        if job is not None and job.capturing and job.error is None:
-            self.pipeline.land(job, job.window_step(self.loop.boundary))
+        with self._charged("update_begin"):
+            job = self._job
+            if job is not None and job.capturing and job.error is None:
+                self.pipeline.land(job, job.window_step(self.loop.boundary))
         self.loop.phase = UPDATE
         self.loop.raise_pending()
 
@@ -166,15 +172,19 @@ class Checkpointer:
         self.schedule.reached_boundary(completed)
         loop.boundary += 1
         loop.phase = IDLE
-        job = self._job
-        if job is not None and job.capturing and job.error is None:
-            self.pipeline.boundary(job, step, loop.boundary, extra_state)
-        loop.raise_pending()  # the boundary is recorded; no new checkpoint after a failure
         handle = None
-        if force or self.schedule.due(step):
-            handle = self._start(step, extra_state)
-            if handle is not None:
-                self.schedule.started(step)
+        with self._charged("save_checkpoint"):
+            job = self._job
+            if job is not None and job.capturing and job.error is None:
+                self.pipeline.boundary(job, step, loop.boundary, extra_state)
+            loop.raise_pending()  # the boundary is recorded; no new checkpoint after a failure
+            if force or self.schedule.due(step):
+                handle = self._start(step, extra_state)
+                if handle is not None:
+                    self.schedule.started(step)
+        if handle is not None and self.policy.persists_inline and self._job.error is None:
+            self.persister.persist(self._job)  # sync: the write blocks (and is counted) too
+            self.loop.raise_pending()
         self.schedule.boundary_done()
         return handle
 
@@ -202,6 +212,7 @@ class Checkpointer:
                 if self.loop.boundary >= job.f_boundary and job.capture.small is not None \
                         and self.loop.phase == IDLE:
                     self.capture.copy_rest(job)
+                    job.accounts_closed.set()
                     self.pipeline.finish_capture(job)
                 else:
                     warnings.warn(
@@ -209,15 +220,15 @@ class Checkpointer:
                         "captured at close() (training stopped before its final step); it is "
                         "dropped and the previous checkpoint stays latest", stacklevel=2)
                     job.drop()
-            self._wait_grad_copies(None)
+            self._wait_grad_copies()
             if self.replayer is not None:
                 self.replayer.close()
             self.persister.close()
         finally:
             self.engine.close()
-            self._pre_hook.remove()
-            if self.optimizer.zero_grad == self._zero_grad:
-                self.optimizer.zero_grad = self._orig_zero_grad
+            self.lock.release()
+            for hook in self._hooks:
+                hook.remove()
         self.loop.raise_pending()
 
     def __enter__(self):
@@ -263,8 +274,6 @@ class Checkpointer:
         job.metrics.state_bytes = self.capture.state_bytes(self.host)
         self._job = job
         self.pipeline.begin(job, step, self.loop.boundary, extra_state)
-        if self.policy.persists_inline:
-            self.loop.raise_pending()
         return job.handle
 
     def _wait_for_previous(self, step: int) -> Optional[float]:
@@ -306,6 +315,10 @@ class Checkpointer:
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         """Step pre-hook: the gradients are exactly what this update consumes."""
+        with self._charged("optimizer_step"):
+            self._record_gradients()
+
+    def _record_gradients(self) -> None:
         job = self._job
         if self.loop.phase != UPDATE:
             msg = (f"optimizer.step() ran in phase '{self.loop.phase}': call "
@@ -322,30 +335,66 @@ class Checkpointer:
             if ticket is not None:
                 self._grad_tickets.append(ticket)
 
-    def _wait_grad_copies(self, hook: Optional[str]) -> None:
-        if not self._grad_tickets:
-            return
-        t0 = time.perf_counter()
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """Step post-hook (gockpt-o): the update overlapped the gradient copies; nothing that
+        runs after it (an in-place zero_grad, another backward accumulating into .grad) may
+        change a gradient before its copy has landed. On a GPU the compute stream waits for
+        the copies (the CPU goes on); on the CPU this thread waits."""
+        if self._grad_tickets:
+            with self._charged("optimizer_step"):
+                self._wait_grad_copies()
+
+    def _wait_grad_copies(self) -> None:
         tickets, self._grad_tickets = self._grad_tickets, []
         for t in tickets:
             try:
-                t.wait()
+                self.device.order_after(t)
             except BaseException as exc:
                 if self._job is not None:
                     self._job.fail(exc)
-        if hook and self._job is not None:
-            self._job.metrics.add_blocked(hook, time.perf_counter() - t0)
 
-    def _zero_grad(self, set_to_none: bool = True):
-        if not set_to_none:
-            self._wait_grad_copies("zero_grad")
-        return self._orig_zero_grad(set_to_none)
+    @contextlib.contextmanager
+    def _charged(self, hook: str):
+        """Time spent in this hook counts as blocked time of the checkpoint in its window (or
+        of the one the hook starts); parts that inner code charged under their own name
+        (e.g. the busy wait) are not counted twice."""
+        job = self._job if self._job is not None and self._job.capturing else None
+        before = job.metrics.blocked_s if job is not None else 0.0
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - t0
+            if self._job is not job:
+                job, before = self._job, 0.0  # started by this hook
+            if job is not None:
+                inner = job.metrics.blocked_s - before
+                job.metrics.add_blocked(hook, max(0.0, elapsed - inner))
+                if not job.capturing:
+                    job.accounts_closed.set()  # its window is over: the metrics are final
 
     def _on_job_failed(self, job: Job) -> None:
         """Any thread: ``job`` failed; raised at the next hook (voting on several ranks)."""
         self.loop.job_failed(job)
         if self.ranks.several and not job.stream.entered and not job.dropped:
             self.persister.queue_persist(job)  # it still votes, so that the other ranks do not wait
+
+
+def _lock_directory(directory: str, ranks: Ranks) -> DirectoryLock:
+    """Rank 0 locks the directory for the whole job; every rank learns whether it could."""
+    lock, error = None, None
+    if ranks.rank == 0:
+        try:
+            lock = DirectoryLock(directory)
+        except GockptError as exc:
+            error = exc
+    if not ranks.agree_all(error is None):
+        if lock is not None:
+            lock.release()
+        raise error or DirectoryInUseError(
+            f"checkpoint directory {directory!r}: rank 0 could not lock it (another "
+            "Checkpointer writes it); see rank 0's error")
+    return lock or DirectoryLock.shared()
 
 
 def _checkpoint_path(directory: str, step: int) -> str:

@@ -17,7 +17,8 @@ class Config:
 
     directory: str
     """Root directory of the run's checkpoints: one sub-directory per checkpoint, a ``latest``
-    pointer and ``metrics.jsonl``. Created if missing; must be writable."""
+    pointer and ``metrics.jsonl``. Created if missing; must be writable. Made absolute when the
+    Checkpointer is built. One Checkpointer (one job) writes a directory at a time."""
 
     mode: str = "gockpt-o"
     """What may block training (see :mod:`gockpt.modes`): ``sync`` copies and writes at the step
@@ -75,7 +76,8 @@ class Config:
     def __post_init__(self):
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
             raise ConfigError(f"directory must be a path, got {self.directory!r}")
-        self.directory = os.fspath(self.directory)
+        # Absolute now: a later os.chdir() in the training script must not move checkpoints.
+        self.directory = os.path.abspath(os.fspath(self.directory))
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         if self.overlap_steps is not None:

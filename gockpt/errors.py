@@ -33,6 +33,10 @@ class StorageError(GockptError, OSError):
     """Writing or committing a checkpoint failed (disk full, permission, bad path)."""
 
 
+class DirectoryInUseError(StorageError):
+    """Another Checkpointer (this process or another one) is writing the same directory."""
+
+
 class LoadError(GockptError):
     """A checkpoint does not fit the objects it is being loaded into."""
 

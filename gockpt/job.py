@@ -126,6 +126,9 @@ class Job:
         self.host = host
         self.capture = CaptureBook(groups)
         self.stream = StreamBook()
+        self.accounts_closed = threading.Event()
+        """Set once no hook will charge blocked time to this job any more: its metrics are
+        final (the persister waits for it before committing them)."""
         self.on_fail: Optional[Callable[["Job"], None]] = None
         self.on_final: Optional[Callable[["Job", Block], None]] = None
         """Called with each block as it reaches F (streaming persistence), if set."""
@@ -180,6 +183,7 @@ class Job:
                     self.stream.writer.abort()
             if self.on_fail:
                 self.on_fail(self)
+        self.accounts_closed.set()
         self.handle._staged.set()
         self.handle._durable.set()
 
@@ -194,6 +198,7 @@ class Job:
         with self.stream.lock:
             if self.stream.writer is not None:
                 self.stream.writer.abort()
+        self.accounts_closed.set()
         self.handle.error = CheckpointFailedError("dropped at close()")
         self.handle._reported = True
         self.handle._staged.set()

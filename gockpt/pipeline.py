@@ -38,7 +38,6 @@ class Pipeline:
     def begin(self, job: Job, step: int, boundary: int, extra_state) -> None:
         """The boundary that starts ``job``: queue group 1 (everything, blocking, in the
         modes that copy at the start)."""
-        t0 = time.perf_counter()
         try:
             if job.is_final_boundary(boundary):
                 self.freeze_small(job, step, extra_state)
@@ -47,15 +46,11 @@ class Pipeline:
                 self.capture.copy_rest(job)
         except BaseException as exc:
             _fail_now(job, exc, f"checkpoint at step {step} could not start")
-        finally:
-            # Accounted before the job can reach the writer, which records the metrics.
-            job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
         if self.policy.copies_at_start:
-            self.finish_capture(job)  # sync: persists inline, the time counted by the persister
+            self.finish_capture(job)
 
     def boundary(self, job: Job, step: int, boundary: int, extra_state) -> None:
         """A boundary inside the window: freeze the small state at F, queue the next group."""
-        t0 = time.perf_counter()
         try:
             if job.is_final_boundary(boundary):
                 self.freeze_small(job, step, extra_state)
@@ -65,8 +60,6 @@ class Pipeline:
         except BaseException as exc:
             _fail_now(job, exc, f"checkpoint of step {job.handle.final_step} failed at the "
                       "step boundary")
-        finally:
-            job.metrics.add_blocked("save_checkpoint", time.perf_counter() - t0)
 
     def freeze_small(self, job: Job, step: int, extra_state) -> None:
         """Freeze everything small at the boundary of F (and sample blocks for the self-check)."""
@@ -87,20 +80,18 @@ class Pipeline:
     def land(self, job: Job, j: int) -> None:
         """update_begin of window step ``j``: group j must have landed; after the last group
         every block is captured and the job moves on."""
-        t0 = time.perf_counter()
         try:
             self.capture.land_group(job, j)
         except BaseException as exc:
             job.fail(exc)
-        job.metrics.add_blocked("update_begin", time.perf_counter() - t0)
         if j >= job.k and job.error is None:
             job.captured()
             self.finish_capture(job)
 
     def record_gradients(self, job: Job, j: int, grad_pool):
         """Optimizer step pre-hook of window step ``j`` < K: copy the consumed gradients and
-        queue their replay. Returns the copies' ticket to wait for later (gockpt-o), or None."""
-        t0 = time.perf_counter()
+        queue their replay. Returns the copies' ticket to wait for after the update (gockpt-o),
+        or None."""
         ticket = None
         try:
             record = self.capture.gradients(job, j, grad_pool)
@@ -112,8 +103,6 @@ class Pipeline:
                 self.replayer.submit(record, job)
         except BaseException as exc:
             job.fail(exc)
-        finally:
-            job.metrics.add_blocked("optimizer_step", time.perf_counter() - t0)
         return ticket
 
     # ------------------------------------------------------------------ after capture
@@ -138,9 +127,7 @@ class Pipeline:
             return
         job.metrics.time_to_staged_s = time.perf_counter() - job.t_start
         job.staged()
-        if self.policy.persists_inline:
-            self.persister.persist(job)
-        else:
+        if not self.policy.persists_inline:  # else the Checkpointer persists it after the hook
             self.persister.queue_persist(job)
 
 

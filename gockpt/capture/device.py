@@ -24,6 +24,11 @@ class HostDevice:
         """Copy now, in the calling thread (the transfer thread)."""
         dst.copy_(src)
 
+    def order_after(self, ticket) -> None:
+        """Training work issued from now on must not run before ``ticket``'s copies have
+        landed. The CPU has no stream to order on: the training thread waits."""
+        ticket.wait()
+
 
 class CudaDevice:
     """Training tensors on a GPU: pinned host buffers, side streams (gradients on a
@@ -40,6 +45,14 @@ class CudaDevice:
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def order_after(self, ticket) -> None:
+        """Kernels queued on the compute stream from now on wait for ``ticket``'s copies (on
+        the GPU; the CPU goes on)."""
+        if ticket._cuda_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(ticket._cuda_event)
+        elif ticket.error is not None:
+            raise ticket.error
 
     def enqueue(self, pairs, high_priority: bool):
         """Enqueue device-to-host copies behind the work already queued on the current stream;

@@ -222,6 +222,7 @@ class Persister:
                 writer.finish()
             else:
                 writer.write_tensors(self._host_tensors(job))
+            job.accounts_closed.wait()  # the last hook has charged its blocked time
             m = job.metrics
             m.copy_s = sum(t.seconds for t in list(job.capture.tickets.values()) + job.capture.grad_tickets)
             m.persist_s = time.perf_counter() - t0

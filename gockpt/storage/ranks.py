@@ -52,6 +52,15 @@ class Ranks:
                                      group=self._train_group)
         return int(t.item())
 
+    def agree_all(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (training thread)."""
+        if not self.several:
+            return ok
+        t = torch.tensor([int(bool(ok))], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
+                                     group=self._train_group)
+        return bool(t.item())
+
     def _all_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
