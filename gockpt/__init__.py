@@ -6,6 +6,10 @@ Public API::
     ... ck.backward_begin(); ck.update_begin(); ck.save_checkpoint(step) ...
     ck.close()
     restored = gockpt.load("checkpoints/run1", model, optimizer, scheduler=scheduler)
+
+    gockpt.replay_step("cuda/torch/AdamW/fused", p, exp_avg, exp_avg_sq, grad, lr=1e-3,
+                       betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=1)
+    gockpt.replay_arithmetics()  # the profiles replay_step reproduces bit for bit
 """
 
 from .checkpointer import CheckpointHandle, Checkpointer
@@ -14,6 +18,7 @@ from .errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError
                      ConsistencyError, CorruptCheckpointError, GockptError, HookOrderError,
                      LoadError, StorageError, UnsupportedOptimizerError)
 from .loading import Restored, load
+from .replay.arithmetic import replay_arithmetics, replay_step
 from . import metrics
 
 __version__ = "0.1.0"
@@ -22,5 +27,5 @@ __all__ = [
     "Checkpointer", "CheckpointHandle", "Config", "MODES", "load", "Restored",
     "GockptError", "ConfigError", "UnsupportedOptimizerError", "HookOrderError",
     "CheckpointNotFoundError", "CorruptCheckpointError", "StorageError", "LoadError",
-    "ConsistencyError", "CheckpointFailedError",
+    "ConsistencyError", "CheckpointFailedError", "replay_step", "replay_arithmetics",
 ]
