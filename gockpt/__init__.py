@@ -19,7 +19,7 @@ from .errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError
                      LoadError, StorageError, UnsupportedOptimizerError)
 from .loading import Restored, load
 from .replay.arithmetic import replay_arithmetics, replay_step
-from . import metrics
+from . import metrics  # noqa: F401  (public submodule gockpt.metrics)
 
 __version__ = "0.1.0"
 

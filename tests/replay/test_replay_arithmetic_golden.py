@@ -183,6 +183,7 @@ def _kw(**over):
     ("cuda/torch/AdamW/foreach", lambda: [torch.zeros(8) for _ in range(4)],
      _kw(grad_scale=65536.0), "grad_scale"),
     ("cuda/torch/Adam/fused", lambda: [torch.zeros(10) for _ in range(4)], _kw(), "numel % 4"),
+    ("cuda/torch/AdamW/fused", lambda: [torch.zeros(10) for _ in range(4)], _kw(), "numel % 4"),
     ("cuda/torch/Adam/fused", lambda: [torch.zeros(8) for _ in range(4)],
      _kw(grad_scale=2.0), "grad_scale"),
     ("cuda/torch/AdamW/foreach", lambda: [torch.zeros(8) for _ in range(4)],
@@ -200,6 +201,18 @@ def _kw(**over):
 def test_replay_step_refuses(arith, make, kw, match):
     with pytest.raises(ValueError, match=match):
         gockpt.replay_step(arith, *make(), **kw)
+
+
+def test_fused_without_weight_decay_takes_any_size(golden):
+    """weight_decay == 0 leaves no contractible pair: a size that is not a multiple of 4 is
+    replayed (here the golden h2 case cut to 4093 elements keeps its bits)."""
+    case = "torch/AdamW/fused/h2"
+    c = CASES[case]
+    st = [golden[f"{case}/t6/{name}"][:4093].clone() for name in STATE]
+    gockpt.replay_step("cuda/torch/AdamW/fused", *st, _grad(golden, c, 1)[:4093], step=100,
+                       **_hyper(c))
+    for name, x in zip(STATE, st):
+        assert mismatches(x, golden[f"{case}/jump100/{name}"][:4093]) == 0, name
 
 
 def test_any_contiguous_shape_is_the_flat_parameter(golden):
