@@ -1,6 +1,8 @@
 // Scalar set-up, ISA dispatch, MKL VML sqrt resolution and threading of the Adam replay.
 #include "adam_replay.h"
 
+#include "cuda_math.h"
+
 #include <dlfcn.h>
 #include <pthread.h>
 
@@ -52,17 +54,22 @@ struct IsaFns {
   void (*single)(float*, float*, float*, const float*, int64_t, const AdamScalars&, SqrtFn,
                  int64_t);
   void (*fused)(float*, float*, float*, const float*, int64_t, const AdamScalars&, bool);
+  void (*cuda_pointwise)(float*, float*, float*, const float*, int64_t, const CudaScalars&);
+  void (*cuda_fused)(float*, float*, float*, const float*, int64_t, int64_t,
+                     const CudaScalars&);
 };
+
+#define GOCKPT_ISA_FNS(NS) {NS::adam_single, NS::adam_fused, NS::cuda_pointwise, NS::cuda_fused}
 
 IsaFns fns_for(Isa isa) {
   switch (isa) {
-    case Isa::Avx512: return {avx512::adam_single, avx512::adam_fused};
-    case Isa::Avx2: return {avx2::adam_single, avx2::adam_fused};
-    default: return {generic::adam_single, generic::adam_fused};
+    case Isa::Avx512: return GOCKPT_ISA_FNS(avx512);
+    case Isa::Avx2: return GOCKPT_ISA_FNS(avx2);
+    default: return GOCKPT_ISA_FNS(generic);
   }
 }
 
-void sqrt_block(const float* in, float* out, int64_t n) {
+void sqrt_tile(const float* in, float* out, int64_t n) {
   if (g_vms_sqrt) {
     while (n > 0) {
       const int k = static_cast<int>(std::min<int64_t>(n, kVmlChunk));
@@ -76,10 +83,10 @@ void sqrt_block(const float* in, float* out, int64_t n) {
   }
 }
 
-// Elements of a single-tensor/foreach replay are processed in chunks small enough that two
-// chunks' p, m, v, g and sqrt(v) stay in L1 (kernel_impl.h: single_t); 512 measured best
+// Elements of a single-tensor/foreach replay are processed in tiles small enough that two
+// tiles' p, m, v, g and sqrt(v) stay in L1 (kernel_impl.h: single_t); 512 measured best
 // (256 and 1024 within noise, 2048 slower; the vmsSqrt call costs ~30 ns).
-int64_t g_block = 512;
+int64_t g_tile = 512;
 
 // Sequential MKL in the calling thread while it replays (MKL would otherwise be free to open
 // an OpenMP team inside vmsSqrt; torch calls vmsSqrt from inside its own parallel region, i.e.
@@ -219,8 +226,8 @@ ThreadPool& pool() {
 
 }  // namespace
 
-void set_block(int64_t block) {
-  g_block = std::max<int64_t>(16, std::min<int64_t>(kMaxSqrtBlock, block));
+void set_tile(int64_t tile) {
+  g_tile = std::max<int64_t>(16, std::min<int64_t>(kMaxSqrtTile, tile));
 }
 
 Isa resolved_isa() { return g_isa_forced == Isa::Auto ? detect_isa() : g_isa_forced; }
@@ -282,7 +289,7 @@ std::string sqrt_source() {
   return g_sqrt_source + (g_mkl_threads_local ? " (+MKL_Set_Num_Threads_Local)" : "");
 }
 
-void torch_sqrt(const float* in, float* out, int64_t n) { sqrt_block(in, out, n); }
+void torch_sqrt(const float* in, float* out, int64_t n) { sqrt_tile(in, out, n); }
 
 AdamScalars make_scalars(const ReplayArgs& a) {
   // Python side of torch.optim.Adam(W) (single/foreach), in double.
@@ -307,72 +314,149 @@ AdamScalars make_scalars(const ReplayArgs& a) {
   return s;
 }
 
-void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const ReplayArgs& a) {
-  if (n <= 0) return;
-  const AdamScalars s = make_scalars(a);
-  const IsaFns f = fns_for(resolved_isa());
+bool is_cuda(Impl impl) {
+  return impl == Impl::CudaForloop || impl == Impl::CudaForeach || impl == Impl::CudaFused;
+}
 
-  // Fused path (measured against torch 2.13, ATen AVX512 and AVX2): torch splits the tensor
-  // into 64-byte units across its threads, so only the last thread's range has a remainder
-  // after the Vectorized<float> loop, at the end of the whole parameter.  GCC vectorised that
-  // remainder loop 8 wide with the body's arithmetic, so exactly the last full_numel % 8
-  // elements run scalar code, whatever torch's thread count and vector width.
-  // Single-tensor / foreach: the scalar remainders of torch's elementwise ops compute the same
-  // roundings as their vector bodies, so no element depends on its position (torch_threads is
-  // accepted for API stability only).
-  int64_t tail_local = n;  // local index where the fused scalar tail starts
-  if (a.impl == Impl::Fused) {
-    constexpr int64_t kScalarTail = 8;
-    const int64_t tail_global = a.full_numel - a.full_numel % kScalarTail;
-    tail_local = std::max<int64_t>(0, std::min<int64_t>(n, tail_global - a.offset));
+CudaScalars make_cuda_scalars(const ReplayArgs& a) {
+  CudaScalars s{};
+  // forloop / foreach: torch.optim.adam's Python scalars (double), cast to float by the kernels
+  const double bc1 = 1.0 - std::pow(a.beta1, a.step);
+  const double bc2 = 1.0 - std::pow(a.beta2, a.step);
+  const double bc2s = std::pow(bc2, 0.5);
+  s.wd = static_cast<float>(a.weight_decay);
+  s.decay = static_cast<float>(1.0 - a.lr * a.weight_decay);
+  s.w1 = static_cast<float>(1.0 - a.beta1);
+  s.b2 = static_cast<float>(a.beta2);
+  s.c2 = static_cast<float>(1.0 - a.beta2);
+  s.recip = a.impl == Impl::CudaForloop;
+  // div_true_kernel_cuda with a CPU scalar divisor multiplies by its reciprocal, taken in double
+  s.bc2s = static_cast<float>(s.recip ? 1.0 / bc2s : bc2s);
+  s.eps = static_cast<float>(a.eps);
+  s.nss = static_cast<float>(-(a.lr / bc1));  // foreach's (lr / bc1) * -1 is the same double
+  // fused: hyperparameters cast to float once; bias corrections in float on the device
+  const float lr = static_cast<float>(a.lr), step = static_cast<float>(a.step);
+  s.fb1 = static_cast<float>(a.beta1);
+  s.fb2 = static_cast<float>(a.beta2);
+  s.lrwd = lr * s.wd;
+  s.fbc2s = std::sqrt(1.0f - cuda_powf(s.fb2, step));
+  s.step_size = lr / (1.0f - cuda_powf(s.fb1, step));
+  s.scaled = a.grad_scale != 0.0;
+  s.grad_scale = static_cast<float>(a.grad_scale);
+  s.l2 = !a.decoupled && a.weight_decay != 0.0;
+  s.decay_on = a.decoupled && a.weight_decay != 0.0;
+  return s;
+}
+
+void check_proven(const ReplayArgs& a) {
+  if (a.grad_scale != 0.0 && a.impl != Impl::CudaFused)
+    throw std::invalid_argument("grad_scale is only taken by the CUDA fused arithmetic");
+  if ((a.impl == Impl::CudaForloop || a.impl == Impl::CudaForeach) &&
+      !(std::fabs(static_cast<float>(1.0 - a.beta1)) < 0.5f))
+    throw std::invalid_argument(
+        "CUDA for-loop/foreach replay is proven for beta1 > 0.5 only (lerp weight 1-beta1 < 0.5)");
+  if (a.impl == Impl::CudaFused && a.weight_decay != 0.0) {
+    // The weight-decay line is the fused kernel's one contractible mul+add pair, and nvcc
+    // contracted it per vector lane (lane 0 of Adam's L2 line is unfused).  Only the 4-wide
+    // vector path, taken when numel % 4 == 0, is measured.
+    if (a.full_numel % 4 != 0)
+      throw std::invalid_argument(
+          "CUDA fused Adam/AdamW with weight_decay != 0 is proven for numel % 4 == 0 only (the "
+          "kernel's vector path; its weight-decay line rounds differently per vector lane)");
+    if (!a.decoupled && a.grad_scale != 0.0)
+      throw std::invalid_argument(
+          "CUDA fused Adam with weight_decay != 0 and grad_scale is not proven (only AdamW)");
   }
+}
 
-  const int64_t block = g_block;
-  auto work = [&](int64_t b, int64_t e) {
+namespace {
+
+// The per-range body of one replay: the arithmetic of a.impl on [b, e) of the slice.
+struct RangeKernel {
+  float *p, *m, *v;
+  const float* g;
+  const ReplayArgs& a;
+  IsaFns f;
+  AdamScalars s;
+  CudaScalars cs;
+  int64_t tail_local;  // CPU fused: local index where the scalar-tail contraction starts
+  int64_t tile;
+
+  void operator()(int64_t b, int64_t e) const {
     if (b >= e) return;
-    if (a.impl == Impl::Fused) {
-      const int64_t mid = std::max(b, std::min(e, tail_local));
-      if (mid > b) f.fused(p + b, m + b, v + b, g + b, mid - b, s, false);
-      if (e > mid) f.fused(p + mid, m + mid, v + mid, g + mid, e - mid, s, true);
-    } else {
-      f.single(p + b, m + b, v + b, g + b, e - b, s, sqrt_block, block);
+    switch (a.impl) {
+      case Impl::Fused: {
+        const int64_t mid = std::max(b, std::min(e, tail_local));
+        if (mid > b) f.fused(p + b, m + b, v + b, g + b, mid - b, s, false);
+        if (e > mid) f.fused(p + mid, m + mid, v + mid, g + mid, e - mid, s, true);
+        break;
+      }
+      case Impl::CudaForloop:
+      case Impl::CudaForeach: f.cuda_pointwise(p + b, m + b, v + b, g + b, e - b, cs); break;
+      case Impl::CudaFused: f.cuda_fused(p + b, m + b, v + b, g + b, e - b, a.offset + b, cs); break;
+      default: f.single(p + b, m + b, v + b, g + b, e - b, s, sqrt_tile, tile);
     }
-  };
+  }
+};
 
-  int threads = a.threads > 0 ? a.threads : static_cast<int>(std::thread::hardware_concurrency());
-  if (threads < 1) threads = 1;
+// Fused CPU path (measured against torch 2.13, ATen AVX512 and AVX2): torch splits the tensor
+// into 64-byte units across its threads, so only the last thread's range has a remainder
+// after the Vectorized<float> loop, at the end of the whole parameter.  GCC vectorised that
+// remainder loop 8 wide with the body's arithmetic, so exactly the last full_numel % 8
+// elements run scalar code, whatever torch's thread count and vector width.
+// Single-tensor / foreach: the scalar remainders of torch's elementwise ops compute the same
+// roundings as their vector bodies, so no element depends on its position (torch_threads is
+// accepted for API stability only).
+int64_t fused_tail_local(const ReplayArgs& a, int64_t n) {
+  if (a.impl != Impl::Fused) return n;
+  constexpr int64_t kScalarTail = 8;
+  const int64_t tail_global = a.full_numel - a.full_numel % kScalarTail;
+  return std::max<int64_t>(0, std::min<int64_t>(n, tail_global - a.offset));
+}
+
+// Runs body over [0, n) on up to `threads` threads.  Dynamic chunks (64-byte aligned) handed
+// out by an atomic counter, so a thread slowed by other load on the machine does not hold the
+// whole step back.  Results do not depend on the chunking: every element's arithmetic depends
+// on its global index only.
+void run_parallel(const RangeKernel& body, int64_t n, int threads, bool uses_mkl) {
   constexpr int64_t kMinPerThread = 1 << 15;
   threads = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, n / kMinPerThread)));
-  const bool uses_mkl = a.impl != Impl::Fused;
-  if (threads == 1) {
-    if (uses_mkl) {
-      MklSequential mkl_seq;
-      work(0, n);
-    } else {
-      work(0, n);
-    }
+  if (threads <= 1) {
+    std::unique_ptr<MklSequential> mkl_seq(uses_mkl ? new MklSequential() : nullptr);
+    body(0, n);
     return;
   }
-  // Dynamic chunks (64-byte aligned) handed out by an atomic counter, so a thread slowed by
-  // other load on the machine does not hold the whole step back.  Results do not depend on the
-  // chunking (the fused tail is located by global index).
   struct Job {
-    decltype(work)* body;
+    const RangeKernel* body;
     int64_t n, chunk;
     bool uses_mkl;
     std::atomic<int64_t> next{0};
-  } job{&work, n, std::max<int64_t>(kMinPerThread, (n / (threads * 8) + 15) / 16 * 16),
+  } job{&body, n, std::max<int64_t>(kMinPerThread, (n / (threads * 8) + 15) / 16 * 16),
         uses_mkl};
   pool().run(threads - 1, [](void* ctx) {
     Job& j = *static_cast<Job*>(ctx);
-    std::unique_ptr<MklSequential> mkl_seq;
-    if (j.uses_mkl) mkl_seq.reset(new MklSequential());
+    std::unique_ptr<MklSequential> mkl_seq(j.uses_mkl ? new MklSequential() : nullptr);
     for (;;) {
       const int64_t b = j.next.fetch_add(j.chunk, std::memory_order_relaxed);
       if (b >= j.n) break;
       (*j.body)(b, std::min(j.n, b + j.chunk));
     }
   }, &job);
+}
+
+}  // namespace
+
+void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const ReplayArgs& a) {
+  check_proven(a);
+  if (n <= 0) return;
+  const bool cuda = is_cuda(a.impl);
+  const RangeKernel body{p, m, v, g, a, fns_for(resolved_isa()),
+                         cuda ? AdamScalars{} : make_scalars(a),
+                         cuda ? make_cuda_scalars(a) : CudaScalars{},
+                         fused_tail_local(a, n), g_tile};
+  int threads = a.threads > 0 ? a.threads : static_cast<int>(std::thread::hardware_concurrency());
+  const bool uses_mkl = a.impl == Impl::Single || a.impl == Impl::Foreach;
+  run_parallel(body, n, std::max(threads, 1), uses_mkl);
 }
 
 }  // namespace gockpt

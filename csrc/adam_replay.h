@@ -6,7 +6,9 @@
 
 namespace gockpt {
 
-enum class Impl { Single = 0, Foreach = 1, Fused = 2 };
+// CPU torch implementations (Single, Foreach, Fused) and the CUDA torch ones
+// (docs/arithmetics.md).
+enum class Impl { Single = 0, Foreach = 1, Fused = 2, CudaForloop = 3, CudaForeach = 4, CudaFused = 5 };
 enum class Isa { Auto = 0, Generic = 1, Avx2 = 2, Avx512 = 3 };
 
 struct ReplayArgs {
@@ -18,9 +20,14 @@ struct ReplayArgs {
   int torch_threads = 1;  // torch's intra-op threads (no effect: see adam_replay.cpp)
   int torch_vec = 16;     // torch's Vectorized<float>::size() (no effect: see adam_replay.cpp)
   int threads = 0;        // replay threads, 0 = hardware concurrency
+  double grad_scale = 0;  // CudaFused only: GradScaler scale the kernel divides by (0 = none)
 };
 
+bool is_cuda(Impl impl);
 AdamScalars make_scalars(const ReplayArgs& a);
+CudaScalars make_cuda_scalars(const ReplayArgs& a);
+// Throws std::invalid_argument for settings a profile has no proof for (docs/arithmetics.md).
+void check_proven(const ReplayArgs& a);
 void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const ReplayArgs& a);
 
 std::string init_vml_sqrt(const std::string& lib_path);
@@ -29,7 +36,7 @@ std::string sqrt_backend();
 std::string sqrt_source();
 void torch_sqrt(const float* in, float* out, int64_t n);
 
-void set_block(int64_t block);  // benchmarking aid: elements per sqrt block
+void set_tile(int64_t tile);  // benchmarking aid: elements per sqrt tile
 Isa resolved_isa();
 void force_isa(Isa isa);
 const char* isa_name(Isa isa);

@@ -20,22 +20,51 @@ struct AdamScalars {
   bool small;    // |w1| < 0.5
 };
 
-// sqrt as torch computes it (MKL vmsSqrt or IEEE), out-of-place, n <= kMaxSqrtBlock.
+// Scalars of the CUDA torch profiles (docs/arithmetics.md), rounded to float as CUDA rounds them.
+struct CudaScalars {
+  // forloop / foreach (Python-double scalars, cast to float by the CUDA kernels)
+  float wd;        // f(weight_decay): Adam's grad.add(param, alpha=wd)
+  float decay;     // f(1 - lr*wd): AdamW's param.mul_
+  float w1;        // f(1 - beta1): lerp weight (only |w1| < 0.5 is replayed)
+  float b2;        // f(beta2)
+  float c2;        // f(1 - beta2): addcmul value
+  float bc2s;      // foreach: f(bc2 ** 0.5) (divisor); forloop: f(1 / bc2 ** 0.5) (multiplier)
+  float eps;       // f(eps)
+  float nss;       // f(-lr / bc1): addcdiv value
+  // fused (float hyperparameters, bias corrections on the device)
+  float fb1, fb2;  // f(beta1), f(beta2)
+  float lrwd;      // f(lr) * f(wd) in float: AdamW's param -= lr*wd*param
+  float fbc2s;     // sqrtf(1 - powf(beta2, step))
+  float step_size; // f(lr) / (1 - powf(beta1, step))
+  float grad_scale;// GradScaler scale the fused kernel divides the gradient by (scaled only)
+  bool l2;         // Adam with weight_decay != 0
+  bool decay_on;   // AdamW with weight_decay != 0
+  bool recip;      // forloop: sqrt(v) times the reciprocal of bc2 ** 0.5 (CUDA div by CPU scalar)
+  bool scaled;     // fused with grad_scale
+};
+
+// sqrt as torch computes it (MKL vmsSqrt or IEEE), out-of-place, n <= kMaxSqrtTile.
 using SqrtFn = void (*)(const float* in, float* out, int64_t n);
 
-// Largest chunk (elements) of the single-tensor/foreach kernel: its sqrt buffer lives on the
-// stack of the calling thread (64 KiB).
-constexpr int64_t kMaxSqrtBlock = 16384;
+// Largest tile (elements) of the single-tensor/foreach kernel: its sqrt buffer lives on the
+// stack of the calling thread (64 KiB).  ("Block" is the 4 MiB copy unit of training state.)
+constexpr int64_t kMaxSqrtTile = 16384;
 
 #define GOCKPT_DECLARE_ISA(NS)                                                              \
   namespace NS {                                                                            \
-  /* single-tensor / foreach arithmetic; chunks of `block` elements (<= kMaxSqrtBlock):  */ \
-  /* m, v of the chunk, then sqrt_fn(v) into a stack buffer, then p, while all is in L1  */ \
+  /* single-tensor / foreach arithmetic; tiles of `tile` elements (<= kMaxSqrtTile):   */  \
+  /* m, v of the tile, then sqrt_fn(v) into a stack buffer, then p, while all is in L1   */  \
   void adam_single(float* p, float* m, float* v, const float* g, int64_t n,                 \
-                   const AdamScalars& s, SqrtFn sqrt_fn, int64_t block);                    \
+                   const AdamScalars& s, SqrtFn sqrt_fn, int64_t tile);                     \
   /* torch's fused CPU kernel (IEEE sqrt); tail: scalar-remainder contraction          */   \
   void adam_fused(float* p, float* m, float* v, const float* g, int64_t n,                  \
                   const AdamScalars& s, bool tail);                                         \
+  /* CUDA torch for-loop / foreach arithmetic (IEEE sqrt)                                */   \
+  void cuda_pointwise(float* p, float* m, float* v, const float* g, int64_t n,              \
+                      const CudaScalars& s);                                                \
+  /* CUDA torch fused kernel; `index` = global index of p[0] (its 4-wide vector lane)    */   \
+  void cuda_fused(float* p, float* m, float* v, const float* g, int64_t n, int64_t index,   \
+                  const CudaScalars& s);                                                    \
   }
 
 GOCKPT_DECLARE_ISA(generic)

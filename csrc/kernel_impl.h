@@ -1,6 +1,7 @@
 // Per-element Adam/AdamW replay arithmetic, included by one translation unit per
 // instruction set (kernel_generic.cpp, kernel_avx2.cpp, kernel_avx512.cpp).  Every operation
-// is written as torch 2.13 computes it on the CPU; the TUs are compiled with
+// is written as torch 2.13 computes it on the CPU (and, in the CUDA profiles, as torch's CUDA
+// kernels compute it on an H100); the TUs are compiled with
 // -ffp-contract=off so the only fused multiply-adds are the explicit ones (__builtin_fmaf,
 // _mm*_fmadd_ps).  IEEE arithmetic is lane-independent, so the SIMD bodies (explicit
 // intrinsics, GOCKPT_SIMD = 512 or 256) and the scalar loops (generic build and the SIMD
@@ -57,37 +58,32 @@ inline void phase2_scalar(float* __restrict p, const float* __restrict m,
 
 // ---------------------------------------------------------------- SIMD bodies
 // Software prefetch distance (elements) for the streams read from memory.  Measured on a
-// 2-core AVX-512 Xeon (KVM, shared): with 512-element chunks, 512 ahead gave ~+10-15% over no
+// 2-core AVX-512 Xeon (KVM, shared): with 512-element tiles, 512 ahead gave ~+10-15% over no
 // prefetch (the hardware prefetcher alone leaves too few misses in flight), 2048 less.
 #ifndef GOCKPT_PF_AHEAD
 #define GOCKPT_PF_AHEAD 512
 #endif
 #if defined(GOCKPT_SIMD)
+// One set of thin wrappers per vector width (P: the intrinsics' prefix, _mm512 / _mm256).
+#define GOCKPT_VECTOR_OPS(VT, WIDTH, P)                                                  \
+  using vf = VT;                                                                         \
+  constexpr int64_t kW = WIDTH;                                                          \
+  inline vf vload(const float* a) { return P##_loadu_ps(a); }                            \
+  inline void vstore(float* a, vf x) { P##_storeu_ps(a, x); }                            \
+  inline vf vset1(float x) { return P##_set1_ps(x); }                                    \
+  inline vf vadd(vf a, vf b) { return P##_add_ps(a, b); }                                \
+  inline vf vsub(vf a, vf b) { return P##_sub_ps(a, b); }                                \
+  inline vf vmul(vf a, vf b) { return P##_mul_ps(a, b); }                                \
+  inline vf vdiv(vf a, vf b) { return P##_div_ps(a, b); }                                \
+  inline vf vfma(vf a, vf b, vf c) { return P##_fmadd_ps(a, b, c); } /* a*b+c, 1 rounding */
 #if GOCKPT_SIMD == 512
-using vf = __m512;
-constexpr int64_t kW = 16;
-inline vf vload(const float* a) { return _mm512_loadu_ps(a); }
-inline void vstore(float* a, vf x) { _mm512_storeu_ps(a, x); }
-inline vf vset1(float x) { return _mm512_set1_ps(x); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a*b+c, one rounding
+GOCKPT_VECTOR_OPS(__m512, 16, _mm512)
 #elif GOCKPT_SIMD == 256
-using vf = __m256;
-constexpr int64_t kW = 8;
-inline vf vload(const float* a) { return _mm256_loadu_ps(a); }
-inline void vstore(float* a, vf x) { _mm256_storeu_ps(a, x); }
-inline vf vset1(float x) { return _mm256_set1_ps(x); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+GOCKPT_VECTOR_OPS(__m256, 8, _mm256)
 #else
 #error "GOCKPT_SIMD must be 512 or 256"
 #endif
+#undef GOCKPT_VECTOR_OPS
 
 
 // Broadcast scalars, built once per call.
@@ -145,8 +141,8 @@ inline void phase2(float* __restrict p, const float* __restrict m, const float* 
   if (i < n) phase2_scalar<DECAY>(p + i, m + i, sq + i, n - i, s);
 }
 
-// Software pipeline step: phase 2 of one chunk (p, m2, sq; n2 elements) interleaved, vector by
-// vector, with phase 1 of the next chunk (m, v, g; n1 elements), so the out-of-order core
+// Software pipeline step: phase 2 of one tile (p, m2, sq; n2 elements) interleaved, vector by
+// vector, with phase 1 of the next tile (m, v, g; n1 elements), so the out-of-order core
 // overlaps the divisions of one with the loads of the other and all four memory streams are
 // in flight at once (torch's fused loop has the same property).
 template <bool L2, bool DECAY, bool SMALL>
@@ -159,8 +155,8 @@ inline void phase21(float* __restrict p2, const float* __restrict m2, const floa
   int64_t i = 0;
   for (; i + kW <= nb; i += kW) {
     prefetch(g1 + i); prefetch(m1 + i); prefetch(v1 + i); prefetch(p2 + i);
-    moments_vec<L2, SMALL>(p1 + i, m1 + i, v1 + i, g1 + i, c);  // phase 1 of the next chunk
-    update_vec<DECAY>(p2 + i, m2 + i, sq + i, c);              // phase 2 of this chunk
+    moments_vec<L2, SMALL>(p1 + i, m1 + i, v1 + i, g1 + i, c);  // phase 1 of the next tile
+    update_vec<DECAY>(p2 + i, m2 + i, sq + i, c);              // phase 2 of this tile
   }
   if (i < n2) phase2<DECAY>(p2 + i, m2 + i, sq + i, n2 - i, s);
   if (i < n1) phase1<L2, SMALL>(p1 + i, m1 + i, v1 + i, g1 + i, n1 - i, s);
@@ -183,22 +179,22 @@ inline void phase2(float* p, const float* m, const float* sq, int64_t n, const A
 }
 #endif
 
-// One pass over the range in chunks of `block` elements, software-pipelined:
-//   phase1(c0); sqrt(c0); { phase2(c_k) interleaved with phase1(c_k+1); sqrt(c_k+1) }...;
+// One pass over the range in tiles of `tile` elements, software-pipelined:
+//   phase1(t0); sqrt(t0); { phase2(t_k) interleaved with phase1(t_k+1); sqrt(t_k+1) }...;
 //   phase2(last)
-// sqrt(v) of a chunk goes to a stack buffer (vmsSqrt is an opaque library call, hence the
-// split).  A chunk's m, v and sqrt stay in L1 between the steps, so memory sees each array
+// sqrt(v) of a tile goes to a stack buffer (vmsSqrt is an opaque library call, hence the
+// split).  A tile's m, v and sqrt stay in L1 between the steps, so memory sees each array
 // once (read p, m, v, g; write p, m, v), as in torch's fused kernel.
 template <bool L2, bool DECAY, bool SMALL>
 void single_t(float* p, float* m, float* v, const float* g, int64_t n, const AdamScalars& s,
-              SqrtFn sqrt_fn, int64_t block) {
-  alignas(64) float sq[kMaxSqrtBlock];
-  int64_t k = n < block ? n : block;
+              SqrtFn sqrt_fn, int64_t tile) {
+  alignas(64) float sq[kMaxSqrtTile];
+  int64_t k = n < tile ? n : tile;
   phase1<L2, SMALL>(p, m, v, g, k, s);
   sqrt_fn(v, sq, k);
   for (int64_t i = 0;;) {
-    const int64_t j = i + k;  // next chunk
-    const int64_t kn = n - j < block ? n - j : block;
+    const int64_t j = i + k;  // next tile
+    const int64_t kn = n - j < tile ? n - j : tile;
     if (kn <= 0) {
       phase2<DECAY>(p + i, m + i, sq, k, s);
       break;
@@ -212,9 +208,9 @@ void single_t(float* p, float* m, float* v, const float* g, int64_t n, const Ada
 
 template <bool L2, bool DECAY>
 void single_d(float* p, float* m, float* v, const float* g, int64_t n, const AdamScalars& s,
-              SqrtFn sqrt_fn, int64_t block) {
-  if (s.small) single_t<L2, DECAY, true>(p, m, v, g, n, s, sqrt_fn, block);
-  else single_t<L2, DECAY, false>(p, m, v, g, n, s, sqrt_fn, block);
+              SqrtFn sqrt_fn, int64_t tile) {
+  if (s.small) single_t<L2, DECAY, true>(p, m, v, g, n, s, sqrt_fn, tile);
+  else single_t<L2, DECAY, false>(p, m, v, g, n, s, sqrt_fn, tile);
 }
 
 // torch's fused CPU kernel.  TAIL selects the scalar remainder loop's contraction
@@ -252,15 +248,84 @@ inline void fused_d(float* p, float* m, float* v, const float* g, int64_t n, con
   else fused_t<L2, DECAY, false, TAIL>(p, m, v, g, n, s);
 }
 
+// ---------------------------------------------------------------- CUDA torch profiles
+// Plain loops of IEEE operations and explicit fmas (CUDA without fast-math: no FTZ, IEEE div
+// and sqrt); GCC vectorises them with the same lane arithmetic.  docs/arithmetics.md says
+// which golden cases prove each line.
+
+// for-loop (RECIP) and foreach: one CUDA elementwise kernel per torch op, in this order.
+template <bool L2, bool DECAY, bool RECIP>
+inline void cuda_pointwise_t(float* __restrict p, float* __restrict m, float* __restrict v,
+                             const float* __restrict g, int64_t n, const CudaScalars& s) {
+  const float wd = s.wd, decay = s.decay, w1 = s.w1, b2 = s.b2, c2 = s.c2;
+  const float bc2s = s.bc2s, eps = s.eps, nss = s.nss;
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = g[i];
+    float pi = p[i];
+    if (L2) gi = __builtin_fmaf(wd, pi, gi);     // add(param, alpha=wd): fma(alpha, other, self)
+    if (DECAY) pi = pi * decay;                   // param.mul_(1 - lr*wd)
+    const float mi = m[i];
+    const float mn = __builtin_fmaf(w1, gi - mi, mi);  // lerp, weight < 0.5: fma(w, end-self, self)
+    m[i] = mn;
+    const float vn = __builtin_fmaf(c2, gi * gi, v[i] * b2);  // mul_(b2); addcmul: fma(c, t1*t2, x)
+    v[i] = vn;
+    const float sq = __builtin_sqrtf(vn);
+    // foreach divides by the scalar; the for-loop's div by a CPU scalar multiplies by 1/scalar
+    const float den = (RECIP ? sq * bc2s : sq / bc2s) + eps;
+    p[i] = __builtin_fmaf(nss, mn / den, pi);     // addcdiv: fma(value, t1/t2, self)
+  }
+}
+
+// torch's fused CUDA kernel (torch >= 2.11).  Adam's L2 line `grad += param * wd` is compiled
+// as mul + add (two roundings) in lane 0 of the kernel's 4-wide vector path and as one fma in
+// lanes 1..3 (measured; the lane is the element's index mod 4).
+template <bool L2, bool DECAY, bool SCALED>
+inline void cuda_fused_t(float* __restrict p, float* __restrict m, float* __restrict v,
+                         const float* __restrict g, int64_t n, int64_t index,
+                         const CudaScalars& s) {
+  const float b1 = s.fb1, b2 = s.fb2, wd = s.wd, lrwd = s.lrwd, bc2s = s.fbc2s, eps = s.eps;
+  const float step_size = s.step_size, scale = s.grad_scale;
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = g[i];
+    float pi = p[i];
+    if (SCALED) gi = gi / scale;
+    if (L2) gi = ((index + i) & 3) == 0 ? gi + pi * wd : __builtin_fmaf(pi, wd, gi);
+    if (DECAY) pi = __builtin_fmaf(-lrwd, pi, pi);  // param -= lr*wd*param
+    const float mn = __builtin_fmaf(b1, m[i], __builtin_fmaf(-b1, gi, gi));
+    m[i] = mn;
+    const float gg = gi * gi;
+    const float vn = __builtin_fmaf(b2, v[i], __builtin_fmaf(-b2, gg, gg));
+    v[i] = vn;
+    const float den = __builtin_sqrtf(vn) / bc2s + eps;
+    p[i] = pi - (step_size * mn) / den;
+  }
+}
+
+template <bool SCALED>
+inline void cuda_fused_s(float* p, float* m, float* v, const float* g, int64_t n, int64_t index,
+                         const CudaScalars& s) {
+  if (s.l2) cuda_fused_t<true, false, SCALED>(p, m, v, g, n, index, s);
+  else if (s.decay_on) cuda_fused_t<false, true, SCALED>(p, m, v, g, n, index, s);
+  else cuda_fused_t<false, false, SCALED>(p, m, v, g, n, index, s);
+}
+
+template <bool RECIP>
+inline void cuda_pointwise_r(float* p, float* m, float* v, const float* g, int64_t n,
+                             const CudaScalars& s) {
+  if (s.l2) cuda_pointwise_t<true, false, RECIP>(p, m, v, g, n, s);
+  else if (s.decay_on) cuda_pointwise_t<false, true, RECIP>(p, m, v, g, n, s);
+  else cuda_pointwise_t<false, false, RECIP>(p, m, v, g, n, s);
+}
+
 }  // namespace
 
 void adam_single(float* p, float* m, float* v, const float* g, int64_t n, const AdamScalars& s,
-                 SqrtFn sqrt_fn, int64_t block) {
-  if (block < 1) block = 1;
-  if (block > kMaxSqrtBlock) block = kMaxSqrtBlock;
-  if (s.l2) single_d<true, false>(p, m, v, g, n, s, sqrt_fn, block);
-  else if (s.decay_on) single_d<false, true>(p, m, v, g, n, s, sqrt_fn, block);
-  else single_d<false, false>(p, m, v, g, n, s, sqrt_fn, block);
+                 SqrtFn sqrt_fn, int64_t tile) {
+  if (tile < 1) tile = 1;
+  if (tile > kMaxSqrtTile) tile = kMaxSqrtTile;
+  if (s.l2) single_d<true, false>(p, m, v, g, n, s, sqrt_fn, tile);
+  else if (s.decay_on) single_d<false, true>(p, m, v, g, n, s, sqrt_fn, tile);
+  else single_d<false, false>(p, m, v, g, n, s, sqrt_fn, tile);
 }
 
 void adam_fused(float* p, float* m, float* v, const float* g, int64_t n, const AdamScalars& s,
@@ -274,6 +339,18 @@ void adam_fused(float* p, float* m, float* v, const float* g, int64_t n, const A
     else if (s.decay_on) fused_d<false, true, false>(p, m, v, g, n, s);
     else fused_d<false, false, false>(p, m, v, g, n, s);
   }
+}
+
+void cuda_pointwise(float* p, float* m, float* v, const float* g, int64_t n,
+                    const CudaScalars& s) {
+  if (s.recip) cuda_pointwise_r<true>(p, m, v, g, n, s);
+  else cuda_pointwise_r<false>(p, m, v, g, n, s);
+}
+
+void cuda_fused(float* p, float* m, float* v, const float* g, int64_t n, int64_t index,
+                const CudaScalars& s) {
+  if (s.scaled) cuda_fused_s<true>(p, m, v, g, n, index, s);
+  else cuda_fused_s<false>(p, m, v, g, n, index, s);
 }
 
 }  // namespace GOCKPT_ISA_NS

@@ -3,10 +3,13 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "adam_replay.h"
+#include "cuda_math.h"
 
 namespace py = pybind11;
 using namespace gockpt;
@@ -24,19 +27,28 @@ T* ptr(uintptr_t a) {
   return reinterpret_cast<T*>(a);
 }
 
+// Name -> enum value; unknown names raise ValueError listing the known ones.
+template <typename E>
+E parse_name(const std::string& s, std::initializer_list<std::pair<const char*, E>> names,
+             const char* what) {
+  std::string known;
+  for (const auto& kv : names) {
+    if (s == kv.first) return kv.second;
+    known += (known.empty() ? "" : "|") + std::string(kv.first);
+  }
+  throw std::invalid_argument(std::string(what) + " must be " + known + ", got '" + s + "'");
+}
+
 Impl parse_impl(const std::string& s) {
-  if (s == "single") return Impl::Single;
-  if (s == "foreach") return Impl::Foreach;
-  if (s == "fused") return Impl::Fused;
-  throw std::invalid_argument("impl must be 'single', 'foreach' or 'fused', got '" + s + "'");
+  return parse_name<Impl>(s, {{"single", Impl::Single}, {"foreach", Impl::Foreach},
+                              {"fused", Impl::Fused}, {"cuda-forloop", Impl::CudaForloop},
+                              {"cuda-foreach", Impl::CudaForeach},
+                              {"cuda-fused", Impl::CudaFused}}, "impl");
 }
 
 Isa parse_isa(const std::string& s) {
-  if (s == "auto") return Isa::Auto;
-  if (s == "generic") return Isa::Generic;
-  if (s == "avx2") return Isa::Avx2;
-  if (s == "avx512") return Isa::Avx512;
-  throw std::invalid_argument("isa must be auto|generic|avx2|avx512");
+  return parse_name<Isa>(s, {{"auto", Isa::Auto}, {"generic", Isa::Generic},
+                             {"avx2", Isa::Avx2}, {"avx512", Isa::Avx512}}, "isa");
 }
 
 }  // namespace
@@ -49,21 +61,11 @@ PYBIND11_MODULE(_C, mod) {
       [](uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t g, int64_t n, const std::string& impl,
          bool decoupled, double lr, double beta1, double beta2, double eps, double weight_decay,
          double step, int64_t offset, int64_t full_numel, int torch_threads, int torch_vec,
-         int threads) {
-        ReplayArgs a;
-        a.impl = parse_impl(impl);
-        a.decoupled = decoupled;
-        a.lr = lr;
-        a.beta1 = beta1;
-        a.beta2 = beta2;
-        a.eps = eps;
-        a.weight_decay = weight_decay;
-        a.step = step;
-        a.offset = offset;
-        a.full_numel = full_numel;
-        a.torch_threads = torch_threads;
-        a.torch_vec = torch_vec;
-        a.threads = threads;
+         int threads, double grad_scale) {
+        // field order of ReplayArgs (aggregate initialisation)
+        const ReplayArgs a{parse_impl(impl), decoupled, lr, beta1, beta2, eps, weight_decay,
+                           step, offset, full_numel, torch_threads, torch_vec, threads,
+                           grad_scale};
         if (n < 0 || offset < 0 || offset + n > full_numel)
           throw std::invalid_argument("slice [offset, offset+n) must lie inside [0, full_numel)");
         py::gil_scoped_release release;
@@ -73,7 +75,10 @@ PYBIND11_MODULE(_C, mod) {
       py::arg("impl"), py::arg("decoupled"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
       py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("offset"),
       py::arg("full_numel"), py::arg("torch_threads"), py::arg("torch_vec"), py::arg("threads"),
-      "Replay one Adam(W) step in place on raw float32 buffers (addresses as ints).");
+      py::arg("grad_scale") = 0.0,
+      "Replay one Adam(W) step in place on raw float32 buffers (addresses as ints); impl is a "
+      "CPU torch implementation (single|foreach|fused) or a CUDA one (cuda-forloop|"
+      "cuda-foreach|cuda-fused, docs/arithmetics.md).");
 
   mod.def("init_vml_sqrt", &init_vml_sqrt, py::arg("lib_path"),
           "Resolve MKL vmsSqrt from an already-loaded library; returns sqrt_backend().");
@@ -89,7 +94,10 @@ PYBIND11_MODULE(_C, mod) {
       py::arg("inp"), py::arg("out"), py::arg("n"),
       "sqrt as torch computes it on CPU float32 (vmsSqrt if resolved, else IEEE).");
   mod.def("set_isa", [](const std::string& s) { force_isa(parse_isa(s)); }, py::arg("isa"));
-  mod.def("_set_block", &set_block, py::arg("block"));
+  mod.def("_set_tile", &set_tile, py::arg("tile"),
+          "Benchmarking aid: elements per sqrt tile of the single/foreach kernel (16..16384).");
+  mod.def("cuda_powf", &cuda_powf, py::arg("a"), py::arg("b"),
+          "powf as CUDA's libdevice computes it (the fused kernel's bias corrections).");
   mod.def("isa", []() { return std::string(isa_name(resolved_isa())); });
   io::bind_io(mod);  // parallel checkpoint I/O and crc32c (section below)
 }

@@ -6,16 +6,21 @@ Public API::
     ... ck.backward_begin(); ck.update_begin(); ck.save_checkpoint(step) ...
     ck.close()
     restored = gockpt.load("checkpoints/run1", model, optimizer, scheduler=scheduler)
+
+    gockpt.replay_step("cuda/torch/AdamW/fused", p, exp_avg, exp_avg_sq, grad, lr=1e-3,
+                       betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=1)
+    gockpt.replay_arithmetics()  # the profiles replay_step reproduces bit for bit
 """
 
 from .checkpointer import CheckpointHandle, Checkpointer
 from .config import Config
 from .errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError,
-                     ConsistencyError, CorruptCheckpointError, GockptError, HookOrderError,
-                     LoadError, StorageError, UnsupportedOptimizerError)
+                     ConsistencyError, CorruptCheckpointError, DirectoryInUseError, GockptError,
+                     HookOrderError, LoadError, StorageError, UnsupportedOptimizerError)
 from .loading import Restored, load
 from .modes import MODES
-from . import metrics  # noqa: F401  (gockpt.metrics.read)
+from .replay.arithmetic import replay_arithmetics, replay_step
+from . import metrics  # noqa: F401  (public submodule gockpt.metrics)
 
 __version__ = "0.1.0"
 
@@ -23,5 +28,6 @@ __all__ = [
     "Checkpointer", "CheckpointHandle", "Config", "MODES", "load", "Restored",
     "GockptError", "ConfigError", "UnsupportedOptimizerError", "HookOrderError",
     "CheckpointNotFoundError", "CorruptCheckpointError", "StorageError", "LoadError",
-    "ConsistencyError", "CheckpointFailedError",
+    "ConsistencyError", "CheckpointFailedError", "DirectoryInUseError", "replay_step",
+    "replay_arithmetics",
 ]

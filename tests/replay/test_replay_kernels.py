@@ -127,7 +127,7 @@ def test_slices_equal_whole(impl):
                 t[a:b] = u
     for a, b in zip(whole, parts):
         assert torch.equal(a, b)
-    # and the blocks equal torch itself
+    # and the slices equal torch itself
     p = torch.nn.Parameter(p0.clone())
     opt = _torch_opt(impl, True, p, 0.1, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8))
     for g in grads:
@@ -250,8 +250,8 @@ def _replay_steps(st, grads, impl="single", threads=None, **kw):
 
 @pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam"])
 def test_chunk_sizes_agree_with_torch(decoupled):
-    """The single/foreach kernel pipelines chunks (phase 2 of one chunk with phase 1 of the
-    next); odd chunk sizes put vector/scalar splits and chunk ends everywhere."""
+    """The single/foreach kernel pipelines tiles (phase 2 of one tile with phase 1 of the
+    next); odd tile sizes put vector/scalar splits and tile ends everywhere."""
     n = 5000 + 3
     p0, grads = _data(n, 3, seed=21)
     p = torch.nn.Parameter(p0.clone())
@@ -265,13 +265,13 @@ def test_chunk_sizes_agree_with_torch(decoupled):
     try:
         for isa in isas:
             _C.set_isa(isa)
-            for block in (16, 17, 40, 100, 511, 512, 513, 4096, 16384):
-                _C._set_block(block)
+            for tile in (16, 17, 40, 100, 511, 512, 513, 4096, 16384):
+                _C._set_tile(tile)
                 st = _replay_steps([p0.clone(), torch.zeros(n), torch.zeros(n)], grads,
                                    decoupled=decoupled, threads=1)
                 _assert_bitwise(ref, st)
     finally:
-        _C._set_block(512)
+        _C._set_tile(512)
         _C.set_isa("auto")
 
 
