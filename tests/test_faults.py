@@ -6,10 +6,8 @@ from __future__ import annotations
 import errno
 import os
 import random
-import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
