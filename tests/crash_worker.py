@@ -2,7 +2,6 @@
 is complete and bitwise-verified), then trains with a checkpoint every other step until it is
 killed. Prints 'resumed <step>' and 'step <n>' lines, flushed."""
 
-import os
 import sys
 
 import torch

@@ -1,10 +1,10 @@
-"""One rank of test_ranks: trains its own model (seeded by rank), checkpoints with gockpt-o
-together with the other ranks, and checks what it loads. Exits non-zero on any mismatch."""
+"""One rank of tests/storage/test_storage_ranks.py (started by tests/dist_ranks.py): trains its
+own model (seeded by rank), checkpoints with gockpt-o together with the other ranks, and checks
+what it loads. Exits non-zero on any mismatch."""
 
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -1,0 +1,65 @@
+"""gockpt.replay.probe: a few real optimizer steps are replayed at attach time; any difference
+refuses the replay modes at construction instead of at F."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gockpt.errors import UnsupportedOptimizerError
+from gockpt.replay import arithmetic, probe as probe_mod
+from gockpt.replay.adapters import adapter_for
+from gockpt.replay.records import GroupScalars
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch):
+    """An empty probe cache for this test (restored afterwards, so no verdict leaks out)."""
+    monkeypatch.setattr(probe_mod, "_PROBED", {})
+    return probe_mod._PROBED
+
+
+def scalars(impl="single", decoupled=True, **kw):
+    base = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    base.update(kw)
+    return GroupScalars(impl=impl, decoupled=decoupled, **base)
+
+
+@pytest.mark.parametrize("cls,decoupled", [(torch.optim.AdamW, True), (torch.optim.Adam, False)])
+@pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
+def test_probe_passes_for_supported_settings(fresh_cache, cls, decoupled, impl):
+    assert probe_mod.probe(cls, scalars(impl, decoupled, lr=3e-2, weight_decay=0.2))
+
+
+def test_probe_caches_by_value(fresh_cache, monkeypatch):
+    calls = []
+    real = arithmetic.adam_replay
+    monkeypatch.setattr(arithmetic, "adam_replay", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    assert probe_mod.probe(torch.optim.AdamW, scalars())
+    n = len(calls)
+    assert n == 3  # three probe steps
+    assert probe_mod.probe(torch.optim.AdamW, scalars())  # an equal GroupScalars: cached
+    assert len(calls) == n
+    assert probe_mod.probe(torch.optim.AdamW, scalars(lr=2e-3))  # other settings: probed
+    assert len(calls) == 2 * n
+
+
+def off_by_one_ulp(monkeypatch):
+    real = arithmetic.adam_replay
+
+    def wrong(param, *args, **kw):
+        real(param, *args, **kw)
+        param[0] = torch.nextafter(param[0], torch.tensor(float("inf")))
+    monkeypatch.setattr(arithmetic, "adam_replay", wrong)
+
+
+def test_a_wrong_kernel_makes_the_probe_fail(fresh_cache, monkeypatch):
+    off_by_one_ulp(monkeypatch)
+    assert probe_mod.probe(torch.optim.AdamW, scalars()) is False
+
+
+def test_a_wrong_kernel_makes_the_adapter_refuse(fresh_cache, monkeypatch):
+    off_by_one_ulp(monkeypatch)
+    opt = torch.optim.AdamW(torch.nn.Linear(3, 3).parameters(), lr=0.01)
+    with pytest.raises(UnsupportedOptimizerError, match="probe replay of param group 0"):
+        adapter_for(opt)
