@@ -115,6 +115,7 @@ def captured_job(rig, start_step, k=2):
               os.path.join(rig.dir, storage.checkpoint_name(start_step + k - 1)), host=rig.host)
     rig.capture.copy_rest(job)
     rig.capture.freeze_small(job, start_step + k - 1, {"note": "at F"})
+    job.accounts_closed.set()  # no hook will charge it any more: its metrics are final
     return job
 
 
