@@ -6,6 +6,7 @@ Public API::
     ... ck.backward_begin(); ck.update_begin(); ck.save_checkpoint(step) ...
     ck.close()
     restored = gockpt.load("checkpoints/run1", model, optimizer, scheduler=scheduler)
+    report = gockpt.verify("checkpoints/run1")   # every checksum, without loading; report.ok
 
     gockpt.replay_step("cuda/torch/AdamW/fused", p, exp_avg, exp_avg_sq, grad, lr=1e-3,
                        betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=1)
@@ -20,12 +21,14 @@ from .errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError
 from .loading import Restored, load
 from .modes import MODES
 from .replay.arithmetic import replay_arithmetics, replay_step
+from .storage.verify import VerifyReport, verify
 from . import metrics  # noqa: F401  (public submodule gockpt.metrics)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Checkpointer", "CheckpointHandle", "Config", "MODES", "load", "Restored",
+    "Checkpointer", "CheckpointHandle", "Config", "MODES", "load", "Restored", "verify",
+    "VerifyReport",
     "GockptError", "ConfigError", "UnsupportedOptimizerError", "HookOrderError",
     "CheckpointNotFoundError", "CorruptCheckpointError", "StorageError", "LoadError",
     "ConsistencyError", "CheckpointFailedError", "DirectoryInUseError", "replay_step",

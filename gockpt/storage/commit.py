@@ -13,7 +13,7 @@ import os
 import secrets
 import shutil
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 from ..errors import CheckpointNotFoundError, StorageError
 from .format import LATEST_FILE, MANIFEST_FILE, TMP_PREFIX, TMP_RE, check_name, fsync_dir, write_all
@@ -52,25 +52,33 @@ def publish(root: str, tmp_path: str, name: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def replace_atomically(final: str, tmp: str, write) -> None:
-    """Make ``final`` hold what ``write(tmp)`` writes into the new file ``tmp``: ``tmp`` then
-    replaces ``final`` in one step (``os.replace``); ``tmp`` is removed if anything fails."""
+def replace_file(path: str, write: Callable[[str], None]) -> None:
+    """Atomically create or replace the file ``path`` with what ``write(tmp)`` writes to the
+    temporary file ``tmp`` beside it (a ``.tmp-*`` name: :func:`cleanup_temporaries` removes
+    it after a crash). ``tmp`` is fsynced and renamed to ``path``, then the directory fsynced;
+    on an error ``tmp`` is removed and ``path`` left as it was."""
+    root, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(root, f"{TMP_PREFIX}{base}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         write(tmp)
-        os.replace(tmp, final)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+    fsync_dir(root)
 
 
 def write_latest(root: str, name: str) -> None:
     """Atomically make ``<root>/latest`` contain ``name``."""
-    tmp = os.path.join(root, f"{TMP_PREFIX}{LATEST_FILE}-{os.getpid()}-{secrets.token_hex(4)}")
-    replace_atomically(os.path.join(root, LATEST_FILE), tmp, lambda path: write_file(path, name.encode("utf-8")))
-    fsync_dir(root)
+    replace_file(os.path.join(root, LATEST_FILE), lambda tmp: write_file(tmp, name.encode("utf-8")))
 
 
 def is_committed(path: str) -> bool:

@@ -98,6 +98,17 @@ class OptimizerSection:
     """Optimizer state index -> keys stored as tensors of the parameter's shape."""
 
 
+class _Absent:
+    """The type of :data:`ABSENT`."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()
+"""A small section that a damaged manifest lacks, in a :meth:`Manifest.tolerant` view."""
+
+
 @dataclass
 class SmallSection:
     """Everything small at version F, each a :mod:`gockpt.storage.tree` encoding whose tensors
@@ -110,8 +121,17 @@ class SmallSection:
     extra_state: Any = None
 
     def decode(self, section: str, tensors: dict):
-        """The Python value of ``section`` given the stored tensors it refers to."""
-        return tree.decode(getattr(self, section), tensors)
+        """The Python value of ``section`` given the stored tensors it refers to (ValueError if
+        the encoding is malformed, or the section is :data:`ABSENT`)."""
+        value = getattr(self, section)
+        if value is ABSENT:
+            raise ValueError(f"no {small_prefix(section)} section")
+        return tree.decode(value, tensors)
+
+    def tensor_refs(self, section: str) -> Dict[str, str]:
+        """Stored tensor name -> where it sits in ``section``'s value (``state[0]['exp_avg']``),
+        read from the encoding alone (no data, nothing decoded; malformed parts are skipped)."""
+        return _tensor_refs(getattr(self, section), "", {})
 
 
 @dataclass
@@ -171,15 +191,10 @@ class Manifest:
         optimizer = None
         opt = data.get("optimizer")
         if opt is not None:
-            aligned = opt.get("aligned", {}) if isinstance(opt, dict) else None
-            if not isinstance(opt, dict) or not isinstance(opt.get("class"), (str, type(None))) \
-                    or not isinstance(aligned, dict) \
-                    or not all(_is_index(i) and isinstance(k, list)
-                               and all(isinstance(x, str) for x in k)
-                               for i, k in aligned.items()):
+            aligned = _aligned(opt.get("aligned", {})) if isinstance(opt, dict) else None
+            if aligned is None or not isinstance(opt.get("class"), (str, type(None))):
                 raise bad("the 'optimizer' section is malformed")
-            optimizer = OptimizerSection(opt.get("class") or "",
-                                         {int(i): list(k) for i, k in aligned.items()})
+            optimizer = OptimizerSection(opt.get("class") or "", aligned)
         for key in ("rank", "world_size"):
             if key in data and not _is_int(data[key]):
                 raise bad(f"{key!r} is {data[key]!r:.40}, expected an int")
@@ -191,6 +206,30 @@ class Manifest:
                    optimizer=optimizer, rank=data.get("rank", 0),
                    world_size=data.get("world_size", 1), metrics=metrics,
                    tensors=data.get("tensors", {}))
+
+    @classmethod
+    def tolerant(cls, data: dict) -> "Manifest":
+        """Best-effort typed view of a manifest that may be damaged or not gockpt's, for tools
+        that describe or check a checkpoint (never for restoring one); raises nothing.
+
+        ``step``, ``start_step``, ``mode``, ``overlap_steps``, ``rank`` and ``world_size`` are
+        as found (None when absent), ``metrics`` None unless a dict; a malformed model section
+        reads as empty, a malformed optimizer section as None (malformed ``aligned``: empty),
+        a missing small section as :data:`ABSENT`."""
+        def get(section) -> dict:
+            return data.get(section) if isinstance(data.get(section), dict) else {}
+
+        params, aliases = get("model").get("params"), get("model").get("aliases", {})
+        opt = data.get("optimizer")
+        optimizer = None if not isinstance(opt, dict) else OptimizerSection(
+            opt.get("class") or "", _aligned(opt.get("aligned") or {}) or {})
+        scalars = ("step", "start_step", "mode", "overlap_steps", "rank", "world_size")
+        return cls(**{k: data.get(k) for k in scalars},
+                   model=ModelSection(dict(params) if _str_map(params) else {},
+                                      dict(aliases) if _str_map(aliases) else {}),
+                   small=SmallSection(**{s: get("small").get(s, ABSENT) for s in SMALL_SECTIONS}),
+                   optimizer=optimizer, tensors=data.get("tensors", {}),
+                   metrics=data["metrics"] if isinstance(data.get("metrics"), dict) else None)
 
     def optimizer_state_dict(self, path: str, tensors: dict, optimizer=None,
                              aligned: bool = True) -> dict:
@@ -273,6 +312,37 @@ def _is_int(x) -> bool:
 
 def _is_index(x) -> bool:
     return isinstance(x, str) and x.isdigit() or _is_int(x)
+
+
+def _aligned(x) -> Optional[Dict[int, List[str]]]:
+    """An optimizer section's ``aligned`` map with int indices; None if malformed."""
+    if not isinstance(x, dict) or not all(_is_index(i) and isinstance(k, list)
+                                          and all(isinstance(s, str) for s in k)
+                                          for i, k in x.items()):
+        return None
+    return {int(i): list(k) for i, k in x.items()}
+
+
+def _tensor_refs(encoded, path: str, out: dict) -> dict:
+    """Map each tensor key a :mod:`.tree` encoding refers to to its place in the value."""
+    if isinstance(encoded, list):
+        for i, v in enumerate(encoded):
+            _tensor_refs(v, f"{path}[{i}]", out)
+    elif isinstance(encoded, dict):
+        tag = encoded.get(tree.TAG)
+        if tag is None:
+            for k, v in encoded.items():
+                _tensor_refs(v, f"{path}[{k!r}]" if path else str(k), out)
+        elif tag in ("tensor", "ndarray") and isinstance(encoded.get("k"), str):
+            out[encoded["k"]] = path
+        elif tag == "tuple" and isinstance(encoded.get("v"), list):
+            _tensor_refs(encoded["v"], path, out)
+        elif tag in ("dict", "odict") and isinstance(encoded.get("v"), list):
+            for pair in encoded["v"]:
+                if isinstance(pair, list) and len(pair) == 2:
+                    key = pair[0] if not isinstance(pair[0], dict) else "<key>"
+                    _tensor_refs(pair[1], f"{path}[{key!r}]", out)
+    return out
 
 
 def _str_map(x) -> bool:

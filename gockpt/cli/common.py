@@ -1,0 +1,172 @@
+"""What the ``gockpt`` commands share: the checkpoint a path names, the errors that become exit
+statuses, the parts of a checkpoint written by several ranks, and how sizes, times and tables
+are written."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import warnings
+from typing import List, Optional
+
+from .. import storage
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..storage.verify import Part
+
+PROG = "gockpt"
+
+
+class UsageError(Exception):
+    """Bad arguments, a path that does not exist or holds no checkpoint: exit status 2."""
+
+
+class BadCheckpoint(Exception):
+    """The checkpoint exists but is damaged or not what gockpt wrote: exit status 1."""
+
+
+# ---------------------------------------------------------------------------------- paths
+
+
+def resolve_checkpoint(path: str) -> tuple:
+    """(checkpoint directory, run directory or None, warnings) for a checkpoint directory or a
+    run directory (then its latest checkpoint); UsageError if it is neither."""
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such file or directory")
+    if not os.path.isdir(path):
+        raise UsageError(f"{path}: not a directory (give a checkpoint directory or a run "
+                         "directory holding checkpoints)")
+    parent, base = os.path.split(os.path.normpath(os.path.abspath(path)))
+    # A committed checkpoint directory is one that storage.resolve finds by name in its parent.
+    try:
+        return storage.resolve(parent, base), None, []
+    except CheckpointNotFoundError:
+        pass
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            found = storage.resolve(path)
+        except CheckpointNotFoundError as exc:
+            raise UsageError(f"{path}: neither a gockpt checkpoint nor a run directory holding "
+                             f"one ({one_line(exc)})") from None
+    return found, path, [one_line(w.message) for w in caught]
+
+
+def read_manifest(path: str) -> dict:
+    """The validated manifest of ``path``: UsageError if absent, BadCheckpoint if corrupt."""
+    try:
+        return storage.read_manifest(path)
+    except CheckpointNotFoundError as exc:
+        raise UsageError(one_line(exc)) from None
+    except CorruptCheckpointError as exc:
+        raise BadCheckpoint(one_line(exc)) from None
+
+
+def select_part(path: str, parts: List[Part], rank: int) -> Part:
+    """The readable part of ``rank``: UsageError if out of range, BadCheckpoint if unreadable."""
+    if not 0 <= rank < len(parts):
+        raise UsageError(f"{path} has parts for ranks 0..{len(parts) - 1}; --rank {rank} asked")
+    part = parts[rank]
+    if part.data is None:
+        raise BadCheckpoint(f"{path}: part {part.name} (rank {rank}) is missing or "
+                            f"unreadable: {part.error}")
+    return part
+
+
+def no_rank_for_single(path: str, rank: Optional[int]) -> None:
+    """UsageError for ``--rank`` other than 0 on a checkpoint written by one process."""
+    if rank not in (None, 0):
+        raise UsageError(f"{path} was written by a single process (rank 0 only); "
+                         f"--rank {rank} asked")
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def warn(msgs) -> None:
+    """Each of ``msgs`` as a one-line warning on stderr."""
+    for m in msgs:
+        print(f"{PROG}: warning: {m}", file=sys.stderr)
+
+
+def print_json(obj) -> None:
+    """``obj`` as indented JSON on stdout."""
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def one_line(exc) -> str:
+    """An exception (or message) as one line."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def human(n: Optional[int]) -> str:
+    """A byte count for people: ``512 B``, ``1.5 KiB``, ... (``-`` for None)."""
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024.0
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def seconds(x) -> str:
+    """A duration in seconds, ``-`` if not a number."""
+    return f"{x:.4f}s" if isinstance(x, (int, float)) else "-"
+
+
+def date(ts: Optional[float]) -> str:
+    """A timestamp as local date and time (``-`` for None)."""
+    if ts is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def iso(ts: Optional[float]) -> Optional[str]:
+    """A timestamp in ISO 8601 with the local offset (None for None)."""
+    if ts is None:
+        return None
+    return datetime.datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+
+
+def table(rows, header, right=()) -> list:
+    """Rows of strings as aligned text columns; column indices in ``right`` align right."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    out = []
+    for r in [header] + rows:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w)
+                 for i, (c, w) in enumerate(zip(r, widths))]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+# ---------------------------------------------------------------------------------- files
+
+
+def disk_usage(path: str) -> Optional[int]:
+    """Bytes of the regular files under ``path`` (or of ``path`` itself if it is a file)."""
+    try:
+        if not os.path.isdir(path) or os.path.islink(path):
+            return os.lstat(path).st_size
+        total = 0
+        for dirpath, _dirs, files in os.walk(path):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, f)).st_size
+                except OSError:
+                    pass
+        return total
+    except OSError:
+        return None
+
+
+def mtime(path: str) -> Optional[float]:
+    """Modification time of ``path`` (None if it cannot be read). A checkpoint directory's is
+    that of the last entry created in it before the atomic rename: its commit time."""
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None

@@ -1,0 +1,139 @@
+"""``gockpt export``: consolidated weights that other tools load without gockpt (safetensors:
+the model's ``state_dict``; torch: ``torch.save`` of model, optimizer, step and scheduler)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import storage
+from ..storage.commit import replace_file
+from ..storage.manifest import Manifest
+from ..storage.verify import read_parts
+from .common import (BadCheckpoint, UsageError, human, no_rank_for_single, one_line,
+                     read_manifest, resolve_checkpoint, select_part, warn)
+
+
+def cmd_export(args) -> int:
+    """``gockpt export PATH --to {safetensors,torch} OUT [--rank R] [--force]``."""
+    if os.path.isdir(args.out):
+        raise UsageError(f"{args.out}: is a directory; give the output file name")
+    if os.path.exists(args.out) and not args.force:
+        raise UsageError(f"{args.out}: exists; pass --force to overwrite it")
+    if args.to == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            raise UsageError("--to safetensors needs the safetensors package "
+                             "(pip install safetensors)") from None
+    path, data, part = _source(args)
+    m = Manifest.from_json(path, data)
+    tensors = storage.read_tensors(path, m, verify=True)
+    sd, aliases = model_state(path, m, tensors)
+    source = f" (rank {part[0]} of {part[1]}, part {part[2]})" if part else ""
+    if args.to == "safetensors":
+        meta = {"format": "pt", "gockpt_step": str(m.step), "gockpt_mode": str(m.mode),
+                "gockpt_source": os.path.abspath(path)}
+        if part:
+            meta.update(gockpt_rank=str(part[0]), gockpt_world_size=str(part[1]))
+        written, what, notes = _save_safetensors(args.out, sd, aliases, meta)
+    else:
+        obj = {"model": sd, "step": m.step}
+        if part:
+            obj["rank"], obj["world_size"] = part[0], part[1]
+        written, what, notes = _save_torch(args.out, obj, path, m, tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in written.values())
+    print(f"wrote {args.out}: {what} of step {m.step} from {os.path.abspath(path)}{source} "
+          f"({len(written)} model tensors, {human(nbytes)})")
+    for n in notes:
+        print(f"note: {n}")
+    return 0
+
+
+def model_state(path: str, m: Manifest, tensors: dict) -> tuple:
+    """(state_dict, tied aliases) of the model; tied names share their canonical tensor."""
+    try:
+        small = m.small.decode("model", tensors)
+        values = {name: tensors[tname] for name, tname in m.model.expected().items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadCheckpoint(f"{path}: manifest has no usable model section ({one_line(exc)}); "
+                            "is this a checkpoint written by gockpt.Checkpointer?") from None
+    values.update(small)
+    # Group names by owning module in order of first appearance (params come in optimizer
+    # order, buffers after them): close to model.state_dict()'s order; load_state_dict ignores it.
+    order = {}
+    for name in list(m.model.params) + list(m.model.aliases) + list(small):
+        order.setdefault(name.rsplit(".", 1)[0] if "." in name else "", len(order))
+    names = sorted(values, key=lambda n: order[n.rsplit(".", 1)[0] if "." in n else ""])
+    return {n: values[n] for n in names}, dict(m.model.aliases)
+
+
+def optimizer_state(path: str, m: Manifest, tensors: dict) -> dict:
+    """The optimizer's ``state_dict`` at F, its state in index order."""
+    try:
+        osd = m.optimizer_state_dict(path, tensors)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadCheckpoint(f"{path}: manifest has no usable optimizer section "
+                            f"({one_line(exc)})") from None
+    state = osd["state"]
+    return {"state": {i: state[i] for i in sorted(state)}, "param_groups": osd["param_groups"]}
+
+
+def _source(args) -> tuple:
+    """(directory to export, its manifest, None or (rank, world size, part name) for a part of
+    a checkpoint written by several ranks)."""
+    path, _run, warns = resolve_checkpoint(args.path)
+    warn(warns)
+    data = read_manifest(path)
+    parts = read_parts(path, data)
+    if parts is None:
+        no_rank_for_single(path, args.rank)
+        return path, data, None
+    rank = 0 if args.rank is None else args.rank
+    part = select_part(path, parts, rank)
+    if part.problems:
+        raise BadCheckpoint(f"{path}: {'; '.join(part.problems)}")
+    warn([f"{path}: part {q.name} (rank {q.rank}) is missing or unreadable; "
+          f"exporting rank {rank}'s part anyway" for q in parts if q.data is None])
+    return part.path, part.data, (rank, len(parts), part.name)
+
+
+def _save_safetensors(out: str, sd: dict, aliases: dict, meta: dict) -> tuple:
+    """Write the model's tensors; returns (tensors written, what, notes)."""
+    from safetensors.torch import save_file
+
+    tensors, notes = {}, []
+    for name, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            notes.append(f"skipped {name!r}: not a tensor ({type(v).__name__})")
+            continue
+        # safetensors refuses tensors that share memory: tied names get their own copy.
+        tensors[name] = v.clone() if name in aliases else v.contiguous()
+    for alias, canon in aliases.items():
+        notes.append(f"tied parameter {alias!r} written as a separate copy of {canon!r}")
+    _write(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    return tensors, "model state_dict", notes
+
+
+def _save_torch(out: str, obj: dict, path: str, m: Manifest, tensors: dict) -> tuple:
+    """torch.save ``obj`` plus the optimizer and scheduler; returns (model tensors, what, [])."""
+    if m.optimizer is not None:
+        obj["optimizer"] = optimizer_state(path, m, tensors)
+    try:
+        sched = m.small.decode("scheduler", tensors)
+    except (KeyError, TypeError, ValueError):
+        sched = None
+    if sched is not None:
+        obj["scheduler"] = sched
+    _write(out, lambda tmp: torch.save(obj, tmp))
+    what = "model state_dict" + (" + optimizer state_dict" if "optimizer" in obj else "") \
+        + (" + scheduler" if "scheduler" in obj else "")
+    return {n: v for n, v in obj["model"].items() if isinstance(v, torch.Tensor)}, what, []
+
+
+def _write(out: str, write) -> None:
+    d = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(d):
+        raise UsageError(f"{out}: directory {d} does not exist")
+    replace_file(out, write)

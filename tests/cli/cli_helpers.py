@@ -1,0 +1,71 @@
+"""Helpers shared by the tests of the `gockpt` console tool (tests/cli/)."""
+
+import os
+
+import torch
+
+import gockpt
+from gockpt import storage
+from gockpt.cli import main
+
+
+def make_model():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def train(directory, model, opt, steps=8, inputs=16):
+    ck = gockpt.Checkpointer(model, opt, str(directory), mode="gockpt-o", overlap_steps=2,
+                             interval=3)
+    for step in range(steps):
+        loss = model(torch.randn(8, inputs)).pow(2).mean()
+        ck.backward_begin()
+        loss.backward()
+        ck.update_begin()
+        opt.step()
+        opt.zero_grad()
+        ck.save_checkpoint(step + 1)
+    ck.close()
+
+
+def flip_byte(ckpt, tensor):
+    """Flip one bit in the middle of ``tensor``'s bytes, found through the manifest."""
+    e = storage.read_manifest(ckpt)["tensors"][tensor]
+    with open(os.path.join(ckpt, e["file"]), "r+b") as f:
+        f.seek(e["offset"] + e["nbytes"] // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def bitwise_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and set(a) == set(b)
+                and all(bitwise_equal(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def part_dir(run, rank):
+    return os.path.join(run, "step-000000004", f"rank-{rank:05d}")
+
+
+def _part_model(part):
+    """The model state of a part, read with gockpt.storage (name -> tensor)."""
+    from gockpt.storage import tree
+    manifest = storage.read_manifest(part)
+    tensors = storage.read_tensors(part, manifest)
+    sd = {name: tensors[t] for name, t in manifest["model"]["params"].items()}
+    sd.update(tree.decode(manifest["small"]["model"], tensors))
+    return sd
