@@ -71,7 +71,7 @@ class Loop:
             raise HookOrderError(msg)
         with self._lock:
             pending = [j for j in self._failed if not j.reported]
-            self._failed = []
+            self._failed = pending[1:]  # the others at the next hooks, one each
         if pending:
             job = pending[0]
             job.mark_reported()

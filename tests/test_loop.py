@@ -77,9 +77,6 @@ def test_raise_pending_skips_jobs_already_reported():
     loop.raise_pending()
 
 
-@pytest.mark.xfail(strict=True, reason="loop.py:73-76 _raise_pending clears every pending job "
-                   "but raises only the first: a second job that failed before the same hook "
-                   "is never reported")
 def test_raise_pending_reports_each_failed_job():
     loop = Loop()
     first, second = failed_job(4, "first"), failed_job(8, "second")

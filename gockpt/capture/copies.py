@@ -112,7 +112,7 @@ class Capture:
         try:
             small = SmallSection(**{section: tree.encode(value, tensors, small_prefix(section))
                                     for section, value in values.items()})
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ConfigError(f"cannot store the state of step {step}: {exc}") from exc
         job.capture.small, job.capture.small_tensors = small, tensors
 

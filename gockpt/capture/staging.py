@@ -50,7 +50,8 @@ class GradPool:
     def __init__(self, plan: Plan, device, size: int = SIZE):
         self.plan = plan
         self.device = device
-        self._free: List[Dict[int, torch.Tensor]] = [{} for _ in range(size)]
+        self._sets: List[Dict[int, torch.Tensor]] = [{} for _ in range(size)]
+        self._free: List[Dict[int, torch.Tensor]] = list(self._sets)
         self._cv = threading.Condition()
 
     def acquire(self) -> Dict[int, torch.Tensor]:
@@ -73,5 +74,5 @@ class GradPool:
 
     def nbytes(self) -> int:
         with self._cv:
-            return sum(t.numel() * t.element_size() for b in self._free for t in b.values())
+            return sum(t.numel() * t.element_size() for b in self._sets for t in b.values())
 

@@ -311,7 +311,8 @@ def _is_int(x) -> bool:
 
 
 def _is_index(x) -> bool:
-    return isinstance(x, str) and x.isdigit() or _is_int(x)
+    """An optimizer state index: an int, or its decimal string (JSON object keys)."""
+    return isinstance(x, str) and x.isascii() and x.isdigit() or _is_int(x)
 
 
 def _aligned(x) -> Optional[Dict[int, List[str]]]:

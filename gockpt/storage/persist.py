@@ -155,15 +155,29 @@ class Persister:
                 err = exc
             else:
                 return
-        job.fail(err)
+        job.fail(self._storage_error(job, err))
 
     def block_final(self, job: Job, block: Block) -> None:
         """Replay thread: ``block`` has reached version F."""
         with job.stream.lock:
             if job.stream.writer is None:
                 job.stream.waiting.append(block)
-            elif job.error is None:
+                return
+            if job.error is not None:
+                return
+            try:
                 self._write_block(job, block)
+                return
+            except BaseException as exc:
+                err = exc
+        job.fail(self._storage_error(job, err))
+
+    def _storage_error(self, job: Job, exc: BaseException) -> BaseException:
+        """``exc`` as the gockpt error that fails ``job`` (a plugin may raise plain OSErrors)."""
+        if isinstance(exc, GockptError):
+            return exc
+        return StorageError(f"writing the checkpoint of step {job.handle.final_step} to "
+                            f"{self.config.directory} failed: {exc}")
 
     # ------------------------------------------------------------------ commit
 
@@ -172,6 +186,8 @@ class Persister:
         if job.stream.entered:
             return
         job.stream.entered = True
+        if job.error is not None and not self.ranks.several:
+            return  # failed before its persist came up (e.g. the writer could not open)
         t0 = time.perf_counter()
         writer = None
         name = checkpoint_name(job.handle.final_step)
@@ -204,10 +220,7 @@ class Persister:
         except BaseException as exc:
             if writer is not None:
                 writer.abort()
-            if not isinstance(exc, GockptError):
-                exc = StorageError(f"writing the checkpoint of step {job.handle.final_step} to "
-                                   f"{self.config.directory} failed: {exc}")
-            job.fail(exc)
+            job.fail(self._storage_error(job, exc))
 
     def _write(self, job: Job, root: Optional[str], name: str, t0: float, *, writer=None,
                update_latest: bool = True) -> str:

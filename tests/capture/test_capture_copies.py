@@ -221,8 +221,6 @@ def test_freeze_small_refuses_extra_state_that_needs_pickle(rig):
     assert job.capture.small is None and job.capture.small_tensors == {}
 
 
-@pytest.mark.xfail(strict=True, reason="copies.py:115 catches only TypeError; tree.encode "
-                   "raises ValueError for a self-containing structure, which escapes raw")
 def test_freeze_small_refuses_self_containing_extra_state_as_a_config_error(rig):
     job = new_job(rig, 1)
     loop = {}

@@ -110,8 +110,6 @@ def test_grad_pool_acquire_blocks_until_a_set_is_released(plan):
     assert pool.acquire() is first
 
 
-@pytest.mark.xfail(strict=True, reason="staging.py:75-77 GradPool.nbytes sums only the free "
-                   "sets: a set handed out by acquire() is not counted while in use")
 def test_grad_pool_nbytes_counts_sets_in_use(plan):
     pool = GradPool(plan, HostDevice(), size=2)
     bufs = pool.acquire()

@@ -88,8 +88,6 @@ def test_from_json_refuses_each_malformed_field(path, value, field):
         M.Manifest.from_json("ck/x", data)
 
 
-@pytest.mark.xfail(strict=True, reason="manifest.py:274-275 _is_index accepts any str.isdigit() "
-                   "(e.g. '²'), then int() raises a raw ValueError in from_json (manifest.py:182)")
 def test_from_json_refuses_a_non_decimal_digit_index():
     data = sample_manifest().to_json()
     data["optimizer"]["aligned"] = {"²": ["exp_avg"]}

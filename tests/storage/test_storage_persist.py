@@ -195,9 +195,7 @@ def test_commit_writes_the_typed_manifest_and_metrics(rig):
 
 @pytest.mark.parametrize("fail_at", [
     "begin", "write", "finish", "commit",
-    pytest.param("write of a block", marks=pytest.mark.xfail(
-        strict=True, reason="persist.py:154-158 (_write_captured) and block_final fail the job "
-        "with the plugin's raw OSError, not a StorageError"))])
+    "write of a block"])
 def test_a_failing_plugin_fails_the_job_and_leaves_nothing(rig, fail_at):
     p = rig.persister()
     job = captured_job(rig, 5)
@@ -229,9 +227,6 @@ def test_a_plugin_that_cannot_be_created_fails_the_job(rig, monkeypatch):
     assert isinstance(job.error, StorageError) and leftovers(rig.dir) == []
 
 
-@pytest.mark.xfail(strict=True, reason="persist.py:190-195: the single-rank persist never "
-                   "checks job.error: a job whose writer failed to open after the replay had "
-                   "queued its persist is still written, committed and made latest")
 def test_a_job_that_already_failed_is_never_committed(rig):
     p = rig.persister()
     job = captured_job(rig, 5)
