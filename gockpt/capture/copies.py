@@ -36,15 +36,17 @@ class Capture:
 
     def declare_state_keys(self, host: HostCopy) -> None:
         """Which optimizer state tensors this checkpoint carries, per slot."""
+        likes = {}
         for si, s in enumerate(self.plan.slots):
             if s.static:
                 continue
             if self.adapter is not None:
-                host.set_keys(si, {k: s.param for k in self.adapter.state_keys})
+                likes[si] = {k: s.param for k in self.adapter.state_keys}
             else:
                 live = self.optimizer.state.get(s.param, {})
-                host.set_keys(si, {k: v for k, v in live.items() if isinstance(v, torch.Tensor)
-                                   and k != "step" and v.shape == s.param.shape})
+                likes[si] = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)
+                             and k != "step" and v.shape == s.param.shape}
+        host.set_keys(likes)
 
     def state_bytes(self, host: HostCopy) -> int:
         """Bytes of parameters and aligned state one checkpoint copies."""

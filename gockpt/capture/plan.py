@@ -10,7 +10,7 @@ slots: captured once, never replayed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,6 +25,17 @@ class Slot:
     param: torch.Tensor = field(repr=False)
     opt_index: Optional[int]       # index in optimizer.state_dict()['state'], None if static
     group: Optional[int]           # optimizer param group, None if static
+    dims: Tuple[int, ...] = ()     # memory order: param.permute(dims) is contiguous
+    strides: Tuple[int, ...] = ()  # the strides planned for (a change is refused)
+
+    def __post_init__(self):
+        self.strides = tuple(self.param.stride())
+
+    @property
+    def stored_shape(self) -> Tuple[int, ...]:
+        """The shape stored: the parameter's, permuted into memory order."""
+        shape = tuple(self.param.shape)
+        return tuple(shape[d] for d in self.dims) if self.dims else shape
 
     @property
     def numel(self) -> int:
@@ -101,14 +112,12 @@ def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     f"model/optimizer mismatch: parameter #{index} of the optimizer (param group "
                     f"{gi}, shape {tuple(p.shape)}) is not a parameter of the model; build the "
                     "optimizer from model.parameters() of the model passed to the Checkpointer")
-            _check_layout(canonical[id(p)], p)
-            slots.append(Slot(canonical[id(p)], p, index, gi))
+            slots.append(Slot(canonical[id(p)], p, index, gi, dims=layout_of(canonical[id(p)], p)))
             seen.add(id(p))
             index += 1
     for name, p in model.named_parameters():
         if id(p) not in seen:
-            _check_layout(name, p)
-            slots.append(Slot(name, p, None, None))
+            slots.append(Slot(name, p, None, None, dims=layout_of(name, p)))
 
     elems = max(1, block_bytes // 4)
     blocks = []
@@ -119,14 +128,30 @@ def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return Plan(slots, blocks, aliases)
 
 
-def _check_layout(name: str, p: torch.Tensor) -> None:
-    if p.is_sparse or not p.is_contiguous():
+def memory_order(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
+    """The permutation ``dims`` for which ``t.permute(dims)`` is contiguous: ``()`` when ``t``
+    is contiguous already, ``None`` when ``t`` is not dense (overlapping, or with holes)."""
+    if t.is_contiguous():
+        return ()
+    dims = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d))))
+    return dims if t.permute(dims).is_contiguous() else None
+
+
+def layout_of(name: str, p: torch.Tensor) -> Tuple[int, ...]:
+    """``memory_order`` of parameter ``name``; ConfigError if it has none (gockpt copies the
+    storage of a dense tensor as one flat range, in memory order)."""
+    dims = None if p.is_sparse else memory_order(p)
+    if dims is None:
         raise ConfigError(
-            f"parameter {name!r} is sparse or not contiguous; gockpt copies flat storage ranges. "
-            "Make it contiguous (e.g. param.data = param.data.contiguous()) before creating the "
-            "optimizer")
+            f"parameter {name!r} is sparse or not dense (shape {tuple(p.shape)}, strides "
+            f"{tuple(p.stride()) if not p.is_sparse else 'sparse'}); gockpt stores dense "
+            "tensors in memory order. Make it contiguous (param.data = param.data.contiguous()) "
+            "before creating the optimizer")
+    return dims
 
 
-def flat(t: torch.Tensor) -> torch.Tensor:
-    """The flat view of a contiguous tensor (no copy)."""
-    return t.detach().view(-1)
+def flat(t: torch.Tensor, dims: Tuple[int, ...] = ()) -> torch.Tensor:
+    """``t``'s elements in the memory order ``dims`` (see :func:`memory_order`) as a flat view;
+    a flat copy when ``t`` itself is laid out otherwise (e.g. a gradient with other strides)."""
+    v = t.detach().permute(dims) if dims else t.detach()
+    return v.view(-1) if v.is_contiguous() else v.contiguous().view(-1)

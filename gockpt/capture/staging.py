@@ -1,49 +1,107 @@
-"""Host memory for checkpoints, planned once and reused: a staging copy of every slot
-(parameter + aligned optimizer state) and a small pool of gradient buffers."""
+"""Host memory for checkpoints, planned once and reused: one flat *arena* per (role, dtype)
+holding every slot back to back (the parameters; each aligned optimizer state key; the
+gradients in flight), so that copies, replays and writes work on few large ranges.
+
+Within an arena, large slots come first and the small ones (under ``PACK_BYTES``) after them,
+contiguous: storage writes all small slots of an arena as one packed tensor.
+"""
 
 from __future__ import annotations
 
 import threading
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .plan import Plan
 
+#: Slots smaller than this are packed together (one stored tensor per arena, one write).
+PACK_BYTES = 64 << 10
+
+
+class Arena:
+    """One flat host buffer and the element range of every slot in it."""
+
+    def __init__(self, device, dtype: torch.dtype, sizes: Dict[int, int]):
+        """``sizes``: slot -> numel, in slot order (large slots placed first)."""
+        self.dtype = dtype
+        itemsize = dtype.itemsize
+        large = [s for s, n in sizes.items() if n * itemsize >= PACK_BYTES]
+        small = [s for s, n in sizes.items() if n * itemsize < PACK_BYTES]
+        self.offset: Dict[int, int] = {}
+        pos = 0
+        for s in large + small:
+            self.offset[s] = pos
+            pos += sizes[s]
+        self.numel = pos
+        self.sizes = dict(sizes)
+        self.small = small
+        self.pack: Tuple[int, int] = (self.offset[small[0]], pos) if small else (pos, pos)
+        """Element range of the packed small slots."""
+        self.buffer = device.empty(pos, dtype)
+
+    def view(self, slot: int) -> torch.Tensor:
+        o = self.offset[slot]
+        return self.buffer[o:o + self.sizes[slot]]
+
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
 
 class HostCopy:
     """One host copy of the model's parameters and their aligned optimizer state.
 
-    Buffers are allocated on first use per (slot, state key) and reused by every later
-    checkpoint, so host memory stays at one copy of the state (plus gradients in flight).
+    ``param[si]`` and ``state[si][key]`` are flat views of slot ``si`` into the arenas; the
+    arenas are reused by every later checkpoint while the state keys and dtypes stay the same,
+    so host memory stays at one copy of the state (plus gradients in flight).
     """
 
     def __init__(self, plan: Plan, device):
         self.slots = plan.slots
         self.device = device
-        self.param: List[torch.Tensor] = [device.empty(s.numel, s.param.dtype) for s in plan.slots]
+        by_dtype: Dict[torch.dtype, Dict[int, int]] = {}
+        for si, s in enumerate(plan.slots):
+            by_dtype.setdefault(s.param.dtype, {})[si] = s.numel
+        self.param_arenas = {d: Arena(device, d, sizes) for d, sizes in by_dtype.items()}
+        self.param: List[torch.Tensor] = [self.param_arenas[s.param.dtype].view(si)
+                                          for si, s in enumerate(plan.slots)]
+        self.state_arenas: Dict[Tuple[str, torch.dtype], Arena] = {}
         self.state: List[Dict[str, torch.Tensor]] = [{} for _ in plan.slots]
         self.keys: List[tuple] = [() for _ in plan.slots]  # aligned keys of this checkpoint
+        self._key_layout: Optional[tuple] = None
 
-    def set_keys(self, slot: int, likes: Dict[str, torch.Tensor]) -> None:
-        """Declare the aligned state keys this checkpoint carries for ``slot`` (key -> a
-        tensor of the dtype its buffer needs); buffers are reused while the dtype fits."""
-        for key, like in likes.items():
-            buf = self.state[slot].get(key)
-            if buf is None or buf.dtype != like.dtype:
-                self.state[slot][key] = self.device.empty(self.slots[slot].numel, like.dtype)
-        self.keys[slot] = tuple(likes)
+    def set_keys(self, likes: Dict[int, Dict[str, torch.Tensor]]) -> None:
+        """Declare, for every slot with aligned state, its keys (key -> a tensor of the dtype
+        its buffer needs). The state arenas are laid out again only when this changes."""
+        layout = tuple(sorted((si, k, str(t.dtype)) for si, kt in likes.items()
+                              for k, t in kt.items()))
+        if layout != self._key_layout:
+            sizes: Dict[Tuple[str, torch.dtype], Dict[int, int]] = {}
+            for si in sorted(likes):
+                for key, like in likes[si].items():
+                    sizes.setdefault((key, like.dtype), {})[si] = self.slots[si].numel
+            self.state_arenas = {kd: Arena(self.device, kd[1], s) for kd, s in sizes.items()}
+            self.state = [{} for _ in self.slots]
+            for (key, _), arena in self.state_arenas.items():
+                for si in arena.offset:
+                    self.state[si][key] = arena.view(si)
+            self._key_layout = layout
+        self.keys = [tuple(likes.get(si, {})) for si in range(len(self.slots))]
+
+    def arena_of(self, si: int, key: Optional[str] = None) -> Arena:
+        """The arena holding slot ``si``'s parameter (``key`` None) or state ``key``."""
+        if key is None:
+            return self.param_arenas[self.slots[si].param.dtype]
+        return self.state_arenas[(key, self.state[si][key].dtype)]
 
     def nbytes(self) -> int:
-        total = sum(t.numel() * t.element_size() for t in self.param)
-        for st in self.state:
-            total += sum(t.numel() * t.element_size() for t in st.values())
-        return total
+        return sum(a.nbytes() for a in self.param_arenas.values()) + \
+            sum(a.nbytes() for a in self.state_arenas.values())
 
 
 class GradPool:
-    """A few full-length host gradient buffers, handed out one per recorded step and
-    returned by the replay thread once that step has been applied."""
+    """A few sets of host gradient arenas, handed out one per recorded step and returned by
+    the replay thread once that step has been applied."""
 
     SIZE = 2  # one set being filled while the replay applies the previous one
 
@@ -51,6 +109,7 @@ class GradPool:
         self.plan = plan
         self.device = device
         self._sets: List[Dict[int, torch.Tensor]] = [{} for _ in range(size)]
+        self._arenas: Dict[int, Dict[torch.dtype, Arena]] = {id(s): {} for s in self._sets}
         self._free: List[Dict[int, torch.Tensor]] = list(self._sets)
         self._cv = threading.Condition()
 
@@ -62,10 +121,20 @@ class GradPool:
             return self._free.pop()
 
     def buffer(self, bufs: Dict[int, torch.Tensor], slot: int, grad: torch.Tensor) -> torch.Tensor:
+        """Slot ``slot``'s gradient buffer in ``bufs`` (its arena allocated on first use, for
+        every optimized slot of the gradient's dtype)."""
         buf = bufs.get(slot)
-        if buf is None or buf.dtype != grad.dtype:
-            buf = bufs[slot] = self.device.empty(self.plan.slots[slot].numel, grad.dtype)
-        return buf
+        if buf is not None and buf.dtype == grad.dtype:
+            return buf
+        arenas = self._arenas[id(bufs)]
+        arena = arenas.get(grad.dtype)
+        if arena is None:
+            sizes = {si: s.numel for si, s in enumerate(self.plan.slots)
+                     if not s.static and s.param.dtype == grad.dtype}
+            sizes.setdefault(slot, self.plan.slots[slot].numel)
+            arena = arenas[grad.dtype] = Arena(self.device, grad.dtype, sizes)
+        bufs[slot] = arena.view(slot)
+        return bufs[slot]
 
     def release(self, bufs: Dict[int, torch.Tensor]) -> None:
         with self._cv:
@@ -74,5 +143,4 @@ class GradPool:
 
     def nbytes(self) -> int:
         with self._cv:
-            return sum(t.numel() * t.element_size() for b in self._sets for t in b.values())
-
+            return sum(a.nbytes() for arenas in self._arenas.values() for a in arenas.values())

@@ -1,5 +1,5 @@
-"""gockpt.capture.staging: host buffers planned once and reused; a pool of gradient buffers
-that makes the recording step wait while the replay still holds every set."""
+"""gockpt.capture.staging: host arenas planned once and reused, small slots packed; a pool of
+gradient arenas that makes the recording step wait while the replay still holds every set."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from gockpt.capture.device import HostDevice
 from gockpt.capture.plan import build_plan
-from gockpt.capture.staging import GradPool, HostCopy
+from gockpt.capture.staging import PACK_BYTES, Arena, GradPool, HostCopy
 
 
 @pytest.fixture
@@ -19,49 +19,65 @@ def plan():
     return build_plan(model, torch.optim.AdamW(model.parameters()), 64)
 
 
-def test_host_copy_has_one_flat_param_buffer_per_slot(plan):
+def test_host_copy_views_every_slot_into_one_arena_per_dtype(plan):
     host = HostCopy(plan, HostDevice())
     assert [t.numel() for t in host.param] == [s.numel for s in plan.slots]
     assert [t.dtype for t in host.param] == [s.param.dtype for s in plan.slots]
+    arena = host.param_arenas[torch.float32]
+    assert len(host.param_arenas) == 1 and arena.numel == sum(s.numel for s in plan.slots)
+    for si, view in enumerate(host.param):  # views share the arena's memory, no overlap
+        assert view.data_ptr() == arena.buffer.data_ptr() + 4 * arena.offset[si]
+    spans = sorted((arena.offset[si], arena.offset[si] + s.numel) for si, s in enumerate(plan.slots))
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert host.keys == [()] * len(plan.slots)
     assert host.nbytes() == sum(s.numel * 4 for s in plan.slots)
 
 
-def test_set_keys_reuses_buffers_across_checkpoints(plan):
+def test_small_slots_are_packed_after_the_large_ones():
+    big = torch.nn.Parameter(torch.zeros(PACK_BYTES // 4))        # exactly PACK_BYTES: large
+    small = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 7)]
+    arena = Arena(HostDevice(), torch.float32, {0: 3, 1: big.numel(), 2: 5, 3: 7})
+    assert arena.offset[1] == 0                                      # the large slot first
+    assert [arena.offset[s] for s in (0, 2, 3)] == [big.numel(), big.numel() + 3,
+                                                     big.numel() + 8]
+    assert arena.small == [0, 2, 3] and arena.pack == (big.numel(), big.numel() + 15)
+    assert len(small) == 3
+
+
+def test_set_keys_reuses_the_arenas_across_checkpoints(plan):
     host = HostCopy(plan, HostDevice())
-    like = plan.slots[0].param
-    host.set_keys(0, {"exp_avg": like, "exp_avg_sq": like})
-    first = dict(host.state[0])
+    likes = {si: {"exp_avg": s.param, "exp_avg_sq": s.param} for si, s in enumerate(plan.slots)}
+    host.set_keys(likes)
+    first = [dict(st) for st in host.state]
     size = host.nbytes()
-    host.set_keys(0, {"exp_avg": like, "exp_avg_sq": like})  # the next checkpoint
-    assert all(host.state[0][k] is first[k] for k in first)
-    assert host.nbytes() == size == sum(s.numel * 4 for s in plan.slots) + 2 * like.numel() * 4
+    host.set_keys(likes)  # the next checkpoint
+    assert all(host.state[si][k] is first[si][k] for si in likes for k in first[si])
+    assert host.nbytes() == size == 3 * sum(s.numel * 4 for s in plan.slots)
     assert host.keys[0] == ("exp_avg", "exp_avg_sq")
-    assert host.keys[1] == ()  # other slots untouched
+    assert host.arena_of(0, "exp_avg").view(0).data_ptr() == host.state[0]["exp_avg"].data_ptr()
 
 
-def test_set_keys_reallocates_only_the_key_whose_dtype_changed(plan):
+def test_set_keys_lays_out_again_when_a_dtype_changes(plan):
     host = HostCopy(plan, HostDevice())
     p = plan.slots[0].param
-    host.set_keys(0, {"exp_avg": p, "exp_avg_sq": p})
-    kept = host.state[0]["exp_avg"]
+    host.set_keys({0: {"exp_avg": p, "exp_avg_sq": p}})
     old = host.state[0]["exp_avg_sq"]
-    host.set_keys(0, {"exp_avg": p, "exp_avg_sq": p.double()})
-    assert host.state[0]["exp_avg"] is kept
+    host.set_keys({0: {"exp_avg": p, "exp_avg_sq": p.double()}})
     assert host.state[0]["exp_avg_sq"] is not old
     assert host.state[0]["exp_avg_sq"].dtype == torch.float64
     assert host.state[0]["exp_avg_sq"].numel() == p.numel()
+    assert host.keys[1] == ()  # slots without state declared carry none
 
 
 def test_set_keys_declares_only_this_checkpoints_keys(plan):
     host = HostCopy(plan, HostDevice())
     p = plan.slots[0].param
-    host.set_keys(0, {"exp_avg": p, "exp_avg_sq": p})
-    host.set_keys(0, {"momentum_buffer": p})
-    assert host.keys[0] == ("momentum_buffer",)
+    host.set_keys({0: {"exp_avg": p, "exp_avg_sq": p}})
+    host.set_keys({0: {"momentum_buffer": p}})
+    assert host.keys[0] == ("momentum_buffer",) and set(host.state[0]) == {"momentum_buffer"}
 
 
-def test_grad_pool_buffers_are_allocated_per_slot_and_reused(plan):
+def test_grad_pool_allocates_one_arena_per_set_and_reuses_it(plan):
     pool = GradPool(plan, HostDevice())
     bufs = pool.acquire()
     assert bufs == {}
@@ -69,10 +85,12 @@ def test_grad_pool_buffers_are_allocated_per_slot_and_reused(plan):
     b1 = pool.buffer(bufs, 1, g)
     assert b1.numel() == plan.slots[1].numel and b1.dtype == torch.float32
     assert pool.buffer(bufs, 1, g) is b1
-    assert pool.buffer(bufs, 1, g.double()).dtype == torch.float64
+    b0 = pool.buffer(bufs, 0, torch.ones(plan.slots[0].numel))
+    assert b0.data_ptr() != b1.data_ptr() and b0.untyped_storage().data_ptr() == \
+        b1.untyped_storage().data_ptr()  # one arena for the set
     pool.release(bufs)
     assert any(x is bufs for x in (pool.acquire(), pool.acquire()))  # back, buffers kept
-    assert bufs[1].dtype == torch.float64
+    assert bufs[1] is b1
 
 
 class ObservedCondition(threading.Condition):
@@ -114,4 +132,4 @@ def test_grad_pool_nbytes_counts_sets_in_use(plan):
     pool = GradPool(plan, HostDevice(), size=2)
     bufs = pool.acquire()
     pool.buffer(bufs, 0, plan.slots[0].param)
-    assert pool.nbytes() == plan.slots[0].numel * 4
+    assert pool.nbytes() == sum(s.numel * 4 for s in plan.slots if not s.static)

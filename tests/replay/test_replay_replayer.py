@@ -167,8 +167,9 @@ def test_a_real_record_brings_the_host_copy_to_the_next_version(replayer):
     adapter = adapter_for(opt)
     plan = build_plan(model, opt, 64)
     host = HostCopy(plan, HostDevice())
+    host.set_keys({si: {k: s.param for k in adapter.state_keys}
+                   for si, s in enumerate(plan.slots)})
     for si, s in enumerate(plan.slots):
-        host.set_keys(si, {k: s.param for k in adapter.state_keys})
         host.param[si].copy_(flat(s.param))
         for k in adapter.state_keys:
             host.state[si][k].zero_()

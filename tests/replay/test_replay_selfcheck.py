@@ -29,8 +29,8 @@ def rig():
     opt.step()
     plan = build_plan(model, opt, 64)  # 16 elements per block
     host = HostCopy(plan, HostDevice())
+    host.set_keys({si: {k: s.param for k in KEYS} for si, s in enumerate(plan.slots)})
     for si, s in enumerate(plan.slots):
-        host.set_keys(si, {k: s.param for k in KEYS})
         # the host copy holds exactly the live state: what a correct replay produces
         host.param[si].copy_(flat(s.param))
         for k in KEYS:
