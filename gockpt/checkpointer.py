@@ -265,10 +265,11 @@ class Checkpointer:
         groups = self.plan.groups(k)
         k = len(groups)
         job = Job(step, k, self.loop.boundary, groups, self.config.mode,
-                  _checkpoint_path(self.config.directory, step + k - 1), host=self.host)
+                  _checkpoint_path(self.config.directory, step + k - 1), host=self.host,
+                  plan=self.plan)
         job.on_fail = self._on_job_failed
         if not self.ranks.several and self.policy.streams:
-            job.on_final = self.persister.block_final
+            job.on_final = self.persister.blocks_final
         job.metrics.add_blocked("save_checkpoint_busy_wait", waited)
         self.capture.declare_state_keys(self.host)
         job.metrics.state_bytes = self.capture.state_bytes(self.host)

@@ -108,13 +108,15 @@ class StreamBook:
     """Blocks at F that reached it before the writer opened."""
     entered: bool = False
     """The persist step has started (it runs once)."""
+    layout: object = None
+    """Which stored tensor holds which host range (gockpt.storage.layout.StoredLayout)."""
 
 
 class Job:
     """Book-keeping of one checkpoint (created and driven by the Checkpointer)."""
 
     def __init__(self, start_step: int, k: int, start_boundary: int, groups, mode: str,
-                 path: str, host=None):
+                 path: str, host=None, plan=None):
         self.k = k
         self.start_boundary = start_boundary
         self.f_boundary = start_boundary + k - 1
@@ -124,14 +126,16 @@ class Job:
         self.handle = CheckpointHandle(start_step + k - 1, path)
         self.metrics = metrics_mod.CheckpointMetrics(start_step, start_step + k - 1, mode, k)
         self.host = host
+        self.plan = plan
+        """The plan this checkpoint was started with (a re-plan affects later ones only)."""
         self.capture = CaptureBook(groups)
         self.stream = StreamBook()
         self.accounts_closed = threading.Event()
         """Set once no hook will charge blocked time to this job any more: its metrics are
         final (the persister waits for it before committing them)."""
         self.on_fail: Optional[Callable[["Job"], None]] = None
-        self.on_final: Optional[Callable[["Job", Block], None]] = None
-        """Called with each block as it reaches F (streaming persistence), if set."""
+        self.on_final: Optional[Callable[["Job", List[Block]], None]] = None
+        """Called with blocks as they reach F (streaming persistence), if set."""
 
     # ------------------------------------------------------------------ the window
 

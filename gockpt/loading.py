@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from . import storage
+from .capture.plan import memory_order
 from .storage import manifest as manifest_mod
 from .capture import smallstate
 from .errors import CorruptCheckpointError, GockptError, LoadError
@@ -52,7 +53,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     path, manifest = manifest_mod.read(path, rank, live_world)
     target = model.state_dict()
     expected = manifest.model.expected()
-    _check_params(path, target, expected, manifest.tensors)
+    _check_params(path, target, expected, manifest)
 
     # Small state first (cheap): the model's buffers must fit before any parameter is read.
     tensors = storage.read_tensors(path, manifest,
@@ -61,7 +62,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     model_small = _check_small(path, manifest, tensors, target, expected, optimizer)
     _read_params(path, manifest, tensors, target, verify)
     try:
-        sd = {name: tensors[tname] for name, tname in expected.items()}
+        sd = {name: ref.resolve(tensors) for name, ref in expected.items()}
         sd.update(model_small)
         model.load_state_dict(sd)
         if optimizer is not None:
@@ -108,14 +109,15 @@ def _read_params(path, manifest, tensors, target, verify) -> None:
     """Read every large tensor; parameters straight into the model's (CPU) tensors: names,
     dtypes and shapes were validated, so only a checksum failure can interrupt a read."""
     direct = {}
-    for name, tname in manifest.model.params.items():
+    for name, ref in manifest.model.params.items():
         t = target.get(name)
-        if t is None:
+        if t is None or ref.shape is not None:  # packed: read with its pack
             continue
-        if t.device.type == "cpu" and t.is_contiguous():
-            direct[tname] = t
+        if t.device.type == "cpu" and memory_order(t) == ref.dims:
+            direct[ref.tensor] = t.permute(ref.dims) if ref.dims else t  # contiguous
         elif t.device.type == "cuda":  # pinned staging: the copy to the GPU is a fast DMA
-            direct[tname] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            shape = manifest.tensors[ref.tensor]["shape"]
+            direct[ref.tensor] = torch.empty(shape, dtype=t.dtype, pin_memory=True)
     try:
         tensors.update(storage.read_tensors(
             path, manifest, [n for n in manifest.tensors if n not in tensors],
@@ -126,19 +128,17 @@ def _read_params(path, manifest, tensors, target, verify) -> None:
             "checkpoint (gockpt.load(..., tag=...)) before training on") from exc
 
 
-def _check_params(path, target, expected, entries) -> None:
-    for name, tname in expected.items():
+def _check_params(path, target, expected, manifest) -> None:
+    """Names, shapes and dtypes of the parameters, from the manifest alone."""
+    for name, ref in expected.items():
         if name not in target:
             raise LoadError(f"{path}: the checkpoint has parameter {name!r} that the model "
                             "does not have; load into a model of the same architecture")
-        entry = entries.get(tname)
-        if entry is None:
-            raise LoadError(f"{path}: manifest names tensor {tname!r} for {name!r} but has no "
-                            "such tensor")
-        want = target[name]
-        if list(want.shape) != list(entry["shape"]):
-            raise LoadError(f"{path}: parameter {name!r} has shape {list(entry['shape'])} in "
-                            f"the checkpoint but {list(want.shape)} in the model")
+        entry = manifest.tensors[ref.tensor]  # every reference was checked on reading
+        want, shape = target[name], list(manifest.logical_shape(ref))
+        if list(want.shape) != shape:
+            raise LoadError(f"{path}: parameter {name!r} has shape {shape} in the checkpoint "
+                            f"but {list(want.shape)} in the model")
         if storage.DTYPE_TO_CODE.get(want.dtype) != entry["dtype"]:
             raise LoadError(f"{path}: parameter {name!r} is {entry['dtype']} in the checkpoint "
                             f"but {want.dtype} in the model")

@@ -88,7 +88,7 @@ class FakePersister:
     def persist(self, job):
         self.log.append(("persist inline",))
 
-    def block_final(self, job, block):
+    def blocks_final(self, job, blocks):
         pass
 
 
@@ -101,7 +101,7 @@ def make(mode="gockpt-o", k=3, fail=None, start=5):
                     lambda step: f"/ck/step-{step}")
     job = Job(start, k, start, [[] for _ in range(k)], mode, "/ck/p")
     if config.policy.streams:
-        job.on_final = persister.block_final
+        job.on_final = persister.blocks_final
     return pipe, job, log
 
 

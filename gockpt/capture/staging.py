@@ -3,7 +3,8 @@ holding every slot back to back (the parameters; each aligned optimizer state ke
 gradients in flight), so that copies, replays and writes work on few large ranges.
 
 Within an arena, large slots come first and the small ones (under ``PACK_BYTES``) after them,
-contiguous: storage writes all small slots of an arena as one packed tensor.
+contiguous: when there are many (``PACK_MIN_COUNT``), storage writes them as one packed tensor
+instead of one aligned tensor each.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import torch
 
 from .plan import Plan
 
-#: Slots smaller than this are packed together (one stored tensor per arena, one write).
+#: Slots smaller than this are packed together (one stored tensor per arena, one write) ...
 PACK_BYTES = 64 << 10
+#: ... when an arena has at least this many of them (fewer cost nothing worth packing).
+PACK_MIN_COUNT = 32
 
 
 class Arena:
@@ -26,8 +29,10 @@ class Arena:
         """``sizes``: slot -> numel, in slot order (large slots placed first)."""
         self.dtype = dtype
         itemsize = dtype.itemsize
-        large = [s for s, n in sizes.items() if n * itemsize >= PACK_BYTES]
         small = [s for s, n in sizes.items() if n * itemsize < PACK_BYTES]
+        if len(small) < PACK_MIN_COUNT:
+            small = []
+        large = [s for s in sizes if s not in set(small)]
         self.offset: Dict[int, int] = {}
         pos = 0
         for s in large + small:

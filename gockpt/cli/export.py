@@ -55,7 +55,8 @@ def model_state(path: str, m: Manifest, tensors: dict) -> tuple:
     """(state_dict, tied aliases) of the model; tied names share their canonical tensor."""
     try:
         small = m.small.decode("model", tensors)
-        values = {name: tensors[tname] for name, tname in m.model.expected().items()}
+        values = {name: ref.resolve(tensors) for name, ref in m.model.params.items()}
+        values.update({a: values[c] for a, c in m.model.aliases.items()})  # tied: one tensor
     except (KeyError, TypeError, ValueError) as exc:
         raise BadCheckpoint(f"{path}: manifest has no usable model section ({one_line(exc)}); "
                             "is this a checkpoint written by gockpt.Checkpointer?") from None

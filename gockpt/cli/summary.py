@@ -10,7 +10,7 @@ from typing import List, Optional
 import torch
 
 from .. import storage
-from ..storage.manifest import Manifest, optim_tensor
+from ..storage.manifest import Manifest
 from ..storage.verify import Part, world_size_problems
 from .common import disk_usage, human, iso, mtime, one_line, select_part
 
@@ -152,7 +152,9 @@ def _add_part(total: dict, name: str, ps: dict, n_tensors: int) -> None:
 
 
 def _model_info(m: Manifest, problems: list) -> dict:
-    params = [t for t in m.model.params.values() if t in m.tensors]
+    params = [r for r in m.model.params.values() if r.tensor in m.tensors]
+    itemsize = {r: m.tensors[r.tensor]["nbytes"] // max(1, math.prod(m.tensors[r.tensor]["shape"]))
+                for r in params}
     try:
         buffers = _decode_meta(m, "model")
         buffer_names = list(buffers) if isinstance(buffers, dict) else []
@@ -160,8 +162,8 @@ def _model_info(m: Manifest, problems: list) -> dict:
         buffer_names = []
         problems.append(f"small/model: {one_line(exc)}")
     return {"params": len(m.model.params),
-            "param_elements": sum(math.prod(m.tensors[t]["shape"]) for t in params),
-            "param_bytes": sum(m.tensors[t]["nbytes"] for t in params),
+            "param_elements": sum(math.prod(_shape(m, r)) for r in params),
+            "param_bytes": sum(math.prod(_shape(m, r)) * itemsize[r] for r in params),
             "buffers": buffer_names, "aliases": dict(m.model.aliases)}
 
 
@@ -169,8 +171,8 @@ def _optimizer_info(m: Manifest, problems: list) -> Optional[dict]:
     opt = m.optimizer
     if opt is None:
         return None
-    info = {"class": opt.cls, "aligned_state": sorted({k for ks in opt.aligned.values()
-                                                        for k in ks}),
+    info = {"class": opt.cls, "aligned_state": sorted({k for refs in opt.aligned.values()
+                                                        for k in refs}),
             "aligned_params": len(opt.aligned)}
     try:
         osd = _decode_meta(m, "optimizer")
@@ -217,24 +219,38 @@ def _roles(m: Manifest) -> dict:
     roles, tied = {}, {}
     for alias, canon in m.model.aliases.items():
         tied.setdefault(canon, []).append(alias)
-    for name, tname in m.model.params.items():
+    for name, ref in m.model.params.items():
         extra = f" (tied: {', '.join(tied[name])})" if name in tied else ""
-        roles[tname] = f"param {name}{extra}"
+        _add_role(roles, ref, f"param {name}{extra}")
     for section, label in _SMALL_LABELS:
         for key, where in m.small.tensor_refs(section).items():
             roles[key] = f"{label} {where}".rstrip()
     # Optimizer index i is the i-th planned parameter (the plan lists the optimizer's
     # parameters first, in order); shown only where the shapes agree.
     names = list(m.model.params)
-    for idx, keys in (m.optimizer.aligned if m.optimizer else {}).items():
-        for key in keys:
-            tname = optim_tensor(idx, key)
+    for idx, refs in (m.optimizer.aligned if m.optimizer else {}).items():
+        for key, ref in refs.items():
             role = f"optimizer state[{idx}][{key!r}]"
             try:
                 pname = names[idx]
-                if m.tensors[m.model.params[pname]]["shape"] == m.tensors[tname]["shape"]:
+                if _shape(m, m.model.params[pname]) == _shape(m, ref):
                     role += f" of {pname}"
             except (IndexError, KeyError):
                 pass
-            roles[tname] = role
+            _add_role(roles, ref, role)
     return roles
+
+
+def _shape(m: Manifest, ref) -> tuple:
+    """The logical shape ``ref`` refers to (KeyError if its tensor is not stored)."""
+    return tuple(m.logical_shape(ref))
+
+
+def _add_role(roles: dict, ref, role: str) -> None:
+    """What stored tensor ``ref.tensor`` holds; a pack holds several, counted."""
+    if ref.shape is None:
+        roles[ref.tensor] = role
+        return
+    count = roles.get(ref.tensor, "pack of 0 small tensors")
+    n = int(count.split()[2]) + 1 if count.startswith("pack of ") else 1
+    roles[ref.tensor] = f"pack of {n} small tensors"

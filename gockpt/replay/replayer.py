@@ -54,8 +54,8 @@ class Replayer:
                     t0 = time.perf_counter()
                     for block in record.blocks:
                         self.adapter.apply(record, block, job.host, self.threads)
-                        if record.final and job.on_final is not None:
-                            job.on_final(job, block)  # at F: may be written right away
+                    if record.final and job.on_final is not None:
+                        job.on_final(job, record.blocks)  # at F: may be written right away
                     job.metrics.replay_s += time.perf_counter() - t0
             except BaseException as exc:
                 job.fail(exc)

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CorruptCheckpointError, LoadError
 from . import tree
+from .refs import TensorRef
 
 # ------------------------------------------------------------------ stored tensor names
 
@@ -75,13 +76,13 @@ def check_part_name(path: str, name) -> str:
 class ModelSection:
     """Where the model's parameters are stored."""
 
-    params: Dict[str, str]
-    """``state_dict`` name of each planned parameter -> stored tensor name."""
+    params: Dict[str, TensorRef]
+    """``state_dict`` name of each planned parameter -> where it is stored."""
     aliases: Dict[str, str] = field(default_factory=dict)
     """Extra ``state_dict`` names of tied parameters -> their canonical name."""
 
-    def expected(self) -> Dict[str, str]:
-        """Every ``state_dict`` name the parameters answer to (aliases included) -> tensor."""
+    def expected(self) -> Dict[str, TensorRef]:
+        """Every ``state_dict`` name the parameters answer to (aliases included) -> ref."""
         out = dict(self.params)
         out.update({alias: self.params[name] for alias, name in self.aliases.items()
                     if name in self.params})
@@ -94,8 +95,9 @@ class OptimizerSection:
 
     cls: str
     """Class name of the optimizer that was checkpointed."""
-    aligned: Dict[int, List[str]] = field(default_factory=dict)
-    """Optimizer state index -> keys stored as tensors of the parameter's shape."""
+    aligned: Dict[int, Dict[str, TensorRef]] = field(default_factory=dict)
+    """Optimizer state index -> key -> where that state tensor (of the parameter's shape) is
+    stored."""
 
 
 class _Absent:
@@ -158,12 +160,13 @@ class Manifest:
         out = {"step": self.step, "start_step": self.start_step, "mode": self.mode,
                "overlap_steps": self.overlap_steps, "rank": self.rank,
                "world_size": self.world_size,
-               "model": {"params": dict(self.model.params), "aliases": dict(self.model.aliases)},
+               "model": {"params": {n: r.to_json() for n, r in self.model.params.items()},
+                         "aliases": dict(self.model.aliases)},
                "small": asdict(self.small), "metrics": dict(self.metrics)}
         if self.optimizer is not None:
             out["optimizer"] = {"class": self.optimizer.cls,
-                                "aligned": {str(i): list(k)
-                                            for i, k in self.optimizer.aligned.items()}}
+                                "aligned": {str(i): {k: r.to_json() for k, r in refs.items()}
+                                            for i, refs in self.optimizer.aligned.items()}}
         return out
 
     @classmethod
@@ -182,8 +185,8 @@ class Manifest:
         if not isinstance(data.get("mode"), str):
             raise bad("'mode' is missing")
         model = data.get("model")
-        if not isinstance(model, dict) or not _str_map(model.get("params")) \
-                or not _str_map(model.get("aliases", {})):
+        params = _refs(model.get("params")) if isinstance(model, dict) else None
+        if params is None or not _str_map(model.get("aliases", {})):
             raise bad("the 'model' section is missing or malformed")
         small = data.get("small")
         if not isinstance(small, dict) or any(s not in small for s in SMALL_SECTIONS):
@@ -201,11 +204,29 @@ class Manifest:
         metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else {}
         return cls(step=data["step"], start_step=data["start_step"], mode=data["mode"],
                    overlap_steps=data["overlap_steps"],
-                   model=ModelSection(dict(model["params"]), dict(model.get("aliases", {}))),
+                   model=ModelSection(params, dict(model.get("aliases", {}))),
                    small=SmallSection(**{s: small[s] for s in SMALL_SECTIONS}),
                    optimizer=optimizer, rank=data.get("rank", 0),
                    world_size=data.get("world_size", 1), metrics=metrics,
-                   tensors=data.get("tensors", {}))
+                   tensors=data.get("tensors", {}))._checked(bad)
+
+    def _checked(self, bad) -> "Manifest":
+        """Every reference must point into a stored tensor, within its bounds."""
+        refs = [(f"parameter {n!r}", r) for n, r in self.model.params.items()]
+        for idx, by_key in (self.optimizer.aligned if self.optimizer else {}).items():
+            refs += [(f"optimizer state [{idx}][{k!r}]", r) for k, r in by_key.items()]
+        for what, ref in refs:
+            entry = self.tensors.get(ref.tensor)
+            if entry is None:
+                raise bad(f"{what} refers to tensor {ref.tensor!r}, which is not stored")
+            problem = ref.check(entry["shape"])
+            if problem:
+                raise bad(f"{what}: reference into {ref.tensor!r}: {problem}")
+        return self
+
+    def logical_shape(self, ref: TensorRef) -> Tuple[int, ...]:
+        """The shape of the tensor ``ref`` refers to (from the tensor table, nothing read)."""
+        return ref.logical_shape(self.tensors[ref.tensor]["shape"])
 
     @classmethod
     def tolerant(cls, data: dict) -> "Manifest":
@@ -219,13 +240,13 @@ class Manifest:
         def get(section) -> dict:
             return data.get(section) if isinstance(data.get(section), dict) else {}
 
-        params, aliases = get("model").get("params"), get("model").get("aliases", {})
+        params, aliases = _refs(get("model").get("params")), get("model").get("aliases", {})
         opt = data.get("optimizer")
         optimizer = None if not isinstance(opt, dict) else OptimizerSection(
             opt.get("class") or "", _aligned(opt.get("aligned") or {}) or {})
         scalars = ("step", "start_step", "mode", "overlap_steps", "rank", "world_size")
         return cls(**{k: data.get(k) for k in scalars},
-                   model=ModelSection(dict(params) if _str_map(params) else {},
+                   model=ModelSection(params or {},
                                       dict(aliases) if _str_map(aliases) else {}),
                    small=SmallSection(**{s: get("small").get(s, ABSENT) for s in SMALL_SECTIONS}),
                    optimizer=optimizer, tensors=data.get("tensors", {}),
@@ -253,9 +274,10 @@ class Manifest:
                                 f"{len(small['param_groups'])} / {n_saved}")
         state = small["state"]
         if aligned and opt is not None:
-            for idx, keys in opt.aligned.items():
-                for key in keys:
-                    state.setdefault(idx, {})[key] = tensors[optim_tensor(idx, key)]
+            for idx, refs in opt.aligned.items():
+                for key, ref in refs.items():
+                    t = ref.resolve(tensors)  # a packed one gets storage of its own
+                    state.setdefault(idx, {})[key] = t if ref.shape is None else t.clone()
         return {"state": state, "param_groups": small["param_groups"]}
 
 
@@ -315,13 +337,29 @@ def _is_index(x) -> bool:
     return isinstance(x, str) and x.isascii() and x.isdigit() or _is_int(x)
 
 
-def _aligned(x) -> Optional[Dict[int, List[str]]]:
-    """An optimizer section's ``aligned`` map with int indices; None if malformed."""
-    if not isinstance(x, dict) or not all(_is_index(i) and isinstance(k, list)
-                                          and all(isinstance(s, str) for s in k)
-                                          for i, k in x.items()):
+def _aligned(x) -> Optional[Dict[int, Dict[str, TensorRef]]]:
+    """An optimizer section's ``aligned`` map with int indices; None if malformed. The format
+    of earlier checkpoints lists only the keys, stored under :func:`optim_tensor` names."""
+    if not isinstance(x, dict) or not all(_is_index(i) for i in x):
         return None
-    return {int(i): list(k) for i, k in x.items()}
+    out = {}
+    for i, keys in x.items():
+        if isinstance(keys, list) and all(isinstance(k, str) for k in keys):
+            out[int(i)] = {k: TensorRef(optim_tensor(int(i), k)) for k in keys}
+        else:
+            refs = _refs(keys)
+            if refs is None:
+                return None
+            out[int(i)] = refs
+    return out
+
+
+def _refs(x) -> Optional[Dict[str, TensorRef]]:
+    """A map of names to references; None if malformed."""
+    if not isinstance(x, dict):
+        return None
+    out = {k: TensorRef.from_json(v) for k, v in x.items() if isinstance(k, str)}
+    return None if len(out) != len(x) or None in out.values() else out
 
 
 def _tensor_refs(encoded, path: str, out: dict) -> dict:

@@ -7,7 +7,7 @@ One background thread ("gockpt-persist") takes three kinds of work, in order, pe
     persist    every block is at F and self-checked: write what is left, fsync, commit
 
 Streaming (single rank): blocks are written as they reach F -- the last group when it is
-captured, the others as the replay of step F finishes each of them (:meth:`block_final`, on the
+captured, the others as the replay of step F finishes them (:meth:`blocks_final`, on the
 replay thread); whatever is left (e.g. a step F skipped by GradScaler) is written at commit
 time. ``sync`` mode persists inline (:meth:`persist`), inside ``save_checkpoint``.
 
@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -31,8 +31,8 @@ from ..errors import GockptError, StorageError
 from ..job import Job
 from .commit import apply_retention
 from .format import checkpoint_name
-from .manifest import (Manifest, ModelSection, OptimizerSection, PartsManifest, optim_tensor,
-                       param_tensor, part_name)
+from .layout import StoredLayout, stored_layout
+from .manifest import Manifest, ModelSection, OptimizerSection, PartsManifest, part_name
 from .ranks import Ranks
 from .writer import CheckpointWriter
 
@@ -90,33 +90,25 @@ class Persister:
 
     # ------------------------------------------------------------------ streaming
 
-    def _slot_tensors(self, job: Job, si: int) -> Iterator[Tuple[str, torch.Tensor]]:
-        """(stored name, flat host buffer) of slot ``si``: its parameter and the aligned
-        optimizer state it has at F. The one place that names the stored tensors."""
-        s = self.plan.slots[si]
-        yield param_tensor(s.name), job.host.param[si]
-        for key in (() if s.static else job.capture.aligned.get(s.opt_index, ())):
-            yield optim_tensor(s.opt_index, key), job.host.state[si][key]
+    def _layout(self, job: Job) -> StoredLayout:
+        """The stored tensors of ``job`` (known once the aligned state at F is)."""
+        if job.stream.layout is None:
+            job.stream.layout = stored_layout(job.plan, job.host, job.capture.aligned)
+        return job.stream.layout
 
     def _host_tensors(self, job: Job) -> Dict[str, torch.Tensor]:
         """Every tensor of this process's checkpoint, shaped as stored."""
-        tensors = {}
-        for si, s in enumerate(self.plan.slots):
-            for name, buf in self._slot_tensors(job, si):
-                tensors[name] = buf.view(s.param.shape)
+        tensors = {name: st.view() for name, st in self._layout(job).tensors.items()}
         tensors.update(job.capture.small_tensors)
         return tensors
 
-    def _layout(self, job: Job) -> Dict[str, tuple]:
-        return {name: (t.dtype, tuple(t.shape)) for name, t in self._host_tensors(job).items()}
-
-    def _write_block(self, job: Job, b: Block) -> None:
-        """Queue block ``b`` (caller holds ``job.stream.lock``; writer open)."""
-        if b in job.stream.written:
-            return
-        job.stream.written.add(b)
-        for name, buf in self._slot_tensors(job, b.slot):
-            job.stream.writer.write(name, buf[b.start:b.end], start=b.start)
+    def _write_blocks(self, job: Job, blocks) -> None:
+        """Queue ``blocks`` not written yet, as few ranges as possible (caller holds
+        ``job.stream.lock``; writer open)."""
+        new = [b for b in dict.fromkeys(blocks) if b not in job.stream.written]
+        job.stream.written.update(new)
+        for name, start, data in self._layout(job).ranges(new):
+            job.stream.writer.write(name, data, start=start)
 
     def _open_writer(self, job: Job) -> None:
         if job.error is not None or job.dropped:
@@ -125,7 +117,8 @@ class Persister:
             writer = self.new_writer(self.config.directory,
                                               checkpoint_name(job.handle.final_step))
             try:
-                writer.begin(self._layout(job))
+                writer.begin({name: (t.dtype, tuple(t.shape))
+                              for name, t in self._host_tensors(job).items()})
                 for name, t in job.capture.small_tensors.items():
                     writer.write(name, t)
             except BaseException:
@@ -133,8 +126,7 @@ class Persister:
                 raise
             with job.stream.lock:
                 job.stream.writer = writer
-                for b in job.stream.waiting:
-                    self._write_block(job, b)
+                self._write_blocks(job, job.stream.waiting)
         except BaseException as exc:
             job.fail(exc if isinstance(exc, GockptError) else StorageError(
                 f"opening the checkpoint of step {job.handle.final_step} in "
@@ -146,27 +138,24 @@ class Persister:
             if job.stream.writer is None or job.error is not None:
                 return
             try:
-                for b in job.capture.groups[-1]:
-                    self._write_block(job, b)
-                for b in job.capture.captured:
-                    if self.plan.slots[b.slot].static:
-                        self._write_block(job, b)
+                self._write_blocks(job, job.capture.groups[-1] + [
+                    b for b in job.capture.captured if job.plan.slots[b.slot].static])
             except BaseException as exc:
                 err = exc
             else:
                 return
         job.fail(self._storage_error(job, err))
 
-    def block_final(self, job: Job, block: Block) -> None:
-        """Replay thread: ``block`` has reached version F."""
+    def blocks_final(self, job: Job, blocks: List[Block]) -> None:
+        """Replay thread: ``blocks`` have reached version F."""
         with job.stream.lock:
             if job.stream.writer is None:
-                job.stream.waiting.append(block)
+                job.stream.waiting.extend(blocks)
                 return
             if job.error is not None:
                 return
             try:
-                self._write_block(job, block)
+                self._write_blocks(job, blocks)
                 return
             except BaseException as exc:
                 err = exc
@@ -230,8 +219,7 @@ class Persister:
         try:
             if job.stream.writer is writer and writer is not None:
                 with job.stream.lock:  # streamed: write only what is left
-                    for b in job.capture.captured:
-                        self._write_block(job, b)
+                    self._write_blocks(job, job.capture.captured)
                 writer.finish()
             else:
                 writer.write_tensors(self._host_tensors(job))
@@ -247,9 +235,8 @@ class Persister:
             manifest = Manifest(
                 step=job.handle.final_step, start_step=m.start_step, mode=self.config.mode,
                 overlap_steps=job.k, rank=self.ranks.rank, world_size=self.ranks.world_size,
-                model=ModelSection({s.name: param_tensor(s.name) for s in self.plan.slots},
-                                   self.plan.aliases),
-                optimizer=OptimizerSection(self.optimizer_class, dict(job.capture.aligned)),
+                model=ModelSection(self._layout(job).param_refs, job.plan.aliases),
+                optimizer=OptimizerSection(self.optimizer_class, self._layout(job).state_refs),
                 small=job.capture.small, metrics=m.to_dict())
             t_commit = time.perf_counter()
             path = writer.commit(manifest.to_json(), update_latest=update_latest)

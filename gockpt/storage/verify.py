@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from .commit import is_committed, list_checkpoints, resolve
-from .manifest import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor, optim_tensor, parts_of
+from .manifest import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor, parts_of
 from .reader import read_manifest, read_tensors
 
 __all__ = ["verify", "VerifyReport", "CheckpointReport", "PartReport", "BadTensor",
@@ -247,13 +247,13 @@ def _verify_tensors(path: str, m: Manifest, report: CheckpointReport) -> dict:
 def _reference_problems(m: Manifest) -> List[str]:
     """Parameters, tied aliases and optimizer state that name tensors or parameters that the
     checkpoint does not have."""
-    problems = [f"parameter {p!r} refers to missing tensor {t!r}"
-                for p, t in m.model.params.items() if t not in m.tensors]
+    problems = [f"parameter {p!r} refers to missing tensor {r.tensor!r}"
+                for p, r in m.model.params.items() if r.tensor not in m.tensors]
     problems += [f"tied alias {a!r} refers to unknown parameter {c!r}"
                  for a, c in m.model.aliases.items() if c not in m.model.params]
-    for idx, keys in (m.optimizer.aligned if m.optimizer else {}).items():
-        problems += [f"optimizer state refers to missing tensor {optim_tensor(idx, k)!r}"
-                     for k in keys if optim_tensor(idx, k) not in m.tensors]
+    for idx, refs in (m.optimizer.aligned if m.optimizer else {}).items():
+        problems += [f"optimizer state refers to missing tensor {r.tensor!r}"
+                     for r in refs.values() if r.tensor not in m.tensors]
     return problems
 
 

@@ -10,7 +10,7 @@ import torch
 
 from gockpt.capture.device import HostDevice
 from gockpt.capture.plan import build_plan
-from gockpt.capture.staging import PACK_BYTES, Arena, GradPool, HostCopy
+from gockpt.capture.staging import PACK_BYTES, PACK_MIN_COUNT, Arena, GradPool, HostCopy
 
 
 @pytest.fixture
@@ -33,15 +33,19 @@ def test_host_copy_views_every_slot_into_one_arena_per_dtype(plan):
     assert host.nbytes() == sum(s.numel * 4 for s in plan.slots)
 
 
-def test_small_slots_are_packed_after_the_large_ones():
-    big = torch.nn.Parameter(torch.zeros(PACK_BYTES // 4))        # exactly PACK_BYTES: large
-    small = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 7)]
-    arena = Arena(HostDevice(), torch.float32, {0: 3, 1: big.numel(), 2: 5, 3: 7})
-    assert arena.offset[1] == 0                                      # the large slot first
-    assert [arena.offset[s] for s in (0, 2, 3)] == [big.numel(), big.numel() + 3,
-                                                     big.numel() + 8]
-    assert arena.small == [0, 2, 3] and arena.pack == (big.numel(), big.numel() + 15)
-    assert len(small) == 3
+def test_many_small_slots_are_packed_after_the_large_ones():
+    big = PACK_BYTES // 4                                  # exactly PACK_BYTES: a large slot
+    sizes = {0: 3, 1: big, **{s: 5 for s in range(2, PACK_MIN_COUNT + 1)}}
+    arena = Arena(HostDevice(), torch.float32, sizes)
+    assert arena.offset[1] == 0                            # the large slot first
+    assert arena.offset[0] == big and arena.offset[2] == big + 3 and arena.offset[3] == big + 8
+    small = [0] + list(range(2, PACK_MIN_COUNT + 1))
+    assert arena.small == small and arena.pack == (big, big + 3 + 5 * (PACK_MIN_COUNT - 1))
+
+
+def test_a_few_small_slots_stay_apart():
+    arena = Arena(HostDevice(), torch.float32, {0: 3, 1: PACK_BYTES // 4, 2: 5})
+    assert arena.small == [] and arena.offset == {0: 0, 1: 3, 2: 3 + PACK_BYTES // 4}
 
 
 def test_set_keys_reuses_the_arenas_across_checkpoints(plan):

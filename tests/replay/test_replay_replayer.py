@@ -140,13 +140,13 @@ def test_blocks_of_the_final_step_are_handed_on_as_they_reach_F(replayer):
     ad = LogAdapter()
     rep = replayer(ad)
     job, released, finals = new_job(), [], []
-    job.on_final = lambda j, b: finals.append((b, len(ad.log)))
+    job.on_final = lambda j, bs: finals.append((list(bs), len(ad.log)))
     rep.submit(record(1, blocks(0), released), job)
     rep.submit(record(2, blocks(1), released, final=True), job)
     _, done = barrier_event(rep, ad.log)
     assert done.wait(30)
-    # each final block right after its own replay, none of the earlier step
-    assert finals == [(b, 3 + i + 1) for i, b in enumerate(blocks(1))]
+    # the final step's blocks together, once replayed; none of the earlier step
+    assert finals == [(blocks(1), 6)]
 
 
 def test_close_finishes_queued_work_and_joins(replayer):

@@ -14,32 +14,86 @@ from gockpt.errors import CorruptCheckpointError, LoadError
 from gockpt.storage import CheckpointWriter, manifest as M, tree
 
 
+# What the storage layer's tensor table says of the stored tensors the sample refers to.
+ENTRIES = {name: {"shape": shape, "dtype": "F32"} for name, shape in (
+    ("model/a.weight", [2, 3]), ("model/a.bias", [2]), ("optim/0/exp_avg", [2, 3]),
+    ("optim/0/exp_avg_sq", [2, 3]), ("pack/model/F32", [20]))}
+
+
+def ref(name, *a, **k):
+    return M.TensorRef(name, *a, **k)
+
+
 def sample_manifest(**kw):
     fields = dict(
         step=7, start_step=5, mode="gockpt-o", overlap_steps=3, rank=0, world_size=1,
-        model=M.ModelSection({"a.weight": "model/a.weight", "a.bias": "model/a.bias"},
+        model=M.ModelSection({"a.weight": ref("model/a.weight"), "a.bias": ref("model/a.bias"),
+                              "c.weight": ref("pack/model/F32", 4, (2, 3), (1, 0))},
                              {"b.weight": "a.weight"}),
         small=M.SmallSection(model={"x": 1}, optimizer={"state": {}, "param_groups": []},
                              scheduler=None, rng={"__t": "tensor", "k": "small/rng/0"},
                              extra_state=[1, "two"]),
-        optimizer=M.OptimizerSection("AdamW", {0: ["exp_avg", "exp_avg_sq"], 1: []}),
-        metrics={"blocked_s": 0.5})
+        optimizer=M.OptimizerSection("AdamW", {0: {"exp_avg": ref("optim/0/exp_avg"),
+                                                   "exp_avg_sq": ref("optim/0/exp_avg_sq")},
+                                               1: {}}),
+        metrics={"blocked_s": 0.5}, tensors=ENTRIES)
     fields.update(kw)
     return M.Manifest(**fields)
+
+
+def as_read(m):
+    """``m`` as read back: its JSON plus the tensor table the storage writer adds."""
+    return dict(copy.deepcopy(m.to_json()), tensors=copy.deepcopy(m.tensors))
 
 
 def test_to_json_from_json_round_trip():
     m = sample_manifest()
     data = m.to_json()
-    assert data["optimizer"]["aligned"] == {"0": ["exp_avg", "exp_avg_sq"], "1": []}  # JSON keys
-    back = M.Manifest.from_json("ck", copy.deepcopy(data))
+    assert data["optimizer"]["aligned"] == {  # JSON keys; plain references are names
+        "0": {"exp_avg": "optim/0/exp_avg", "exp_avg_sq": "optim/0/exp_avg_sq"}, "1": {}}
+    assert data["model"]["params"]["c.weight"] == {"tensor": "pack/model/F32", "offset": 4,
+                                                   "shape": [2, 3], "dims": [1, 0]}
+    back = M.Manifest.from_json("ck", as_read(m))
     assert back == m
-    assert back.model.expected() == {"a.weight": "model/a.weight", "a.bias": "model/a.bias",
-                                     "b.weight": "model/a.weight"}
+    assert back.model.expected()["b.weight"] == ref("model/a.weight")
+    assert back.logical_shape(back.model.params["c.weight"]) == (2, 3)
+
+
+def test_from_json_reads_the_earlier_format():
+    data = as_read(sample_manifest())
+    data["model"]["params"] = {"a.weight": "model/a.weight"}
+    data["optimizer"]["aligned"] = {"0": ["exp_avg", "exp_avg_sq"]}  # keys: implied names
+    back = M.Manifest.from_json("ck", data)
+    assert back.model.params == {"a.weight": ref("model/a.weight")}
+    assert back.optimizer.aligned == {0: {"exp_avg": ref("optim/0/exp_avg"),
+                                          "exp_avg_sq": ref("optim/0/exp_avg_sq")}}
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("model/missing", "refers to tensor 'model/missing', which is not stored"),
+    ({"tensor": "pack/model/F32", "offset": 18, "shape": [2, 3]}, "beyond its 20 elements"),
+    ({"tensor": "model/a.weight", "dims": [0, 1, 2]}, "do not fit shape"),
+    ({"tensor": "model/a.weight", "dims": [1, 1]}, "'model' section"),
+    ({"tensor": "model/a.weight", "offset": 3}, "an offset without a shape"),
+    ({"tensor": "model/a.weight", "extra": 1}, "'model' section")])
+def test_from_json_refuses_a_reference_outside_the_stored_tensors(bad, message):
+    data = as_read(sample_manifest())
+    data["model"]["params"]["a.weight"] = bad
+    with pytest.raises(CorruptCheckpointError, match=message):
+        M.Manifest.from_json("ck", data)
+
+
+def test_a_reference_resolves_to_a_view_with_the_memory_layout():
+    pack = torch.arange(20.0)
+    t = ref("p", 4, (2, 3), (1, 0)).resolve({"p": pack})
+    assert t.shape == (2, 3) and t.stride() == (1, 2)  # stored as its transpose, contiguous
+    assert torch.equal(t, pack[4:10].view(3, 2).t())
+    whole = ref("w", dims=(0, 2, 3, 1)).resolve({"w": torch.zeros(2, 4, 5, 3)})
+    assert whole.shape == (2, 3, 4, 5) and whole.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_from_json_without_optimizer_and_defaults():
-    data = sample_manifest(optimizer=None).to_json()
+    data = as_read(sample_manifest(optimizer=None))
     del data["rank"], data["world_size"], data["metrics"]
     back = M.Manifest.from_json("ck", data)
     assert back.optimizer is None and back.rank == 0 and back.world_size == 1
@@ -82,14 +136,14 @@ MALFORMED = [
                          ids=[f"{'.'.join(p)}={v if v is not _DELETE else 'missing'!r}"
                               for p, v, _ in MALFORMED])
 def test_from_json_refuses_each_malformed_field(path, value, field):
-    data = sample_manifest().to_json()
+    data = as_read(sample_manifest())
     _set(path, value)(data)
     with pytest.raises(CorruptCheckpointError, match=f"checkpoint 'ck/x': manifest: .*{field}"):
         M.Manifest.from_json("ck/x", data)
 
 
 def test_from_json_refuses_a_non_decimal_digit_index():
-    data = sample_manifest().to_json()
+    data = as_read(sample_manifest())
     data["optimizer"]["aligned"] = {"²": ["exp_avg"]}
     with pytest.raises(CorruptCheckpointError, match="'optimizer' section"):
         M.Manifest.from_json("ck", data)
@@ -106,8 +160,9 @@ def saved(opt):
     for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
         for key in aligned[i]:
             tensors[M.optim_tensor(i, key)] = opt.state[p][key].clone()
+    refs = {i: {k: ref(M.optim_tensor(i, k)) for k in keys} for i, keys in aligned.items()}
     m = M.Manifest(7, 5, "gockpt", 3, M.ModelSection({}), small,
-                   M.OptimizerSection(type(opt).__name__, aligned))
+                   M.OptimizerSection(type(opt).__name__, refs))
     return m, tensors
 
 
@@ -176,8 +231,9 @@ def test_parts_of():
 
 
 def write_checkpoint(root, name, manifest_json):
+    """A committed checkpoint holding "t" and the tensors the sample manifest refers to."""
     w = CheckpointWriter(root, name)
-    w.write_tensors({"t": torch.zeros(1)})
+    w.write_tensors({"t": torch.zeros(1), **{n: torch.zeros(e["shape"]) for n, e in ENTRIES.items()}})
     return w.commit(manifest_json, update_latest=False)
 
 
@@ -221,4 +277,4 @@ def test_read_refuses_a_part_that_escapes_the_checkpoint(tmp_path):
 def test_read_of_a_single_rank_checkpoint(tmp_path):
     path = write_checkpoint(str(tmp_path), "step-000000007", sample_manifest().to_json())
     where, m = M.read(path)
-    assert where == path and m.step == 7 and set(m.tensors) == {"t"}
+    assert where == path and m.step == 7 and set(m.tensors) == {"t"} | set(ENTRIES)

@@ -35,8 +35,8 @@ class Recording(storage.CheckpointWriter):
     log = []
     fail_at = None
     fail_once = False
-    expected_writes = None   # set by the test: number of write() calls of one checkpoint
-    all_written = None       # threading.Event set when that many writes were queued
+    expected_elements = None  # set by the test: elements of one checkpoint's stored tensors
+    all_written = None        # threading.Event set when that many were queued
 
     def _maybe_fail(self, what):
         if Recording.fail_at == what:
@@ -55,8 +55,8 @@ class Recording(storage.CheckpointWriter):
         if not name.startswith("small/"):
             self._maybe_fail("write of a block")
         super().write(name, tensor, start=start)
-        writes = sum(1 for e in Recording.log if e[0] == "write")
-        if Recording.all_written is not None and writes == Recording.expected_writes:
+        written = sum(e[3] for e in Recording.log if e[0] == "write")
+        if Recording.all_written is not None and written == Recording.expected_elements:
             Recording.all_written.set()
 
     def write_tensors(self, tensors):
@@ -80,7 +80,7 @@ def rig(tmp_path, monkeypatch):
     monkeypatch.setattr(Recording, "fail_at", None)
     monkeypatch.setattr(Recording, "fail_once", False)
     monkeypatch.setattr(Recording, "all_written", None)
-    monkeypatch.setattr(Recording, "expected_writes", None)
+    monkeypatch.setattr(Recording, "expected_elements", None)
     H.seed_all(0)
     model, opt, sched = H.build()
     x, y = H.batch(1)
@@ -112,19 +112,27 @@ def captured_job(rig, start_step, k=2):
     """A job whose blocks are all captured and whose small state is frozen (version F)."""
     rig.capture.declare_state_keys(rig.host)
     job = Job(start_step, k, start_step, rig.plan.groups(k), "async",
-              os.path.join(rig.dir, storage.checkpoint_name(start_step + k - 1)), host=rig.host)
+              os.path.join(rig.dir, storage.checkpoint_name(start_step + k - 1)), host=rig.host,
+              plan=rig.plan)
     rig.capture.copy_rest(job)
     rig.capture.freeze_small(job, start_step + k - 1, {"note": "at F"})
     job.accounts_closed.set()  # no hook will charge it any more: its metrics are final
     return job
 
 
-def block_writes(job, rig):
-    n = 0
+def stored_elements(job, rig):
+    """Elements of every stored tensor of ``job`` (parameters, aligned state, small state)."""
+    n = sum(t.numel() for t in job.capture.small_tensors.values())
     for b in rig.plan.blocks:
         s = rig.plan.slots[b.slot]
-        n += 1 + (0 if s.static else len(job.capture.aligned.get(s.opt_index, ())))
+        n += b.numel * (1 + (0 if s.static else len(job.capture.aligned.get(s.opt_index, ()))))
     return n
+
+
+def written_once(log):
+    """Whether no element of any stored tensor was queued twice."""
+    spans = sorted((e[1], e[2], e[2] + e[3]) for e in log if e[0] == "write")
+    return all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
 
 
 def leftovers(directory):
@@ -134,13 +142,12 @@ def leftovers(directory):
 def test_blocks_stream_before_commit_each_written_once(rig):
     p = rig.persister()
     job = captured_job(rig, 5)
-    job.on_final = p.block_final
-    Recording.expected_writes = len(job.capture.small_tensors) + block_writes(job, rig)
+    job.on_final = p.blocks_final
+    Recording.expected_elements = stored_elements(job, rig)
     Recording.all_written = threading.Event()
     p.queue_open(job)
-    for b in job.capture.groups[0]:  # the replay of step F finishes these blocks
-        p.block_final(job, b)
-    p.block_final(job, job.capture.groups[0][0])  # told twice: written once
+    p.blocks_final(job, job.capture.groups[0])  # the replay of step F finishes these blocks
+    p.blocks_final(job, job.capture.groups[0][:1])  # told twice: written once
     p.queue_captured(job)  # the last group and the static blocks are at F too
     assert Recording.all_written.wait(30)
     # every block went to storage before the persist step was even queued
@@ -150,18 +157,18 @@ def test_blocks_stream_before_commit_each_written_once(rig):
     job.handle.wait(30)
     ops = [e[0] for e in Recording.log]
     assert ops[-2:] == ["finish", "commit"] and "write_tensors" not in ops
-    writes = [(e[1], e[2]) for e in Recording.log if e[0] == "write"]
-    assert len(writes) == len(set(writes)) == Recording.expected_writes
+    assert written_once(Recording.log)
+    assert sum(e[3] for e in Recording.log if e[0] == "write") == Recording.expected_elements
     assert job.state is State.DURABLE and rig.durable == [job]
     assert job.handle.path == os.path.join(rig.dir, "step-000000006")
     # what is stored is the host copy at F
     where, m = M.read(storage.resolve(rig.dir))
     stored = storage.read_tensors(where, m)
     for si, s in enumerate(rig.plan.slots):
-        assert torch.equal(stored[M.param_tensor(s.name)].view(-1), flat(s.param)), s.name
+        assert torch.equal(m.model.params[s.name].resolve(stored), s.param), s.name
         for key in job.capture.aligned.get(s.opt_index, ()):
-            assert torch.equal(stored[M.optim_tensor(s.opt_index, key)].view(-1),
-                               flat(rig.opt.state[s.param][key])), (s.name, key)
+            assert torch.equal(m.optimizer.aligned[s.opt_index][key].resolve(stored),
+                               rig.opt.state[s.param][key]), (s.name, key)
 
 
 def test_commit_writes_the_typed_manifest_and_metrics(rig):
@@ -177,9 +184,11 @@ def test_commit_writes_the_typed_manifest_and_metrics(rig):
     _, m = M.read(path)
     assert (m.step, m.start_step, m.mode, m.overlap_steps, m.rank, m.world_size) == \
         (7, 5, "async", 3, 0, 1)
-    assert m.model.params == {s.name: M.param_tensor(s.name) for s in rig.plan.slots}
+    assert m.model.params == {s.name: M.TensorRef(M.param_tensor(s.name))
+                              for s in rig.plan.slots}
     assert m.optimizer.cls == "AdamW"
-    assert m.optimizer.aligned == {i: list(k) for i, k in job.capture.aligned.items()}
+    assert m.optimizer.aligned == {i: {k: M.TensorRef(M.optim_tensor(i, k)) for k in keys}
+                                   for i, keys in job.capture.aligned.items()}
     assert m.small == M.SmallSection(**json.loads(json.dumps(asdict(job.capture.small))))
     assert m.small.decode("extra_state", storage.read_tensors(path, m)) == {"note": "at F"}
     assert m.metrics["blocked_by_hook_s"] == {"save_checkpoint": 0.125}
@@ -199,7 +208,7 @@ def test_commit_writes_the_typed_manifest_and_metrics(rig):
 def test_a_failing_plugin_fails_the_job_and_leaves_nothing(rig, fail_at):
     p = rig.persister()
     job = captured_job(rig, 5)
-    job.on_final = p.block_final
+    job.on_final = p.blocks_final
     Recording.fail_at = fail_at
     p.queue_open(job)
     p.queue_captured(job)
@@ -230,7 +239,7 @@ def test_a_plugin_that_cannot_be_created_fails_the_job(rig, monkeypatch):
 def test_a_job_that_already_failed_is_never_committed(rig):
     p = rig.persister()
     job = captured_job(rig, 5)
-    job.on_final = p.block_final
+    job.on_final = p.blocks_final
     Recording.fail_at, Recording.fail_once = "begin", True
     p.queue_open(job)  # at the boundary of F: the writer fails to open (a transient error)
     job.staged()  # meanwhile the replay finished and, seeing no error yet, queued the persist
