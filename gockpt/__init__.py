@@ -17,7 +17,8 @@ from .checkpointer import CheckpointHandle, Checkpointer
 from .config import Config
 from .errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError,
                      ConsistencyError, CorruptCheckpointError, DirectoryInUseError, GockptError,
-                     HookOrderError, LoadError, StorageError, UnsupportedOptimizerError)
+                     HookOrderError, LayoutChangedError, LoadError, StorageError,
+                     UnsupportedOptimizerError)
 from .loading import Restored, load
 from .modes import MODES
 from .replay.arithmetic import replay_arithmetics, replay_step
@@ -31,6 +32,7 @@ __all__ = [
     "VerifyReport",
     "GockptError", "ConfigError", "UnsupportedOptimizerError", "HookOrderError",
     "CheckpointNotFoundError", "CorruptCheckpointError", "StorageError", "LoadError",
-    "ConsistencyError", "CheckpointFailedError", "DirectoryInUseError", "replay_step",
+    "ConsistencyError", "CheckpointFailedError", "DirectoryInUseError", "LayoutChangedError",
+    "replay_step",
     "replay_arithmetics",
 ]

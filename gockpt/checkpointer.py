@@ -28,7 +28,7 @@ import torch
 from . import storage
 from .capture.copies import Capture
 from .capture.device import device_for
-from .capture.plan import build_plan
+from .capture.plan import build_plan, check_layouts
 from .capture.staging import GradPool, HostCopy
 from .capture.transfer import CopyEngine
 from .config import Config
@@ -256,6 +256,7 @@ class Checkpointer:
         waited = self._wait_for_previous(step)
         if waited is None:
             return None
+        check_layouts(self.plan.slots)
         if self.host is None:
             self.host = HostCopy(self.plan, self.device)
             if self.policy.replays:

@@ -17,6 +17,10 @@ class UnsupportedOptimizerError(ConfigError):
     """
 
 
+class LayoutChangedError(ConfigError):
+    """A parameter's memory layout (strides) changed after the Checkpointer was built."""
+
+
 class HookOrderError(GockptError, RuntimeError):
     """The training-loop hooks were called out of order."""
 

@@ -64,12 +64,12 @@ class Capture:
         for b in job.capture.groups[j - 1]:
             slot = self.plan.slots[b.slot]
             s, e = b.start, b.end
-            pairs.append((host.param[b.slot][s:e], flat(slot.param)[s:e]))
+            pairs.append((host.param[b.slot][s:e], flat(slot.param, slot.dims)[s:e]))
             live = self.optimizer.state.get(slot.param, {})
             for key in host.keys[b.slot]:
                 dst = host.state[b.slot][key][s:e]
                 if key in live:
-                    pairs.append((dst, flat(live[key])[s:e]))
+                    pairs.append((dst, flat(live[key], slot.dims)[s:e]))
                 else:
                     dst.zero_()  # no state yet: the replayed first update starts from zeros
         job.capture.tickets[j] = self.engine.submit(pairs, STATE)
@@ -135,17 +135,19 @@ class Capture:
             g = s.param.grad
             if s.static or g is None:
                 continue
-            if g.is_sparse or g.dtype != s.param.dtype or not g.is_contiguous():
-                raise ConfigError(f"the gradient of {s.name!r} is sparse, non-contiguous or "
-                                  f"{g.dtype}; the replay needs dense {s.param.dtype} gradients")
+            if g.is_sparse or g.dtype != s.param.dtype:
+                raise ConfigError(f"the gradient of {s.name!r} is sparse or {g.dtype}; the "
+                                  f"replay needs dense {s.param.dtype} gradients")
             steps[si] = self.adapter.step_count(s.param)
         blocks = [b for b in job.capture.captured if b.slot in steps]
         bufs = grad_pool.acquire()
-        pairs = []
+        pairs, flats = [], {}
         for b in blocks:
-            g = self.plan.slots[b.slot].param.grad
-            pairs.append((grad_pool.buffer(bufs, b.slot, g)[b.start:b.end],
-                          flat(g)[b.start:b.end]))
+            slot = self.plan.slots[b.slot]
+            g = flats.get(b.slot)
+            if g is None:  # the parameter's memory order (a copy if the gradient's differs)
+                g = flats[b.slot] = flat(slot.param.grad, slot.dims)
+            pairs.append((grad_pool.buffer(bufs, b.slot, g)[b.start:b.end], g[b.start:b.end]))
         ticket = self.engine.submit(pairs, GRADIENT)
         record = StepRecord(j, self.adapter.scalars(), steps, blocks, bufs,
                             torch.get_num_threads(), ticket,

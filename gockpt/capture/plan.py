@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LayoutChangedError
 
 
 @dataclass
@@ -126,6 +126,17 @@ def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         for start in range(0, n, elems):
             blocks.append(Block(si, start, min(n, start + elems)))
     return Plan(slots, blocks, aliases)
+
+
+def check_layouts(slots: List[Slot]) -> None:
+    """Raise LayoutChangedError if a parameter's strides differ from those planned."""
+    for s in slots:
+        if s.param.stride() != s.strides:
+            raise LayoutChangedError(
+                f"parameter {s.name!r} changed its memory layout after the Checkpointer was "
+                f"built (strides {s.strides} -> {tuple(s.param.stride())}); change layouts (e.g. "
+                "model.to(memory_format=...)) before creating the optimizer and the "
+                "Checkpointer, or close this Checkpointer and create a new one")
 
 
 def memory_order(t: torch.Tensor) -> Optional[Tuple[int, ...]]:

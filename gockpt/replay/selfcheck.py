@@ -29,10 +29,10 @@ def sample(job: Job, plan: Plan, optimizer: torch.optim.Optimizer, fraction: flo
     for b in picks:
         slot = plan.slots[b.slot]
         live = optimizer.state.get(slot.param, {})
-        direct = {"param": flat(slot.param)[b.start:b.end].to("cpu", copy=True)}
+        direct = {"param": flat(slot.param, slot.dims)[b.start:b.end].to("cpu", copy=True)}
         for key in job.host.keys[b.slot]:
             if key in live:
-                direct[key] = flat(live[key])[b.start:b.end].to("cpu", copy=True)
+                direct[key] = flat(live[key], slot.dims)[b.start:b.end].to("cpu", copy=True)
         job.capture.samples.append((b, direct))
 
 
