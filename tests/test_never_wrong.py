@@ -90,3 +90,142 @@ def test_a_non_dense_parameter_is_refused_with_what_to_do(tmp_path):
     with pytest.raises(gockpt.ConfigError, match="not dense.*param.data.contiguous"):
         gockpt.Checkpointer(model, opt, str(tmp_path), mode="sync")
     assert not os.path.exists(os.path.join(tmp_path, "latest"))
+
+
+# ------------------------------------------------------------------ one writer per directory
+
+def small_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_a_second_checkpointer_on_the_same_directory_is_refused(tmp_path):
+    model, opt = small_model()
+    first = gockpt.Checkpointer(model, opt, str(tmp_path), mode="async")
+    other, other_opt = small_model()
+    with pytest.raises(gockpt.DirectoryInUseError, match=f"pid {os.getpid()} on host"):
+        gockpt.Checkpointer(other, other_opt, str(tmp_path), mode="async")
+    first.close()
+    gockpt.Checkpointer(other, other_opt, str(tmp_path), mode="async").close()  # free again
+
+
+HOLDER = r"""
+import sys, torch, gockpt
+model = torch.nn.Linear(2, 2)
+ck = gockpt.Checkpointer(model, torch.optim.AdamW(model.parameters()), sys.argv[1], mode="sync")
+print("locked", flush=True)
+sys.stdin.read()   # hold the lock until killed
+"""
+
+
+def test_a_second_process_is_refused_until_the_holder_dies(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        model, opt = small_model()
+        with pytest.raises(gockpt.DirectoryInUseError, match=f"pid {holder.pid} on host"):
+            gockpt.Checkpointer(model, opt, str(tmp_path), mode="sync")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="sync")  # no stale lock
+    ck.close()
+
+
+def test_the_directory_is_made_absolute_before_the_loop_changes_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, opt = small_model()
+    run = Run(model, opt, "run1", mode="gockpt-o", overlap_steps=2,
+              step_fn=lambda s: model(torch.ones(3, 6) * s).square().mean())
+    os.mkdir("elsewhere")
+    os.chdir("elsewhere")  # the training script moves
+    run.train(0, 6, force={2})
+    run.close()
+    assert run.committed() == [3] and not run.errors
+    assert storage.list_checkpoints(str(tmp_path / "run1")) == ["step-000000003"]
+    assert not os.path.exists(tmp_path / "elsewhere" / "run1")
+    assert assert_every_commit_is_state_at_f(run, tmp_path / "run1", small_model) == 1
+
+
+# ------------------------------------------------------------------ a way on after an exception
+
+class FailOnce(torch.autograd.Function):
+    """Identity whose backward raises the first time (an OOM in backward, say)."""
+
+    raised = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if not FailOnce.raised:
+            FailOnce.raised = True
+            raise RuntimeError("backward failed")
+        return g
+
+
+@pytest.mark.parametrize("mode,k", [("gockpt-o", 3), ("gockpt", 2), ("async-o", None)])
+def test_backward_raising_after_backward_begin_then_skipping_the_batch(tmp_path, mode, k):
+    model, opt = small_model()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode=mode, overlap_steps=k,
+                             self_check=1.0)
+    FailOnce.raised = False
+    at_f, handles = {}, []
+    step = 0
+    for batch in range(9):
+        loss = FailOnce.apply(model(torch.ones(3, 6) * batch)).square().mean()
+        ck.backward_begin()
+        try:
+            loss.backward()
+        except RuntimeError:
+            opt.zero_grad()
+            continue  # skip the batch: the next backward_begin() starts afresh
+        ck.update_begin()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        h = ck.save_checkpoint(step, force=step == 2)
+        handles += [h] if h else []
+        if any(step == x.final_step for x in handles):
+            from loops import state
+            at_f[step] = state(model, opt)
+    ck.close()
+    assert FailOnce.raised and [h.final_step for h in handles if h.error is None] == \
+        [2 + (k or 1) - 1]
+    f = handles[0].final_step
+    fresh, fresh_opt = small_model()
+    assert same(at_f[f], loaded(tmp_path, fresh, fresh_opt)) is None
+
+
+@pytest.mark.parametrize("mode,k", [("gockpt-o", 3), ("gockpt", 3), ("async-o", None)])
+def test_a_skipped_optimizer_step_counts_as_a_skipped_step(tmp_path, mode, k):
+    """A NaN guard: update_begin() then no optimizer.step(); save_checkpoint() as usual."""
+    model, opt = small_model()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode=mode, overlap_steps=k,
+                             self_check=1.0)
+    at_f, handles = {}, []
+    for step in range(8):
+        loss = model(torch.ones(3, 6) * step).square().mean()
+        ck.backward_begin()
+        loss.backward()
+        ck.update_begin()
+        if step != 3:  # the guard finds a NaN in step 3 and skips the update
+            opt.step()
+        opt.zero_grad()
+        h = ck.save_checkpoint(step + 1, force=step + 1 == 2)
+        handles += [h] if h else []
+        if any(step + 1 == x.final_step for x in handles):
+            from loops import state
+            at_f[step + 1] = state(model, opt)
+    ck.close()
+    f = handles[0].final_step
+    assert handles[0].error is None and f == 2 + (k or 1) - 1
+    fresh, fresh_opt = small_model()
+    assert same(at_f[f], loaded(tmp_path, fresh, fresh_opt)) is None
