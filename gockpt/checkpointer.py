@@ -106,7 +106,7 @@ class Checkpointer:
         self.host: Optional[HostCopy] = None          # allocated at the first checkpoint
         self.grad_pool: Optional[GradPool] = None
         self.replayer = Replayer(self.adapter, self.config.replay_threads) if self.adapter else None
-        self.capture = Capture(self.plan, model, optimizer, scheduler, self.engine, self.adapter)
+        self.capture = Capture(model, optimizer, scheduler, self.engine, self.adapter)
         self.schedule = Schedule(self.config)
         self.persister = Persister(self.config, self.plan, self.ranks, type(optimizer).__name__,
                                    step_time=self.schedule.median_step_time,

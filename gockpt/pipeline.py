@@ -70,10 +70,11 @@ class Pipeline:
             job.renamed(step, self.path_of(step))
         self.capture.freeze_small(job, step, extra_state)
         if self.replayer is not None:
-            selfcheck.sample(job, self.capture.plan, self.capture.optimizer,
-                             self.config.self_check)
+            selfcheck.sample(job, job.plan, self.capture.optimizer, self.config.self_check)
+        at_f = self.capture.copy_at_f(job)
         if job.on_final is not None:
             self.persister.queue_open(job)
+            job.on_final(job, at_f)
 
     # ------------------------------------------------------------------ in a step
 
@@ -121,7 +122,7 @@ class Pipeline:
         if job.error is not None:
             return
         try:
-            selfcheck.verify(job, self.capture.plan, self.config.self_check_strict)
+            selfcheck.verify(job, job.plan, self.config.self_check_strict)
         except BaseException as exc:
             job.fail(exc)
             return

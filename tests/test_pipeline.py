@@ -38,6 +38,10 @@ class FakeCapture:
         self.log.append(("copy_rest",))
         job.captured()
 
+    def copy_at_f(self, job):
+        self.log.append(("copy at F",))
+        return []
+
     def freeze_small(self, job, step, extra_state):
         self.log.append(("freeze", step, extra_state))
         self._maybe_fail("freeze")
@@ -89,7 +93,7 @@ class FakePersister:
         self.log.append(("persist inline",))
 
     def blocks_final(self, job, blocks):
-        pass
+        self.log.append(("blocks final", len(blocks)))
 
 
 def make(mode="gockpt-o", k=3, fail=None, start=5):
@@ -124,7 +128,7 @@ def test_begin_boundary_land_order_for_k_3():
     pipe.boundary(job, 7, 7, {"x": 1})  # the boundary of F
     pipe.land(job, job.window_step(7))
     assert log == [("enqueue", 1), ("land", 1), ("enqueue", 2), ("land", 2),
-                   ("freeze", 7, {"x": 1}), ("open",), ("enqueue", 3), ("land", 3),
+                   ("freeze", 7, {"x": 1}), ("copy at F",), ("open",), ("blocks final", 0), ("enqueue", 3), ("land", 3),
                    ("write captured",), ("barrier",), ("queue persist",)]
     assert job.state is State.STAGED and job.handle._staged.is_set()
     # blocked time is charged by the Checkpointer around whole hooks (test_checkpointer)
@@ -133,7 +137,8 @@ def test_begin_boundary_land_order_for_k_3():
 def test_k_1_freezes_at_the_boundary_that_starts_it():
     pipe, job, log = make(k=1)
     run_window(pipe, job)
-    assert log[:3] == [("freeze", 5, {"x": 1}), ("open",), ("enqueue", 1)]
+    assert log[:5] == [("freeze", 5, {"x": 1}), ("copy at F",), ("open",), ("blocks final", 0),
+                       ("enqueue", 1)]
     assert job.state is State.STAGED
 
 
@@ -141,14 +146,15 @@ def test_sync_copies_everything_at_begin_and_leaves_the_persist_to_the_hook():
     pipe, job, log = make(mode="sync", k=1)
     pipe.begin(job, 5, 5, None)
     # the Checkpointer persists it inline once save_checkpoint has charged its time
-    assert log == [("freeze", 5, None), ("enqueue", 1), ("copy_rest",)]
+    assert log == [("freeze", 5, None), ("copy at F",), ("enqueue", 1), ("copy_rest",)]
     assert job.state is State.STAGED
 
 
 def test_async_copies_everything_at_begin_and_persists_in_the_background():
     pipe, job, log = make(mode="async", k=1)
     pipe.begin(job, 5, 5, None)
-    assert log == [("freeze", 5, None), ("open",), ("enqueue", 1), ("copy_rest",),
+    assert log == [("freeze", 5, None), ("copy at F",), ("open",), ("blocks final", 0),
+                   ("enqueue", 1), ("copy_rest",),
                    ("write captured",), ("queue persist",)]
 
 

@@ -1,9 +1,11 @@
 """What the training-loop hooks hand to the transfer engine, and when it is valid.
 
-Three kinds of capture feed one checkpoint:
+Four kinds of capture feed one checkpoint:
 
     state groups   group j of blocks, queued at boundary N + j - 1: the version of the last update
     small state    everything small (buffers, scheduler, RNG, extra state), frozen at boundary F
+    copies at F    slots the attached optimizer does not own, or found written outside it:
+                   copied directly at the boundary of F, never replayed
     gradients      in the optimizer's step pre-hook: exactly what the update consumes, so that
                    the replay can bring every block captured before F up to version F
 """
@@ -21,7 +23,7 @@ from ..replay.records import StepRecord
 from ..storage import tree
 from ..storage.manifest import SmallSection, small_prefix
 from . import smallstate
-from .plan import Plan, flat
+from .plan import flat
 from .staging import GradPool, HostCopy
 from .transfer import GRADIENT, STATE, CopyEngine
 
@@ -29,15 +31,15 @@ from .transfer import GRADIENT, STATE, CopyEngine
 class Capture:
     """Copies of one model/optimizer pair into a job's host copy."""
 
-    def __init__(self, plan: Plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler, engine: CopyEngine, adapter: Optional[AdamAdapter]):
-        self.plan, self.model, self.optimizer, self.scheduler = plan, model, optimizer, scheduler
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.engine, self.adapter = engine, adapter
 
     def declare_state_keys(self, host: HostCopy) -> None:
         """Which optimizer state tensors this checkpoint carries, per slot."""
         likes = {}
-        for si, s in enumerate(self.plan.slots):
+        for si, s in enumerate(host.slots):
             if s.static:
                 continue
             if self.adapter is not None:
@@ -51,7 +53,7 @@ class Capture:
     def state_bytes(self, host: HostCopy) -> int:
         """Bytes of parameters and aligned state one checkpoint copies."""
         total = 0
-        for si, s in enumerate(self.plan.slots):
+        for si, s in enumerate(host.slots):
             total += s.numel * s.param.element_size()
             total += sum(host.state[si][k].numel() * host.state[si][k].element_size()
                          for k in host.keys[si])
@@ -59,10 +61,25 @@ class Capture:
 
     def enqueue_group(self, job: Job, j: int) -> None:
         """Queue the copies of group j: they hold the version of the last completed update."""
-        host = job.host
+        job.capture.tickets[j] = self.engine.submit(self._pairs(job, job.capture.groups[j - 1]),
+                                                    STATE)
+
+    def copy_at_f(self, job: Job) -> list:
+        """At the boundary of F: copy the blocks planned to be copied directly at F, now
+        (before anything of the next step can write them); returns them."""
+        blocks = job.plan.blocks_at_f()
+        if blocks:
+            self.engine.submit(self._pairs(job, blocks), GRADIENT).wait()
+            job.capture.captured.extend(blocks)
+        return blocks
+
+    def _pairs(self, job: Job, blocks) -> list:
+        """(host destination, live source) of every tensor of ``blocks``: the parameter and its
+        aligned state (zeros where the optimizer has none yet)."""
+        host, plan = job.host, job.plan
         pairs = []
-        for b in job.capture.groups[j - 1]:
-            slot = self.plan.slots[b.slot]
+        for b in blocks:
+            slot = plan.slots[b.slot]
             s, e = b.start, b.end
             pairs.append((host.param[b.slot][s:e], flat(slot.param, slot.dims)[s:e]))
             live = self.optimizer.state.get(slot.param, {})
@@ -72,7 +89,7 @@ class Capture:
                     pairs.append((dst, flat(live[key], slot.dims)[s:e]))
                 else:
                     dst.zero_()  # no state yet: the replayed first update starts from zeros
-        job.capture.tickets[j] = self.engine.submit(pairs, STATE)
+        return pairs
 
     def land_group(self, job: Job, j: int) -> None:
         """update_begin of window step j: group j's copies must have landed (they hold the
@@ -98,12 +115,12 @@ class Capture:
         if callable(extra_state):
             extra_state = extra_state()
         aligned = {}
-        for si, s in enumerate(self.plan.slots):
+        for si, s in enumerate(job.plan.slots):
             if not s.static and s.param in self.optimizer.state:
                 aligned[s.opt_index] = job.host.keys[si]
         job.capture.aligned = aligned
         tensors: Dict[str, torch.Tensor] = {}
-        planned = [id(s.param) for s in self.plan.slots]
+        planned = [id(s.param) for s in job.plan.slots]
         values = {
             "model": smallstate.model_small(self.model, planned),
             "optimizer": smallstate.optimizer_small(self.optimizer, aligned),
@@ -131,7 +148,7 @@ class Capture:
                                  "supports one optimizer step per save_checkpoint() boundary")
         job.capture.recorded.add(j)
         steps = {}
-        for si, s in enumerate(self.plan.slots):
+        for si, s in enumerate(job.plan.slots):
             g = s.param.grad
             if s.static or g is None:
                 continue
@@ -143,7 +160,7 @@ class Capture:
         bufs = grad_pool.acquire()
         pairs, flats = [], {}
         for b in blocks:
-            slot = self.plan.slots[b.slot]
+            slot = job.plan.slots[b.slot]
             g = flats.get(b.slot)
             if g is None:  # the parameter's memory order (a copy if the gradient's differs)
                 g = flats[b.slot] = flat(slot.param.grad, slot.dims)

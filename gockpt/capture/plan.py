@@ -3,8 +3,10 @@
 A *slot* is one parameter with its aligned optimizer state (master weights, exp_avg,
 exp_avg_sq, and the gradient used by the replay); a *block* is a contiguous element range of a
 slot, the same range in every one of those tensors, so that they travel and replay together.
-Parameters that the optimizer does not update (frozen, or outside the optimizer) are *static*
-slots: captured once, never replayed.
+Parameters that the attached optimizer does not update (frozen, or trained by another
+optimizer) are *static* slots. Static slots, and slots found written outside the optimizer,
+are copied directly at the boundary of F (``at_f``); the others are spread over the window's
+groups and replayed.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ class Slot:
     group: Optional[int]           # optimizer param group, None if static
     dims: Tuple[int, ...] = ()     # memory order: param.permute(dims) is contiguous
     strides: Tuple[int, ...] = ()  # the strides planned for (a change is refused)
+    at_f: bool = False             # copied directly at the boundary of F, never replayed
 
     def __post_init__(self):
         self.strides = tuple(self.param.stride())
+        self.at_f = self.at_f or self.opt_index is None
 
     @property
     def stored_shape(self) -> Tuple[int, ...]:
@@ -64,6 +68,21 @@ class Plan:
     slots: List[Slot]
     blocks: List[Block]
     aliases: Dict[str, str]  # extra state_dict names of tied parameters -> canonical name
+    fingerprint: tuple = ()  # the optimizer's parameters when planned (see fingerprint())
+
+    def blocks_at_f(self) -> List[Block]:
+        """The blocks copied directly at the boundary of F."""
+        return [b for b in self.blocks if self.slots[b.slot].at_f]
+
+    def copy_at_f(self, names) -> List[str]:
+        """From now on, copy the slots named ``names`` directly at F; returns those that were
+        not already."""
+        changed = []
+        for s in self.slots:
+            if s.name in names and not s.at_f:
+                s.at_f = True
+                changed.append(s.name)
+        return changed
 
     def optimized_bytes(self) -> int:
         """Bytes of the parameters the optimizer updates (one gradient or state tensor each)."""
@@ -77,12 +96,13 @@ class Plan:
     def groups(self, k: int) -> List[List[Block]]:
         """Split the blocks into ``k`` capture groups of about equal bytes, in storage order
         (group j is copied during the j-th step of the checkpoint)."""
-        k = max(1, min(k, len(self.blocks))) if self.blocks else 1
-        weights = [b.numel * (1 if self.slots[b.slot].static else 3) for b in self.blocks]
+        blocks = [b for b in self.blocks if not self.slots[b.slot].at_f]
+        k = max(1, min(k, len(blocks))) if blocks else 1
+        weights = [b.numel * 3 for b in blocks]  # the parameter and its two moments
         total = sum(weights)
         out: List[List[Block]] = [[] for _ in range(k)]
         acc = 0
-        for b, w in zip(self.blocks, weights):
+        for b, w in zip(blocks, weights):
             # Place the block by the midpoint of its weight: groups end up within one block
             # of total/k each.
             j = min(k - 1, int((acc + w / 2) * k / total)) if total else 0
@@ -125,7 +145,13 @@ def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         n = s.numel
         for start in range(0, n, elems):
             blocks.append(Block(si, start, min(n, start + elems)))
-    return Plan(slots, blocks, aliases)
+    return Plan(slots, blocks, aliases, fingerprint(optimizer))
+
+
+def fingerprint(optimizer: torch.optim.Optimizer) -> tuple:
+    """Which parameters the optimizer updates, group by group: a change (add_param_group, a
+    group's parameter list edited) makes the plan stale."""
+    return tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
 
 
 def check_layouts(slots: List[Slot]) -> None:

@@ -33,7 +33,9 @@ def test_groups_partition_blocks_in_order_and_balance(k):
     plan = build_plan(model, opt, block_bytes=256)
     groups = plan.groups(k)
     assert len(groups) == k
-    assert [b for g in groups for b in g] == plan.blocks
+    # the static slots (not the attached optimizer's) are copied at F, apart from the groups
+    assert [b for g in groups for b in g] + plan.blocks_at_f() == plan.blocks
+    assert {plan.slots[b.slot].name for b in plan.blocks_at_f()} == {"frozen.bias"}
     weights = [sum(b.numel for b in g) for g in groups]
     assert max(weights) - min(weights) <= 2 * 64 * 3
 

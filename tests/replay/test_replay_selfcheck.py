@@ -41,7 +41,7 @@ def rig():
 def job_at(rig, f_boundary, captured):
     k = 3
     job = Job(f_boundary - k + 1, k, f_boundary - k + 1, rig.plan.groups(k), "gockpt", "x",
-              host=rig.host)
+              host=rig.host, plan=rig.plan)
     job.capture.captured = list(captured)
     return job
 

@@ -88,7 +88,7 @@ def rig(tmp_path, monkeypatch):
     opt.step()  # every trained parameter has optimizer state
     plan = build_plan(model, opt, 1024)
     engine = CopyEngine(HostDevice())
-    capture = Capture(plan, model, opt, sched, engine, None)
+    capture = Capture(model, opt, sched, engine, None)
     host = HostCopy(plan, HostDevice())
     durable = []
     made = []
@@ -116,6 +116,7 @@ def captured_job(rig, start_step, k=2):
               plan=rig.plan)
     rig.capture.copy_rest(job)
     rig.capture.freeze_small(job, start_step + k - 1, {"note": "at F"})
+    rig.capture.copy_at_f(job)  # the static slots
     job.accounts_closed.set()  # no hook will charge it any more: its metrics are final
     return job
 
