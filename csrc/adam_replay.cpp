@@ -2,6 +2,7 @@
 #include "adam_replay.h"
 
 #include "cuda_math.h"
+#include "parallel.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -226,6 +227,30 @@ ThreadPool& pool() {
 
 }  // namespace
 
+void parallel_tasks(int64_t ntasks, int threads, bool mkl_sequential,
+                    void (*body)(void*, int64_t), void* ctx) {
+  if (ntasks <= 0) return;
+  if (threads <= 1 || ntasks == 1) {
+    std::unique_ptr<MklSequential> mkl_seq(mkl_sequential ? new MklSequential() : nullptr);
+    for (int64_t t = 0; t < ntasks; ++t) body(ctx, t);
+    return;
+  }
+  struct Job {
+    void (*body)(void*, int64_t);
+    void* ctx;
+    int64_t ntasks;
+    bool mkl_sequential;
+    std::atomic<int64_t> next{0};
+  } job{body, ctx, ntasks, mkl_sequential};
+  const int helpers = static_cast<int>(std::min<int64_t>(threads, ntasks)) - 1;
+  pool().run(helpers, [](void* c) {
+    Job& j = *static_cast<Job*>(c);
+    std::unique_ptr<MklSequential> mkl_seq(j.mkl_sequential ? new MklSequential() : nullptr);
+    for (int64_t t; (t = j.next.fetch_add(1, std::memory_order_relaxed)) < j.ntasks;)
+      j.body(j.ctx, t);
+  }, &job);
+}
+
 void set_tile(int64_t tile) {
   g_tile = std::max<int64_t>(16, std::min<int64_t>(kMaxSqrtTile, tile));
 }
@@ -348,56 +373,57 @@ CudaScalars make_cuda_scalars(const ReplayArgs& a) {
   return s;
 }
 
-void check_proven(const ReplayArgs& a) {
+namespace {
+
+// Why settings of one args entry are not proven (nullptr: proven), numel aside.
+const char* unproven_settings(const ReplayArgs& a) {
   if (a.grad_scale != 0.0 && a.impl != Impl::CudaFused)
-    throw std::invalid_argument("grad_scale is only taken by the CUDA fused arithmetic");
+    return "grad_scale is only taken by the CUDA fused arithmetic";
   if ((a.impl == Impl::CudaForloop || a.impl == Impl::CudaForeach) &&
       !(std::fabs(static_cast<float>(1.0 - a.beta1)) < 0.5f))
-    throw std::invalid_argument(
-        "CUDA for-loop/foreach replay is proven for beta1 > 0.5 only (lerp weight 1-beta1 < 0.5)");
-  if (a.impl == Impl::CudaFused && a.weight_decay != 0.0) {
-    // The weight-decay line is the fused kernel's one contractible mul+add pair, and nvcc
-    // contracted it per vector lane (lane 0 of Adam's L2 line is unfused).  Only the 4-wide
-    // vector path, taken when numel % 4 == 0, is measured.
-    if (a.full_numel % 4 != 0)
-      throw std::invalid_argument(
-          "CUDA fused Adam/AdamW with weight_decay != 0 is proven for numel % 4 == 0 only (the "
-          "kernel's vector path; its weight-decay line rounds differently per vector lane)");
-    if (!a.decoupled && a.grad_scale != 0.0)
-      throw std::invalid_argument(
-          "CUDA fused Adam with weight_decay != 0 and grad_scale is not proven (only AdamW)");
-  }
+    return "CUDA for-loop/foreach replay is proven for beta1 > 0.5 only (lerp weight 1-beta1 < 0.5)";
+  if (a.impl == Impl::CudaFused && a.weight_decay != 0.0 && !a.decoupled && a.grad_scale != 0.0)
+    return "CUDA fused Adam with weight_decay != 0 and grad_scale is not proven (only AdamW)";
+  return nullptr;
+}
+
+// Why a parameter of full_numel elements is not proven under settings a (nullptr: proven).
+const char* unproven_numel(const ReplayArgs& a, int64_t full_numel) {
+  // The weight-decay line is the CUDA fused kernel's one contractible mul+add pair, and nvcc
+  // contracted it per vector lane (lane 0 of Adam's L2 line is unfused).  Only the 4-wide
+  // vector path, taken when numel % 4 == 0, is measured.
+  if (a.impl == Impl::CudaFused && a.weight_decay != 0.0 && full_numel % 4 != 0)
+    return "CUDA fused Adam/AdamW with weight_decay != 0 is proven for numel % 4 == 0 only (the "
+           "kernel's vector path; its weight-decay line rounds differently per vector lane)";
+  return nullptr;
+}
+
+}  // namespace
+
+void check_proven(const ReplayArgs& a) {
+  const char* why = unproven_numel(a, a.full_numel);
+  if (!why) why = unproven_settings(a);
+  if (why) throw std::invalid_argument(why);
 }
 
 namespace {
 
-// The per-range body of one replay: the arithmetic of a.impl on [b, e) of the slice.
-struct RangeKernel {
-  float *p, *m, *v;
-  const float* g;
-  const ReplayArgs& a;
+// One args entry ready to run: its kernels and scalars, computed once per call.
+struct Prepared {
+  Impl impl;
   IsaFns f;
   AdamScalars s;
   CudaScalars cs;
-  int64_t tail_local;  // CPU fused: local index where the scalar-tail contraction starts
   int64_t tile;
-
-  void operator()(int64_t b, int64_t e) const {
-    if (b >= e) return;
-    switch (a.impl) {
-      case Impl::Fused: {
-        const int64_t mid = std::max(b, std::min(e, tail_local));
-        if (mid > b) f.fused(p + b, m + b, v + b, g + b, mid - b, s, false);
-        if (e > mid) f.fused(p + mid, m + mid, v + mid, g + mid, e - mid, s, true);
-        break;
-      }
-      case Impl::CudaForloop:
-      case Impl::CudaForeach: f.cuda_pointwise(p + b, m + b, v + b, g + b, e - b, cs); break;
-      case Impl::CudaFused: f.cuda_fused(p + b, m + b, v + b, g + b, e - b, a.offset + b, cs); break;
-      default: f.single(p + b, m + b, v + b, g + b, e - b, s, sqrt_tile, tile);
-    }
-  }
 };
+
+Prepared prepare(const ReplayArgs& a) {
+  const bool cuda = is_cuda(a.impl);
+  return {a.impl, fns_for(resolved_isa()), cuda ? AdamScalars{} : make_scalars(a),
+          cuda ? make_cuda_scalars(a) : CudaScalars{}, g_tile};
+}
+
+bool uses_mkl(Impl impl) { return impl == Impl::Single || impl == Impl::Foreach; }
 
 // Fused CPU path (measured against torch 2.13, ATen AVX512 and AVX2): torch splits the tensor
 // into 64-byte units across its threads, so only the last thread's range has a remainder
@@ -405,58 +431,124 @@ struct RangeKernel {
 // remainder loop 8 wide with the body's arithmetic, so exactly the last full_numel % 8
 // elements run scalar code, whatever torch's thread count and vector width.
 // Single-tensor / foreach: the scalar remainders of torch's elementwise ops compute the same
-// roundings as their vector bodies, so no element depends on its position (torch_threads is
-// accepted for API stability only).
-int64_t fused_tail_local(const ReplayArgs& a, int64_t n) {
-  if (a.impl != Impl::Fused) return n;
+// roundings as their vector bodies, so no element depends on its position or on torch's
+// thread count.
+// Returns the local index (in a slice of n elements at `offset`) where the scalar tail starts.
+int64_t fused_tail_local(Impl impl, int64_t offset, int64_t full_numel, int64_t n) {
+  if (impl != Impl::Fused) return n;
   constexpr int64_t kScalarTail = 8;
-  const int64_t tail_global = a.full_numel - a.full_numel % kScalarTail;
-  return std::max<int64_t>(0, std::min<int64_t>(n, tail_global - a.offset));
+  const int64_t tail_global = full_numel - full_numel % kScalarTail;
+  return std::max<int64_t>(0, std::min<int64_t>(n, tail_global - offset));
 }
 
-// Runs body over [0, n) on up to `threads` threads.  Dynamic chunks (64-byte aligned) handed
-// out by an atomic counter, so a thread slowed by other load on the machine does not hold the
-// whole step back.  Results do not depend on the chunking: every element's arithmetic depends
-// on its global index only.
-void run_parallel(const RangeKernel& body, int64_t n, int threads, bool uses_mkl) {
-  constexpr int64_t kMinPerThread = 1 << 15;
-  threads = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, n / kMinPerThread)));
-  if (threads <= 1) {
-    std::unique_ptr<MklSequential> mkl_seq(uses_mkl ? new MklSequential() : nullptr);
-    body(0, n);
-    return;
-  }
-  struct Job {
-    const RangeKernel* body;
-    int64_t n, chunk;
-    bool uses_mkl;
-    std::atomic<int64_t> next{0};
-  } job{&body, n, std::max<int64_t>(kMinPerThread, (n / (threads * 8) + 15) / 16 * 16),
-        uses_mkl};
-  pool().run(threads - 1, [](void* ctx) {
-    Job& j = *static_cast<Job*>(ctx);
-    std::unique_ptr<MklSequential> mkl_seq(j.uses_mkl ? new MklSequential() : nullptr);
-    for (;;) {
-      const int64_t b = j.next.fetch_add(j.chunk, std::memory_order_relaxed);
-      if (b >= j.n) break;
-      (*j.body)(b, std::min(j.n, b + j.chunk));
+// The per-range body of one replay: the arithmetic of k.impl on [b, e) of a slice whose
+// element 0 has global index `offset`.
+struct RangeKernel {
+  float *p, *m, *v;
+  const float* g;
+  const Prepared& k;
+  int64_t offset;
+  int64_t tail_local;  // CPU fused: local index where the scalar-tail contraction starts
+
+  void operator()(int64_t b, int64_t e) const {
+    if (b >= e) return;
+    switch (k.impl) {
+      case Impl::Fused: {
+        const int64_t mid = std::max(b, std::min(e, tail_local));
+        if (mid > b) k.f.fused(p + b, m + b, v + b, g + b, mid - b, k.s, false);
+        if (e > mid) k.f.fused(p + mid, m + mid, v + mid, g + mid, e - mid, k.s, true);
+        break;
+      }
+      case Impl::CudaForloop:
+      case Impl::CudaForeach: k.f.cuda_pointwise(p + b, m + b, v + b, g + b, e - b, k.cs); break;
+      case Impl::CudaFused:
+        k.f.cuda_fused(p + b, m + b, v + b, g + b, e - b, offset + b, k.cs);
+        break;
+      default: k.f.single(p + b, m + b, v + b, g + b, e - b, k.s, sqrt_tile, k.tile);
     }
-  }, &job);
+  }
+};
+
+// Per segment work is counted as this many elements when cutting a batch (a tiny segment costs
+// about as much as streaming 64 elements: kernel entry, one sqrt call).
+constexpr int64_t kSegCost = 64;
+// Elements worth waking one more thread for (thread hand-off costs a few microseconds).
+constexpr int64_t kMinPerThread = 1 << 15;
+
+template <typename T>
+T* addr(int64_t a) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(a));
+}
+
+// Everything adam_replay_batch throws for, checked before anything is written.
+void check_segments(const ReplaySegments& s, const std::vector<ReplayArgs>& table) {
+  const int64_t na = static_cast<int64_t>(table.size());
+  auto fail = [](int64_t i, const std::string& why) {
+    throw std::invalid_argument("segment " + std::to_string(i) + why);
+  };
+  for (int64_t i = 0; i < s.n; ++i) {
+    if (s.arg[i] < 0 || s.arg[i] >= na)
+      fail(i, ": args entry " + std::to_string(s.arg[i]) + " out of range [0, " +
+                  std::to_string(na) + ")");
+    if (s.numel[i] < 0 || s.offset[i] < 0 || s.offset[i] > s.full_numel[i] - s.numel[i])
+      fail(i, ": slice [offset, offset+numel) must lie inside [0, full_numel)");
+    if (const char* why = unproven_numel(table[s.arg[i]], s.full_numel[i]))
+      fail(i, " (args entry " + std::to_string(s.arg[i]) + "): " + why);
+  }
+}
+
+struct BatchJob {
+  const ReplaySegments& s;
+  const std::vector<Prepared>& prep;
+  const BatchPlan& plan;
+};
+
+void run_batch_task(void* ctx, int64_t t) {
+  const BatchJob& j = *static_cast<const BatchJob*>(ctx);
+  const ReplaySegments& s = j.s;
+  for (int64_t q = j.plan.task_begin[t]; q < j.plan.task_begin[t + 1]; ++q) {
+    const Piece& pc = j.plan.pieces[q];
+    const int64_t i = pc.seg;
+    const Prepared& k = j.prep[s.arg[i]];
+    const RangeKernel body{addr<float>(s.p[i]), addr<float>(s.m[i]), addr<float>(s.v[i]),
+                           addr<const float>(s.g[i]), k, s.offset[i],
+                           fused_tail_local(k.impl, s.offset[i], s.full_numel[i], s.numel[i])};
+    body(pc.b, pc.e);
+  }
 }
 
 }  // namespace
 
+void adam_replay_batch(const ReplaySegments& segs, const std::vector<ReplayArgs>& table,
+                       int threads) {
+  std::vector<Prepared> prep;
+  prep.reserve(table.size());
+  bool mkl = false;
+  for (size_t k = 0; k < table.size(); ++k) {
+    if (const char* why = unproven_settings(table[k]))
+      throw std::invalid_argument("args entry " + std::to_string(k) + ": " + why);
+    prep.push_back(prepare(table[k]));
+    mkl = mkl || uses_mkl(table[k].impl);
+  }
+  check_segments(segs, table);
+  // Results never depend on the plan: every element's arithmetic depends on its args entry and
+  // global index only.
+  const BatchPlan plan = plan_batch(segs.numel, segs.n, threads, kSegCost, kMinPerThread);
+  BatchJob job{segs, prep, plan};
+  parallel_tasks(plan.tasks(), plan.threads, mkl, run_batch_task, &job);
+}
+
 void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const ReplayArgs& a) {
   check_proven(a);
   if (n <= 0) return;
-  const bool cuda = is_cuda(a.impl);
-  const RangeKernel body{p, m, v, g, a, fns_for(resolved_isa()),
-                         cuda ? AdamScalars{} : make_scalars(a),
-                         cuda ? make_cuda_scalars(a) : CudaScalars{},
-                         fused_tail_local(a, n), g_tile};
-  int threads = a.threads > 0 ? a.threads : static_cast<int>(std::thread::hardware_concurrency());
-  const bool uses_mkl = a.impl == Impl::Single || a.impl == Impl::Foreach;
-  run_parallel(body, n, std::max(threads, 1), uses_mkl);
+  const int64_t addrs[4] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)),
+                            static_cast<int64_t>(reinterpret_cast<uintptr_t>(m)),
+                            static_cast<int64_t>(reinterpret_cast<uintptr_t>(v)),
+                            static_cast<int64_t>(reinterpret_cast<uintptr_t>(g))};
+  const int64_t arg = 0;
+  const ReplaySegments one{&addrs[0], &addrs[1], &addrs[2], &addrs[3], &n, &a.offset,
+                           &a.full_numel, &arg, 1};
+  adam_replay_batch(one, {a}, a.threads);
 }
 
 }  // namespace gockpt

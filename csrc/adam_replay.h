@@ -1,6 +1,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kernel_api.h"
 
@@ -17,8 +18,6 @@ struct ReplayArgs {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0, step = 1.0;
   int64_t offset = 0;
   int64_t full_numel = 0;
-  int torch_threads = 1;  // torch's intra-op threads (no effect: see adam_replay.cpp)
-  int torch_vec = 16;     // torch's Vectorized<float>::size() (no effect: see adam_replay.cpp)
   int threads = 0;        // replay threads, 0 = hardware concurrency
   double grad_scale = 0;  // CudaFused only: GradScaler scale the kernel divides by (0 = none)
 };
@@ -29,6 +28,21 @@ CudaScalars make_cuda_scalars(const ReplayArgs& a);
 // Throws std::invalid_argument for settings a profile has no proof for (docs/arithmetics.md).
 void check_proven(const ReplayArgs& a);
 void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const ReplayArgs& a);
+
+// A batch of slices, struct of arrays of n entries (addresses as int64): segment i is the
+// numel[i] floats at p[i] (param), m[i] (exp_avg), v[i] (exp_avg_sq), g[i] (grad), elements
+// [offset[i], offset[i] + numel[i]) of a parameter of full_numel[i] elements, replayed with
+// entry arg[i] of the args table.
+struct ReplaySegments {
+  const int64_t *p, *m, *v, *g, *numel, *offset, *full_numel, *arg;
+  int64_t n;
+};
+
+// One step on every segment, each bit-identical to adam_replay on it alone (table entries:
+// offset, full_numel and threads unused).  Throws std::invalid_argument, naming the entry or
+// the segment, before anything is written.
+void adam_replay_batch(const ReplaySegments& segs, const std::vector<ReplayArgs>& table,
+                       int threads);
 
 std::string init_vml_sqrt(const std::string& lib_path);
 void disable_vml_sqrt();

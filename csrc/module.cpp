@@ -16,7 +16,10 @@ using namespace gockpt;
 
 namespace gockpt {
 namespace io {
-void bind_io(py::module_& m);  // the checkpoint I/O section at the end of this file
+void bind_io(py::module_& m);  // the checkpoint I/O section below
+}
+namespace batch {
+void bind_batch(py::module_& m);  // the batched work section at the end of this file
 }
 }  // namespace gockpt
 
@@ -60,12 +63,10 @@ PYBIND11_MODULE(_C, mod) {
       "adam_replay",
       [](uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t g, int64_t n, const std::string& impl,
          bool decoupled, double lr, double beta1, double beta2, double eps, double weight_decay,
-         double step, int64_t offset, int64_t full_numel, int torch_threads, int torch_vec,
-         int threads, double grad_scale) {
+         double step, int64_t offset, int64_t full_numel, int threads, double grad_scale) {
         // field order of ReplayArgs (aggregate initialisation)
         const ReplayArgs a{parse_impl(impl), decoupled, lr, beta1, beta2, eps, weight_decay,
-                           step, offset, full_numel, torch_threads, torch_vec, threads,
-                           grad_scale};
+                           step, offset, full_numel, threads, grad_scale};
         if (n < 0 || offset < 0 || offset + n > full_numel)
           throw std::invalid_argument("slice [offset, offset+n) must lie inside [0, full_numel)");
         py::gil_scoped_release release;
@@ -74,8 +75,7 @@ PYBIND11_MODULE(_C, mod) {
       py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("n"),
       py::arg("impl"), py::arg("decoupled"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
       py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("offset"),
-      py::arg("full_numel"), py::arg("torch_threads"), py::arg("torch_vec"), py::arg("threads"),
-      py::arg("grad_scale") = 0.0,
+      py::arg("full_numel"), py::arg("threads"), py::arg("grad_scale") = 0.0,
       "Replay one Adam(W) step in place on raw float32 buffers (addresses as ints); impl is a "
       "CPU torch implementation (single|foreach|fused) or a CUDA one (cuda-forloop|"
       "cuda-foreach|cuda-fused, docs/arithmetics.md).");
@@ -99,7 +99,8 @@ PYBIND11_MODULE(_C, mod) {
   mod.def("cuda_powf", &cuda_powf, py::arg("a"), py::arg("b"),
           "powf as CUDA's libdevice computes it (the fused kernel's bias corrections).");
   mod.def("isa", []() { return std::string(isa_name(resolved_isa())); });
-  io::bind_io(mod);  // parallel checkpoint I/O and crc32c (section below)
+  io::bind_io(mod);        // parallel checkpoint I/O and crc32c (section below)
+  batch::bind_batch(mod);  // batched replay, digests, copy engine (last section)
 }
 
 // ============================================================================ checkpoint I/O
@@ -232,4 +233,196 @@ void bind_io(py::module_& m) {
 }
 
 }  // namespace io
+}  // namespace gockpt
+
+// ============================================================================ batched work
+// Bindings of the batched replay (adam_replay.h), the digest (digest.h) and the copy engine
+// (copy_engine.h), wrapped by gockpt/replay/arithmetic.py, gockpt/replay/digest.py and
+// gockpt/capture/transfer.py. Segment tables arrive as numpy int64 arrays (addresses as ints),
+// read or copied while the GIL is held; the work runs with the GIL released. Outputs are
+// uint64 numpy arrays the caller allocates (checked, never converted: a copy would lose the
+// results).
+
+#include <pybind11/numpy.h>
+
+#include <unordered_map>
+
+#include "copy_engine.h"
+#include "digest.h"
+
+namespace gockpt {
+namespace batch {
+
+namespace {
+
+using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// The common length of the named arrays (ValueError naming the first that differs).
+int64_t common_length(std::initializer_list<std::pair<const char*, const I64*>> arrays) {
+  const int64_t n = arrays.begin()->second->size();
+  for (const auto& a : arrays)
+    if (a.second->size() != n)
+      throw std::invalid_argument(std::string(a.first) + " has " + std::to_string(a.second->size()) +
+                                  " elements, expected " + std::to_string(n) + " (as " +
+                                  arrays.begin()->first + ")");
+  return n;
+}
+
+void check_non_negative(const char* name, const I64& a) {
+  const int64_t* d = a.data();
+  for (int64_t i = 0; i < a.size(); ++i)
+    if (d[i] < 0)
+      throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] is negative");
+}
+
+// The data of `out`, a writable C-contiguous uint64 array of 2n elements.
+uint64_t* digest_out(py::array& out, int64_t n) {
+  if (!out.dtype().is(py::dtype::of<uint64_t>()) || !(out.flags() & py::array::c_style) ||
+      !out.writeable() || out.size() != 2 * n)
+    throw std::invalid_argument("out must be a writable C-contiguous uint64 array of " +
+                                std::to_string(2 * n) + " elements");
+  return static_cast<uint64_t*>(out.mutable_data());
+}
+
+void bind_replay_batch(py::module_& m) {
+  m.def(
+      "adam_replay_batch",
+      [](const I64& p, const I64& mm, const I64& v, const I64& g, const I64& numel,
+         const I64& offset, const I64& full_numel, const I64& arg,
+         const std::vector<std::string>& impls, const std::vector<bool>& decoupled,
+         const std::vector<double>& lr, const std::vector<double>& beta1,
+         const std::vector<double>& beta2, const std::vector<double>& eps,
+         const std::vector<double>& weight_decay, const std::vector<double>& step,
+         const std::vector<double>& grad_scale, int threads) {
+        const int64_t n = common_length({{"p", &p}, {"m", &mm}, {"v", &v}, {"g", &g},
+                                         {"numel", &numel}, {"offset", &offset},
+                                         {"full_numel", &full_numel}, {"arg", &arg}});
+        const size_t na = impls.size();
+        for (size_t len : {decoupled.size(), lr.size(), beta1.size(), beta2.size(), eps.size(),
+                           weight_decay.size(), step.size(), grad_scale.size()})
+          if (len != na)
+            throw std::invalid_argument("the args table's lists must all have " +
+                                        std::to_string(na) + " entries (as impls)");
+        std::vector<ReplayArgs> table;
+        table.reserve(na);
+        for (size_t k = 0; k < na; ++k)  // field order of ReplayArgs
+          table.push_back({parse_impl(impls[k]), decoupled[k], lr[k], beta1[k], beta2[k], eps[k],
+                           weight_decay[k], step[k], 0, 0, 0, grad_scale[k]});
+        const ReplaySegments segs{p.data(),      mm.data(),     v.data(),          g.data(),
+                                  numel.data(),  offset.data(), full_numel.data(), arg.data(), n};
+        py::gil_scoped_release release;
+        adam_replay_batch(segs, table, threads);
+      },
+      py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("numel"), py::arg("offset"),
+      py::arg("full_numel"), py::arg("arg"), py::arg("impls"), py::arg("decoupled"),
+      py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+      py::arg("weight_decay"), py::arg("step"), py::arg("grad_scale"), py::arg("threads"),
+      "One Adam(W) step on many float32 slices (addresses as int64), segment i with entry "
+      "arg[i] of the args table (impls, decoupled, ..., grad_scale); bit-identical to "
+      "adam_replay per segment.");
+}
+
+void bind_digest(py::module_& m) {
+  m.def(
+      "digest",
+      [](uintptr_t src, int64_t nwords, int64_t first) {
+        if (nwords < 0) throw std::invalid_argument("nwords must be >= 0");
+        Digest d;
+        {
+          py::gil_scoped_release release;
+          d = digest(reinterpret_cast<const uint32_t*>(src), nwords, first);
+        }
+        return py::make_tuple(d.d1, d.d2);
+      },
+      py::arg("src"), py::arg("nwords"), py::arg("first"),
+      "(d1, d2): digest of nwords uint32 words at address src, the first at element index first "
+      "(csrc/digest.h).");
+  m.def(
+      "digest_batch",
+      [](const I64& src, const I64& nwords, const I64& first, py::array out, int threads) {
+        const int64_t n = common_length({{"src", &src}, {"nwords", &nwords}, {"first", &first}});
+        check_non_negative("nwords", nwords);
+        uint64_t* o = digest_out(out, n);
+        py::gil_scoped_release release;
+        digest_batch(src.data(), nwords.data(), first.data(), n, o, threads);
+      },
+      py::arg("src"), py::arg("nwords"), py::arg("first"), py::arg("out"), py::arg("threads"),
+      "Digests of many segments into out[2i], out[2i+1], on up to `threads` threads.");
+}
+
+// The engine plus the digest output arrays of its tickets, kept alive until release() (the
+// worker writes them when a ticket completes).
+struct PyCopyEngine {
+  CopyEngine engine;
+  std::unordered_map<int64_t, py::array> outs;
+  PyCopyEngine(double rate, int64_t piece_bytes) : engine(rate, piece_bytes) {}
+  ~PyCopyEngine() { engine.close(); }  // before outs go: queued digests still write them
+};
+
+int64_t submit_copies(PyCopyEngine& e, int priority, const I64& dst, const I64& src,
+                      const I64& nbytes) {
+  const int64_t n = common_length({{"dst", &dst}, {"src", &src}, {"nbytes", &nbytes}});
+  check_non_negative("nbytes", nbytes);
+  std::vector<CopySegment> segs(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    segs[i] = {ptr<void>(static_cast<uintptr_t>(dst.data()[i])),
+               ptr<const void>(static_cast<uintptr_t>(src.data()[i])), nbytes.data()[i]};
+  return e.engine.submit(priority, std::move(segs));
+}
+
+int64_t submit_digests(PyCopyEngine& e, int priority, const I64& src, const I64& nwords,
+                       const I64& first, py::array out) {
+  const int64_t n = common_length({{"src", &src}, {"nwords", &nwords}, {"first", &first}});
+  check_non_negative("nwords", nwords);
+  uint64_t* o = digest_out(out, n);
+  std::vector<DigestSegment> segs(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    segs[i] = {ptr<const uint32_t>(static_cast<uintptr_t>(src.data()[i])), nwords.data()[i],
+               first.data()[i]};
+  const int64_t id = e.engine.submit_digest(priority, std::move(segs), o);
+  if (n > 0) e.outs.emplace(id, std::move(out));
+  return id;
+}
+
+void bind_copy_engine(py::module_& m) {
+  using E = PyCopyEngine;
+  py::class_<E>(m, "CopyEngine",
+                "One worker thread running queued host copies and digests by priority "
+                "(csrc/copy_engine.h); wrapped by gockpt/capture/transfer.py.")
+      .def(py::init<double, int64_t>(), py::arg("link_bytes_per_s") = 0.0,
+           py::arg("piece_bytes") = int64_t{1} << 20)
+      .def("submit", &submit_copies, py::arg("priority"), py::arg("dst"), py::arg("src"),
+           py::arg("nbytes"), "Queue memcpy(dst[i], src[i], nbytes[i]); returns a ticket id.")
+      .def("submit_digest", &submit_digests, py::arg("priority"), py::arg("src"),
+           py::arg("nwords"), py::arg("first"), py::arg("out"),
+           "Queue digests; out[2i], out[2i+1] are written when the ticket completes.")
+      .def("done", [](const E& e, int64_t t) { return e.engine.done(t); }, py::arg("ticket"))
+      .def("wait", [](const E& e, int64_t t) { e.engine.wait(t); }, py::arg("ticket"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("seconds", [](const E& e, int64_t t) { return e.engine.seconds(t); }, py::arg("ticket"))
+      .def("nbytes", [](const E& e, int64_t t) { return e.engine.nbytes(t); }, py::arg("ticket"))
+      .def("release",
+           [](E& e, int64_t t) {
+             {
+               py::gil_scoped_release release;
+               e.engine.release(t);
+             }
+             e.outs.erase(t);
+           },
+           py::arg("ticket"), "Wait for the ticket, then forget it (unknown ids: no-op).")
+      .def("stats", [](const E& e) { return e.engine.stats(); },
+           "(bytes copied, seconds spent copying); digests not included.")
+      .def("close", [](E& e) { e.engine.close(); }, py::call_guard<py::gil_scoped_release>(),
+           "Finish queued work and join the worker; idempotent.");
+}
+
+}  // namespace
+
+void bind_batch(py::module_& m) {
+  bind_replay_batch(m);
+  bind_digest(m);
+  bind_copy_engine(m);
+}
+
+}  // namespace batch
 }  // namespace gockpt

@@ -141,8 +141,7 @@ def bench(sizes, threads_list, repeat):
                             k = min(call, n - o)
                             arithmetic.adam_replay(p[o:o + k], m[o:o + k], v[o:o + k], g[o:o + k],
                                                  impl=impl, decoupled=True, step=step[0],
-                                                 offset=o, full_numel=n, threads=t,
-                                                 torch_threads=t, **HP)
+                                                 offset=o, full_numel=n, threads=t, **HP)
                     fns[f"{key}{suffix}_t{t}_{lab}"] = run_replay
             opts = []
             for impl in ("default", "foreach", "fused"):

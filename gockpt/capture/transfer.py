@@ -1,117 +1,201 @@
-"""Copy engine: one priority queue of device-to-host copies.
+"""Copy engine: one priority queue of device-to-host copies (and host digests).
 
-Gradient copies (small, needed soon by the replay) always go before state copies. On the CPU a
-single transfer thread pops copies one pair at a time, so a gradient submitted while a long
-state transfer is running waits for at most one block. On a GPU the copies are enqueued on
-side streams of different priorities and the thread is not involved.
+Gradient copies (small, needed soon by the replay) always go before state copies. On the CPU
+the C++ engine (``_C.CopyEngine``, csrc/copy_engine.h) runs them on its own thread in pieces of
+at most 1 MiB, re-choosing by priority after each piece, so a gradient submitted while a long
+state transfer is running waits for at most one piece; a whole group of copies is one call.
+On a GPU the copies are enqueued on side streams of different priorities and the thread is not
+involved (``Ticket._cuda_event``).  ``link_gbps`` paces the host engine like a link of that
+many GB/s (1e9 bytes/s), to develop the overlap on a CPU-only machine.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
-import time
-from typing import List, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+
+from gockpt import _C
+from gockpt._arrays import check_non_negative, int64_arrays
 
 GRADIENT = 0  # priority classes: smaller runs first
 STATE = 1
+PIECE_BYTES = 1 << 20  # the most a better priority waits for
 
 
 class Ticket:
-    """Completion of one submitted group of copies."""
+    """Completion of one submitted group of copies.
 
-    def __init__(self, n_pairs: int, nbytes: int):
+    Made by ``CopyEngine`` (``n_pairs``: how many copies it stands for, ``nbytes``: their
+    bytes); ``Ticket(0, 0)`` is a ticket with nothing to wait for.  While the host engine runs
+    it, it holds the engine ticket and the objects whose memory the copies use; the first
+    ``done()``/``wait()`` that sees it complete takes its time and lets both go.
+    """
+
+    def __init__(self, n_pairs: int = 0, nbytes: int = 0):
         self.nbytes = nbytes
-        self._remaining = n_pairs
-        self._event = threading.Event()
-        self._cuda_event = None
-        self.error = None
-        self.seconds = 0.0  # time spent copying (CPU) -- measured by the transfer thread
-        if n_pairs == 0:
-            self._event.set()
+        self.error = None  # set at submission when the group could not be queued
+        self._cuda_event = None  # set by CopyEngine.submit on a GPU device
+        self._engine = None  # the _C.CopyEngine running it, until it is seen complete
+        self._id = 0
+        self._keep = None  # tensors / arrays the pending copies read or write
+        self._seconds = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def seconds(self) -> float:
+        """Time the engine spent on this ticket (CPU: its copies, pacing included)."""
+        with self._lock:
+            if self._engine is not None:
+                return self._engine.seconds(self._id)
+            return self._seconds
+
+    def _settle(self) -> None:
+        """Complete: keep the time, forget the engine ticket, let the memory go (lock held)."""
+        if self._engine is not None:
+            self._seconds = self._engine.seconds(self._id)
+            self._engine.release(self._id)
+            self._engine = self._keep = None
 
     def done(self) -> bool:
         if self._cuda_event is not None:
             return self._cuda_event.query()
-        return self._event.is_set()
+        with self._lock:
+            if self._engine is not None and not self._engine.done(self._id):
+                return False
+            self._settle()
+            return True
 
     def wait(self) -> None:
-        """Block until every copy of this ticket has landed; re-raise a copy error."""
+        """Block until every copy of this ticket has landed; raise a submission error."""
         if self._cuda_event is not None:
             self._cuda_event.synchronize()
         else:
-            self._event.wait()
+            engine = self._engine
+            if engine is not None:
+                engine.wait(self._id)  # GIL released; a released id counts as done
+            with self._lock:
+                self._settle()
         if self.error is not None:
             raise self.error
 
+    def __del__(self):
+        # Never let memory the engine still writes die first: release() waits for the copies.
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            try:
+                engine.release(self._id)
+            except Exception:  # interpreter shutdown
+                pass
+
+
+class DigestTicket(Ticket):
+    """Completion of one group of digests; ``wait()`` returns them."""
+
+    _out = np.empty(0, dtype=np.uint64)  # set by CopyEngine.submit_digests
+
+    def wait(self) -> np.ndarray:
+        """Block until done; the uint64 array of shape (n, 2), row i = (d1, d2) of segment i."""
+        out = self._out
+        super().wait()
+        return out.reshape(-1, 2)
+
+
+def _pair_error(i: int, d: torch.Tensor, s: torch.Tensor) -> str:
+    if not (d.is_contiguous() and s.is_contiguous()):
+        return f"copy {i}: dst and src must be contiguous"
+    if d.dtype != s.dtype or not (d.is_cpu and s.is_cpu):
+        return (f"copy {i}: dst ({d.dtype}, {d.device}) and src ({s.dtype}, {s.device}) must be "
+                f"host tensors of one dtype")
+    return f"copy {i}: size mismatch: dst has {d.numel()} elements, src {s.numel()}"
+
+
+def _pair_arrays(pairs) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dst, src, nbytes) of (dst, src) tensor pairs; ValueError naming the first bad pair."""
+    dst, src, nbytes = [], [], []
+    for d, s in pairs:
+        nb = s.nbytes
+        if not (d.nbytes == nb and d.dtype == s.dtype and d.is_cpu and s.is_cpu
+                and d.is_contiguous() and s.is_contiguous()):
+            raise ValueError(_pair_error(len(dst), d, s))
+        dst.append(d.data_ptr())
+        src.append(s.data_ptr())
+        nbytes.append(nb)
+    return (np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64),
+            np.array(nbytes, dtype=np.int64))
+
 
 class CopyEngine:
-    """Runs copies ``dst.copy_(src)`` by priority, off the training thread."""
+    """Runs copies ``dst <- src`` by priority, off the training thread."""
 
-    def __init__(self, device):
+    def __init__(self, device, link_gbps: Optional[float] = None):
+        rate = 0.0 if link_gbps is None else float(link_gbps) * 1e9
+        if link_gbps is not None and not 0 < rate < float("inf"):
+            raise ValueError(f"link_gbps must be a positive number of GB/s, got {link_gbps!r}")
         self.device = device
-        self.bytes_copied = 0
-        self.copy_seconds = 0.0
-        self._heap: List[Tuple] = []
-        self._seq = itertools.count()
-        self._cv = threading.Condition()
-        self._closed = False
-        self._thread = None
-        if not device.asynchronous_copies:
-            self._thread = threading.Thread(target=self._run, name="gockpt-transfer", daemon=True)
-            self._thread.start()
+        self._engine = _C.CopyEngine(rate, PIECE_BYTES)
+        self._async_bytes = 0  # bytes enqueued on CUDA streams
+
+    @property
+    def bytes_copied(self) -> int:
+        return self._async_bytes + self._engine.stats()[0]
+
+    @property
+    def copy_seconds(self) -> float:
+        """Host engine time spent copying (CUDA copies are not timed)."""
+        return self._engine.stats()[1]
 
     def submit(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], priority: int) -> Ticket:
-        """Queue copies; returns a ticket to wait on. ``pairs`` are (host dst, device src)."""
-        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
-        ticket = Ticket(len(pairs), nbytes)
+        """Queue copies; returns a ticket to wait on. ``pairs`` are (host dst, device src),
+        contiguous, of one dtype and size; a pair that is not fails the ticket (at wait())."""
         if not pairs:
-            return ticket
+            return Ticket(0, 0)
         if self.device.asynchronous_copies:
+            nbytes = sum(src.nbytes for _, src in pairs)
+            ticket = Ticket(len(pairs), nbytes)
             ticket._cuda_event = self.device.enqueue(pairs, high_priority=priority == GRADIENT)
-            self.bytes_copied += nbytes
+            self._async_bytes += nbytes
             return ticket
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("gockpt transfer engine is closed")
-            for dst, src in pairs:
-                heapq.heappush(self._heap, (priority, next(self._seq), dst, src, ticket))
-            self._cv.notify()
+        try:
+            dst, src, sizes = _pair_arrays(pairs)
+        except ValueError as exc:
+            ticket = Ticket(len(pairs), sum(src.nbytes for _, src in pairs))
+            ticket.error = RuntimeError(str(exc))
+            return ticket
+        return self._start(Ticket(len(pairs), int(sizes.sum())), list(pairs),
+                           self._engine.submit(int(priority), dst, src, sizes))
+
+    def submit_segments(self, dst, src, nbytes, priority: int) -> Ticket:
+        """Queue ``memcpy(dst[i], src[i], nbytes[i])`` for every i: host addresses as 1-D integer
+        numpy arrays of one length.  The memory must stay valid until the ticket is done."""
+        dst, src, nbytes = int64_arrays(("dst", dst), ("src", src), ("nbytes", nbytes))
+        check_non_negative("nbytes", nbytes)
+        ticket = Ticket(len(dst), int(nbytes.sum()))
+        return self._start(ticket, None, self._engine.submit(int(priority), dst, src, nbytes))
+
+    def submit_digests(self, src, nwords, first, priority: int) -> DigestTicket:
+        """Queue the digests (gockpt.replay.digest) of ``nwords[i]`` float32 words at host
+        address ``src[i]`` whose first has element index ``first[i]``; ``wait()`` returns them
+        as a uint64 array of shape (n, 2).  Digests are not paced (a device-side reduction)."""
+        src, nwords, first = int64_arrays(("src", src), ("nwords", nwords), ("first", first))
+        check_non_negative("nwords", nwords)
+        check_non_negative("first", first)
+        ticket = DigestTicket(len(src), 4 * int(nwords.sum()))
+        ticket._out = out = np.empty(2 * len(src), dtype=np.uint64)
+        return self._start(ticket, out,
+                           self._engine.submit_digest(int(priority), src, nwords, first, out))
+
+    def _start(self, ticket: Ticket, keep, engine_id: int) -> Ticket:
+        ticket._engine, ticket._id, ticket._keep = self._engine, engine_id, keep
         return ticket
 
     def bandwidth(self) -> float:
         """Measured copy bandwidth in bytes/s (0 before any copy)."""
-        return self.bytes_copied / self.copy_seconds if self.copy_seconds > 0 else 0.0
-
-    def _run(self):
-        while True:
-            with self._cv:
-                while not self._heap and not self._closed:
-                    self._cv.wait()
-                if not self._heap:
-                    return
-                _, _, dst, src, ticket = heapq.heappop(self._heap)
-            t0 = time.perf_counter()
-            try:
-                if ticket.error is None:
-                    self.device.copy(dst, src)
-            except BaseException as exc:  # surfaced to the waiter, never lost
-                ticket.error = exc
-            dt = time.perf_counter() - t0
-            ticket.seconds += dt
-            self.copy_seconds += dt
-            self.bytes_copied += src.numel() * src.element_size()
-            ticket._remaining -= 1
-            if ticket._remaining == 0:
-                ticket._event.set()
+        bytes_done, seconds = self._engine.stats()
+        return (self._async_bytes + bytes_done) / seconds if seconds > 0 else 0.0
 
     def close(self) -> None:
         """Finish queued copies and stop the transfer thread."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join()
+        self._engine.close()

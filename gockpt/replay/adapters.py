@@ -106,8 +106,7 @@ class AdamAdapter:
             host.state[block.slot]["exp_avg_sq"][s:e], record.grads[block.slot][s:e],
             impl=sc.impl, decoupled=sc.decoupled, lr=sc.lr, beta1=sc.beta1, beta2=sc.beta2,
             eps=sc.eps, weight_decay=sc.weight_decay, step=record.steps[block.slot],
-            offset=s, full_numel=slot.numel, torch_threads=record.torch_threads,
-            threads=threads)
+            offset=s, full_numel=slot.numel, threads=threads)
 
 
 def adapter_for(optimizer: torch.optim.Optimizer) -> AdamAdapter:

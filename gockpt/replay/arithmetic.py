@@ -10,14 +10,16 @@ rounding to float32, CUDA's powf) lives in C++ (``csrc/adam_replay.cpp``, ``csrc
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from gockpt import _C
+from gockpt._arrays import check_non_negative, int64_arrays
 
-__all__ = ["adam_replay", "replay_step", "replay_arithmetics", "sqrt_backend",
-           "exactness_supported", "torch_vec_size", "IMPLS"]
+__all__ = ["adam_replay", "replay_batch", "replay_step", "replay_arithmetics", "sqrt_backend",
+           "exactness_supported", "IMPLS"]
 
 IMPLS = ("single", "foreach", "fused")
 CUDA_IMPLS = ("cuda-forloop", "cuda-foreach", "cuda-fused")  # torch's CUDA kernels (replay_step)
@@ -51,18 +53,6 @@ _C.init_vml_sqrt(_libtorch_cpu_path())
 def sqrt_backend() -> str:
     """'mkl-vml' when torch's sqrt (MKL vmsSqrt) is reproduced, 'ieee' otherwise."""
     return _C.sqrt_backend()
-
-
-_VEC_SIZE = None
-
-
-def torch_vec_size() -> int:
-    """Vectorized<float>::size() of the ATen kernels torch dispatches to on this CPU."""
-    global _VEC_SIZE
-    if _VEC_SIZE is None:
-        cap = str(torch.backends.cpu.get_cpu_capability()).upper()
-        _VEC_SIZE = 16 if cap.startswith("AVX512") else 8  # AVX2/DEFAULT: 32-byte vectors
-    return _VEC_SIZE
 
 
 def exactness_supported():
@@ -120,20 +110,25 @@ def _check_scalars(step, **hyper) -> float:
     return step
 
 
-def _run(tensors, n, impl, decoupled, hp, step, offset, full_numel, torch_threads, threads,
+def _check_threads(threads: Optional[int]) -> int:
+    threads = (os.cpu_count() or 1) if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return threads
+
+
+def _run(tensors, n, impl, decoupled, hp, step, offset, full_numel, threads,
          grad_scale=0.0) -> None:
     """The C++ kernel call shared by adam_replay and replay_step (ValueError on refusal)."""
     p, m, v, g = (t.data_ptr() for t in tensors)
     _C.adam_replay(p, m, v, g, n, impl, bool(decoupled), float(hp["lr"]), float(hp["beta1"]),
                    float(hp["beta2"]), float(hp["eps"]), float(hp["weight_decay"]), step,
-                   offset, full_numel, int(torch_threads), torch_vec_size(), int(threads),
-                   float(grad_scale))
+                   offset, full_numel, int(threads), float(grad_scale))
 
 
 def adam_replay(param, exp_avg, exp_avg_sq, grad, *, impl: str, decoupled: bool, lr: float,
                 beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
-                offset: int = 0, full_numel: Optional[int] = None,
-                torch_threads: Optional[int] = None, threads: Optional[int] = None,
+                offset: int = 0, full_numel: Optional[int] = None, threads: Optional[int] = None,
                 grad_scale: Optional[float] = None) -> None:
     """Replay one Adam (decoupled=False) / AdamW (decoupled=True) update in place.
 
@@ -142,8 +137,8 @@ def adam_replay(param, exp_avg, exp_avg_sq, grad, *, impl: str, decoupled: bool,
     ``offset``/``full_numel`` locate the slice inside the full parameter (``full_numel``
     defaults to ``offset + n``, i.e. ``n`` for a whole parameter): torch's fused CPU kernel
     computes exp_avg_sq with a different FMA placement for the last ``full_numel % 8`` elements.
-    ``torch_threads`` is accepted and validated but measured to have no effect on torch's
-    arithmetic (its elementwise scalar tails round exactly like the vector bodies).
+    torch's own thread count and vector width are measured to have no effect on its arithmetic
+    (its elementwise scalar tails round exactly like the vector bodies), so they are not inputs.
     ``threads``: replay threads (default ``os.cpu_count()``); results do not depend on it.
     ``impl``: one of ``IMPLS`` (torch's CPU kernels) or ``CUDA_IMPLS`` (torch's CUDA kernels,
     see ``replay_step``; ``grad_scale`` only with ``"cuda-fused"``).
@@ -159,14 +154,103 @@ def adam_replay(param, exp_avg, exp_avg_sq, grad, *, impl: str, decoupled: bool,
                          f"[0, full_numel={full_numel})")
     hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     step = _check_scalars(step, **hp)
-    if torch_threads is None:
-        torch_threads = torch.get_num_threads()
-    if threads is None:
-        threads = os.cpu_count() or 1
-    if int(threads) < 1 or int(torch_threads) < 1:
-        raise ValueError("threads and torch_threads must be >= 1")
+    threads = _check_threads(threads)
     _run((param, exp_avg, exp_avg_sq, grad), n, impl, decoupled, hp, step, offset, full_numel,
-         torch_threads, threads, grad_scale or 0.0)
+         threads, grad_scale or 0.0)
+
+
+def _args_table(impls, decoupled, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
+    """The args table of replay_batch as the lists _C takes (ValueError naming the entry)."""
+    impls = list(impls)
+    if grad_scale is None:
+        grad_scale = [0.0] * len(impls)
+    cols = dict(decoupled=decoupled, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, step=step, grad_scale=grad_scale)
+    floats = {}
+    for name, col in cols.items():
+        col = list(col)
+        if len(col) != len(impls):
+            raise ValueError(f"{name} has {len(col)} entries, expected {len(impls)} (as impls)")
+        if any(isinstance(x, torch.Tensor) for x in col):
+            raise ValueError(f"{name} must hold Python floats (tensor hyper-parameters "
+                             f"unsupported)")
+        floats[name] = col if name == "decoupled" else [float(x) for x in col]
+    for k, impl in enumerate(impls):
+        if impl not in IMPLS + CUDA_IMPLS:
+            raise ValueError(f"args entry {k}: impl must be one of {IMPLS + CUDA_IMPLS}, "
+                             f"got {impl!r}")
+        if not floats["step"][k] >= 1:
+            raise ValueError(f"args entry {k}: step must be >= 1 (the count after increment), "
+                             f"got {floats['step'][k]}")
+    floats["decoupled"] = [bool(x) for x in floats["decoupled"]]
+    return impls, floats
+
+
+def _check_disjoint(p, m, v, g, nbytes) -> None:
+    """The bytes a batch writes (param, exp_avg, exp_avg_sq of every segment) must not overlap
+    each other or any grad it reads: results would depend on the threads' order."""
+    live = nbytes > 0
+    lo = np.concatenate([p[live], m[live], v[live]])
+    order = np.argsort(lo)
+    lo, hi = lo[order], (lo + np.tile(nbytes[live], 3))[order]
+    if (lo[1:] < hi[:-1]).any():
+        raise ValueError("the param, exp_avg and exp_avg_sq ranges of the segments overlap")
+    # Written ranges are sorted and disjoint: only the last one starting before a grad range's
+    # end can reach into it.
+    g_lo = g[live]
+    k = np.searchsorted(lo, g_lo + nbytes[live], side="left") - 1
+    if ((k >= 0) & (hi[np.maximum(k, 0)] > g_lo)).any():
+        raise ValueError("a grad range overlaps a param, exp_avg or exp_avg_sq range")
+
+
+def replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls: Sequence[str],
+                 decoupled: Sequence[bool], lr: Sequence[float], beta1: Sequence[float],
+                 beta2: Sequence[float], eps: Sequence[float], weight_decay: Sequence[float],
+                 step: Sequence[float], grad_scale: Optional[Sequence[float]] = None,
+                 threads: Optional[int] = None, check_overlap: bool = True) -> None:
+    """Replay one Adam/AdamW update on many slices in one call, bit for bit as ``adam_replay``
+    on each slice alone (the arguments mirror ``_C.adam_replay_batch``).
+
+    Segment i is ``numel[i]`` float32 elements at the host addresses ``p[i]`` (param),
+    ``m[i]`` (exp_avg), ``v[i]`` (exp_avg_sq), updated in place, and ``g[i]`` (grad, read),
+    being elements ``[offset[i], offset[i] + numel[i])`` of a parameter of ``full_numel[i]``
+    elements (the fused CPU tail and the CUDA fused lanes depend on the global index); it is
+    replayed with entry ``arg[i]`` of the args table.  p .. arg: 1-D integer numpy arrays of
+    one length (addresses as ints); the caller keeps the memory alive during the call.
+    The args table, lists of one length: ``impls`` (``IMPLS`` or ``CUDA_IMPLS``), ``decoupled``
+    (AdamW), ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` (Python floats), ``step``
+    (the count of this update, after the increment, >= 1) and ``grad_scale`` (None: none;
+    per entry 0 = none, else "cuda-fused" only).
+    The written ranges (p, m, v of all segments) must not overlap each other or any grad range;
+    grad ranges may overlap each other.  ``check_overlap=False`` skips checking that (a sort of
+    3n addresses, about twice the replay's own time for 2,000 tiny segments) for a caller whose
+    buffers are disjoint by construction.  ``threads``: replay threads (default
+    ``os.cpu_count()``); results depend neither on it nor on how segments are cut.
+    Raises ValueError, before anything is written, for bad arrays, an unknown impl, a slice
+    outside its parameter, overlapping ranges or settings with no proof (naming the entry).
+    """
+    p, m, v, g, numel, offset, full_numel, arg = int64_arrays(
+        ("p", p), ("m", m), ("v", v), ("g", g), ("numel", numel), ("offset", offset),
+        ("full_numel", full_numel), ("arg", arg))
+    impls, t = _args_table(impls, decoupled, lr, beta1, beta2, eps, weight_decay, step,
+                           grad_scale)
+    check_non_negative("numel", numel)
+    check_non_negative("offset", offset)
+    bad = np.flatnonzero((offset + numel > full_numel) | (arg < 0) | (arg >= len(impls)))
+    if bad.size:
+        i = bad[0]
+        raise ValueError(f"segment {i}: slice [{offset[i]}, {offset[i] + numel[i]}) of a "
+                         f"parameter of {full_numel[i]} elements with args entry {arg[i]} "
+                         f"(table of {len(impls)})")
+    addrs = np.stack([p, m, v, g])[:, numel > 0]
+    if ((addrs == 0) | (addrs & 3 != 0)).any():
+        raise ValueError("every address of a non-empty segment must be non-zero and 4-byte "
+                         "aligned (float32)")
+    if check_overlap:
+        _check_disjoint(p, m, v, g, 4 * numel)
+    _C.adam_replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls, t["decoupled"],
+                         t["lr"], t["beta1"], t["beta2"], t["eps"], t["weight_decay"],
+                         t["step"], t["grad_scale"], _check_threads(threads))
 
 
 def replay_arithmetics() -> list:
@@ -220,4 +304,4 @@ def replay_step(arithmetic: str, param, exp_avg, exp_avg_sq, grad, *, lr: float,
     hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     step = _check_scalars(step, **hp)
     _run((param, exp_avg, exp_avg_sq, grad), n, impl, decoupled, hp, step, 0, n,
-         torch.get_num_threads(), os.cpu_count() or 1, grad_scale or 0.0)
+         os.cpu_count() or 1, grad_scale or 0.0)

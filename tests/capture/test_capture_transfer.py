@@ -1,43 +1,187 @@
+"""The copy engine (gockpt.capture.transfer over _C.CopyEngine): copies land bit for bit,
+gradients overtake state, pacing, digests, close()."""
+import gc
 import threading
 
+import numpy as np
+import pytest
 import torch
 
+from gockpt import _C
 from gockpt.capture.device import HostDevice
-from gockpt.capture.transfer import GRADIENT, STATE, CopyEngine
+from gockpt.capture.transfer import GRADIENT, PIECE_BYTES, STATE, CopyEngine, Ticket
+from gockpt.replay.digest import digest, digest_torch
+
+MIB = 1 << 20
 
 
-class GatedDevice(HostDevice):
-    """Host copies that wait for a gate on the first copy, and log their order."""
-
-    def __init__(self):
-        self.gate = threading.Event()
-        self.started = threading.Event()
-        self.order = []
-
-    def copy(self, dst, src):
-        if not self.order:
-            self.started.set()
-            self.gate.wait()
-        self.order.append(int(src[0]))
-        dst.copy_(src)
+def _long_state_job(engine, src, dst, pieces):
+    """A STATE ticket of `pieces` 1 MiB copies of one buffer: with a paced link it stays busy
+    for pieces * (1 MiB / rate) -- hundreds of times longer than one piece."""
+    n = np.full(pieces, 1, dtype=np.int64)
+    return engine.submit_segments(n * dst.data_ptr(), n * src.data_ptr(), n * MIB, STATE)
 
 
 def test_copies_land_and_gradients_overtake_state():
-    dev = GatedDevice()
-    engine = CopyEngine(dev)
+    # 1 GB/s: one 1 MiB piece ~1 ms, the long job ~0.4 s.  Proven by order of completion: the
+    # gradients, submitted after two STATE tickets, complete while both are still queued.
+    engine = CopyEngine(HostDevice(), link_gbps=1.0)
+    big_src = torch.randn(MIB // 4)
+    big_dst = torch.empty_like(big_src)
     srcs = [torch.full((1000,), float(i)) for i in range(6)]
     dsts = [torch.empty(1000) for _ in srcs]
-    first = engine.submit([(dsts[0], srcs[0])], STATE)
-    assert dev.started.wait(10)  # the transfer thread is busy with the first state copy
+    first = _long_state_job(engine, big_src, big_dst, 400)
     state = engine.submit([(dsts[i], srcs[i]) for i in (1, 2, 3)], STATE)
     grads = engine.submit([(dsts[i], srcs[i]) for i in (4, 5)], GRADIENT)
-    dev.gate.set()
-    for t in (first, state, grads):
-        t.wait()
-    assert dev.order == [0, 4, 5, 1, 2, 3]
-    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
-    assert state.nbytes == 3 * 4000 and engine.bandwidth() > 0
+    grads.wait()
+    assert not first.done() and not state.done()
+    assert all(torch.equal(dsts[i], srcs[i]) for i in (4, 5))
+    state.wait()
+    assert first.done()  # FIFO within a priority
+    assert all(torch.equal(d, s) for d, s in zip(dsts[1:], srcs[1:]))
+    assert torch.equal(big_dst, big_src)
+    assert state.nbytes == 3 * 4000 and first.nbytes == 400 * MIB and engine.bandwidth() > 0
+    assert engine.bytes_copied == 400 * MIB + 5 * 4000
     engine.close()
+
+
+def test_many_odd_segments_land_bit_exactly():
+    rng = np.random.default_rng(0)
+    src = torch.from_numpy(rng.integers(0, 256, 16 * MIB, dtype=np.uint8))
+    dst = torch.zeros_like(src)
+    sizes = rng.integers(0, 5000, 3000)
+    sizes[::7] = 0
+    sizes[5] = 3 * PIECE_BYTES + 5  # one segment of several pieces
+    starts = np.concatenate([[0], np.cumsum(sizes + 3)[:-1]])  # 3-byte gaps stay untouched
+    assert starts[-1] + sizes[-1] < src.numel()
+    engine = CopyEngine(HostDevice())
+    t = engine.submit_segments(dst.data_ptr() + starts, src.data_ptr() + starts, sizes, STATE)
+    t.wait()
+    assert t.done() and t.error is None and t.nbytes == int(sizes.sum())
+    want = torch.zeros_like(src)
+    for a, n in zip(starts, sizes):
+        want[a:a + n] = src[a:a + n]
+    assert torch.equal(dst, want)
+    engine.close()
+
+
+def test_pacing_lower_bound():
+    engine = CopyEngine(HostDevice(), link_gbps=2.0)
+    src = torch.randn(2 * MIB)  # 8 MiB: 8 pieces
+    dst = torch.empty_like(src)
+    t = engine.submit([(dst, src)], STATE)
+    t.wait()
+    assert torch.equal(dst, src)
+    assert t.seconds >= t.nbytes / 2e9 * (1 - 1e-9)
+    assert engine.copy_seconds >= t.nbytes / 2e9 * (1 - 1e-9)
+    engine.close()
+
+
+def test_digests_equal_the_reference():
+    t = torch.from_numpy(np.random.default_rng(1).standard_normal(700001, dtype=np.float32))
+    t[3] = float("nan")
+    segs = [(0, 10), (10, 10), (10, 700001), (5, 9)]  # one over several 1 MiB pieces
+    src = np.array([t.data_ptr() + 4 * a for a, _ in segs], dtype=np.int64)
+    nwords = np.array([b - a for a, b in segs], dtype=np.int64)
+    first = np.array([a + 100 for a, _ in segs], dtype=np.int64)
+    engine = CopyEngine(HostDevice(), link_gbps=1.0)  # digests are not paced
+    ticket = engine.submit_digests(src, nwords, first, STATE)
+    got = ticket.wait()
+    assert got.dtype == np.uint64 and got.shape == (4, 2) and ticket.nbytes == 4 * nwords.sum()
+    for k, (a, b) in enumerate(segs):
+        want = digest_torch(t[a:b], a + 100)
+        assert tuple(int(x) for x in got[k]) == want == digest(t[a:b], a + 100)
+    assert engine.submit_digests([], [], [], STATE).wait().shape == (0, 2)
+    engine.close()
+
+
+def test_close_finishes_queued_work_and_refuses_more():
+    engine = CopyEngine(HostDevice(), link_gbps=1.0)
+    src = torch.randn(MIB)  # 4 MiB: ~4 ms paced
+    dsts = [torch.empty_like(src) for _ in range(4)]
+    tickets = [engine.submit([(d, src)], STATE) for d in dsts]
+    engine.close()
+    assert all(t.done() for t in tickets)
+    assert all(torch.equal(d, src) for d in dsts)
+    engine.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit([(dsts[0], src)], STATE)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit_segments([0], [0], [0], GRADIENT)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit_digests([src.data_ptr()], [4], [0], STATE)
+
+
+def test_submissions_from_several_threads():
+    engine = CopyEngine(HostDevice())
+    srcs = [torch.randn(257) for _ in range(4 * 50)]
+    dsts = [torch.empty(257) for _ in srcs]
+    tickets = [None] * len(srcs)
+
+    def submit(k):
+        for i in range(k, len(srcs), 4):
+            tickets[i] = engine.submit([(dsts[i], srcs[i])], i % 2)
+
+    threads = [threading.Thread(target=submit, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for t in tickets:
+        t.wait()
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert engine.bytes_copied == len(srcs) * 257 * 4
+    engine.close()
+
+
+def test_ticket_lets_its_tensors_go_after_completion():
+    engine = CopyEngine(HostDevice())
+    src, dst = torch.randn(1000), torch.empty(1000)
+    t = engine.submit([(dst, src)], GRADIENT)
+    assert t._keep is not None
+    t.wait()
+    assert t._keep is None and t._engine is None and t.seconds >= 0
+    t.wait()  # again: nothing left to wait for
+    pending = engine.submit([(torch.empty(1000), torch.randn(1000))], STATE)
+    del pending  # released (after its copy) by the ticket itself
+    gc.collect()
+    engine.close()
+
+
+def test_segment_validation():
+    engine = CopyEngine(HostDevice())
+    with pytest.raises(ValueError, match="src has 2 elements"):
+        engine.submit_segments([0], [0, 0], [0], STATE)
+    with pytest.raises(ValueError, match="nbytes.0. is negative"):
+        engine.submit_segments([0], [0], [-1], STATE)
+    with pytest.raises(ValueError, match="integer"):
+        engine.submit_segments(np.array([1.0]), [0], [0], STATE)
+    with pytest.raises(ValueError, match="link_gbps"):
+        CopyEngine(HostDevice(), link_gbps=0)
+    t = engine.submit([(torch.empty(8)[::2], torch.empty(4))], STATE)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        t.wait()
+    engine.close()
+
+
+def test_raw_engine_bookkeeping():
+    e = _C.CopyEngine()
+    src, dst = torch.randn(100), torch.empty(100)
+    one = np.ones(1, np.int64)
+    t = e.submit(1, one * dst.data_ptr(), one * src.data_ptr(), one * 400)
+    e.wait(t)
+    assert e.done(t) and e.nbytes(t) == 400 and e.seconds(t) >= 0
+    assert e.stats()[0] == 400 and torch.equal(dst, src)
+    e.release(t)
+    e.release(t)  # unknown ids: no-op
+    assert e.done(t)  # released tickets were complete
+    with pytest.raises(ValueError, match="unknown ticket"):
+        e.seconds(t)
+    empty = e.submit(0, one[:0], one[:0], one[:0])
+    assert e.done(empty) and e.nbytes(empty) == 0
+    with pytest.raises(ValueError, match="nbytes has 2 elements"):
+        e.submit(0, one, one, np.ones(2, np.int64))
+    e.close()
 
 
 def test_copy_error_reaches_the_waiter():
@@ -55,4 +199,6 @@ def test_copy_error_reaches_the_waiter():
 def test_empty_submission_is_done():
     engine = CopyEngine(HostDevice())
     assert engine.submit([], STATE).done()
+    assert engine.submit_segments([], [], [], STATE).done()
+    assert Ticket(0, 0).done() and Ticket(0, 0).seconds == 0.0
     engine.close()

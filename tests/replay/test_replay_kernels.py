@@ -61,8 +61,7 @@ def _compare(impl, decoupled, wd, n, torch_threads, steps, s, seed=0, init_step=
         opt.step()
         arithmetic.adam_replay(rp, rm, rv, grads[k], impl=replay_impl or impl, decoupled=decoupled,
                              lr=lr, beta1=s["betas"][0], beta2=s["betas"][1], eps=s["eps"],
-                             weight_decay=wd, step=init_step + k + 1, torch_threads=torch_threads,
-                             threads=threads)
+                             weight_decay=wd, step=init_step + k + 1, threads=threads)
     st = opt.state[p]
     assert float(st["step"]) == init_step + steps
     return (p.detach(), st["exp_avg"], st["exp_avg_sq"]), (rp, rm, rv)
