@@ -95,6 +95,20 @@ class CaptureBook:
     """Optimizer state index -> state keys stored as tensors."""
     samples: List = field(default_factory=list)
     """Self-check samples: (block, direct copies at F) (written by gockpt.replay.selfcheck)."""
+    versions: Dict[int, tuple] = field(default_factory=dict)
+    """Group j -> ((slot, key, tensor) read by its copies, their versions when queued)."""
+    written_outside: Set[str] = field(default_factory=set)
+    """Slots found written outside the optimizer (to be copied at F from now on)."""
+    digests: object = None
+    """The digests of the live replayed blocks at F: (table, roles, ticket)."""
+    _tables: Dict[int, object] = field(default_factory=dict)
+
+    def table(self, j: int):
+        """Group j as a BlockTable (built once)."""
+        if j not in self._tables:
+            from .capture.segments import BlockTable
+            self._tables[j] = BlockTable(self.groups[j - 1])
+        return self._tables[j]
 
 
 @dataclass

@@ -199,9 +199,10 @@ def test_background_write_failure_surfaces_and_keeps_previous_latest(tmp_path, m
 def test_self_check_catches_a_wrong_replay(tmp_path, monkeypatch):
     real = replay.AdamAdapter.apply
 
-    def wrong(self, record, block, host, threads):
-        real(self, record, block, host, threads)
-        host.param[block.slot][block.start] += 1e-3
+    def wrong(self, record, host, threads):
+        real(self, record, host, threads)
+        for block in record.blocks:
+            host.param[block.slot][block.start] += 1e-3
 
     monkeypatch.setattr(replay.AdamAdapter, "apply", wrong)
     model, opt, sched, ck = make(tmp_path, mode="gockpt", overlap_steps=3, self_check=1.0)

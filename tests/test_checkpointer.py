@@ -191,12 +191,12 @@ def test_blocks_are_streamed_to_storage_as_they_reach_F(tmp_path, monkeypatch):
     opened = threading.Event()
     real_apply = replay.AdamAdapter.apply
 
-    def slow_final_apply(self, record, block, host, threads):
+    def slow_final_apply(self, record, host, threads):
         # a large model's replay of step F outlasts the opening of the writer; here the
         # replay of step F waits for it, so that the interleaving is deterministic
         if record.final:
             assert opened.wait(60)
-        real_apply(self, record, block, host, threads)
+        real_apply(self, record, host, threads)
 
     from gockpt.storage import persist
     real_open = persist.Persister._open_writer

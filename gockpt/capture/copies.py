@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+import numpy as np
+
 import torch
 
-from ..errors import ConfigError, HookOrderError
+from ..errors import ConfigError, ConsistencyError, HookOrderError
 from ..job import Job
 from ..replay.adapters import AdamAdapter
 from ..replay.records import StepRecord
@@ -24,6 +26,7 @@ from ..storage import tree
 from ..storage.manifest import SmallSection, small_prefix
 from . import smallstate
 from .plan import flat
+from .segments import BlockTable
 from .staging import GradPool, HostCopy
 from .transfer import GRADIENT, STATE, CopyEngine
 
@@ -35,6 +38,7 @@ class Capture:
                  scheduler, engine: CopyEngine, adapter: Optional[AdamAdapter]):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.engine, self.adapter = engine, adapter
+        self._zero_buf: Optional[torch.Tensor] = None
 
     def declare_state_keys(self, host: HostCopy) -> None:
         """Which optimizer state tensors this checkpoint carries, per slot."""
@@ -60,22 +64,78 @@ class Capture:
         return total
 
     def enqueue_group(self, job: Job, j: int) -> None:
-        """Queue the copies of group j: they hold the version of the last completed update."""
-        job.capture.tickets[j] = self.engine.submit(self._pairs(job, job.capture.groups[j - 1]),
-                                                    STATE)
+        """Queue the copies of group j: they hold the version of the last completed update.
+        The versions of the tensors read are noted: a write during the copy (in forward or
+        backward, e.g. nn.Embedding(max_norm=...)) is found at :meth:`land_group`."""
+        book = job.capture
+        table = book.table(j)
+        book.tickets[j], book.versions[j] = self._copy(job, table, STATE)
 
     def copy_at_f(self, job: Job) -> list:
         """At the boundary of F: copy the blocks planned to be copied directly at F, now
         (before anything of the next step can write them); returns them."""
         blocks = job.plan.blocks_at_f()
         if blocks:
-            self.engine.submit(self._pairs(job, blocks), GRADIENT).wait()
+            ticket, _ = self._copy(job, BlockTable(blocks), GRADIENT)
+            ticket.wait()
             job.capture.captured.extend(blocks)
         return blocks
 
+    def _copy(self, job: Job, table: BlockTable, priority: int):
+        """Queue the copies of every tensor of ``table``'s blocks (the parameter and its
+        aligned state; zeros where the optimizer has none yet): (ticket, versions read)."""
+        if self.engine.device.asynchronous_copies:
+            return self.engine.submit(self._pairs(job, table.blocks), priority), ([], [])
+        dst, src, size, read, keep = [], [], [], [], []
+        for key in (None,) + job.host.roles():
+            hbase, hitem = job.host.bases(key)
+            rows = hbase[table.slot] != 0  # the blocks whose slot has this role
+            if not rows.any():
+                continue
+            lbase, tensors, copies = self._live_bases(job, table.slots, key)
+            read += tensors
+            keep += copies
+            sub = table.slot[rows]
+            nbytes = table.numel[rows] * hitem[sub]
+            src_rows = lbase[sub] + table.start[rows] * hitem[sub]
+            src_rows[lbase[sub] == 0] = self._zeros(int(nbytes.max(initial=0)))
+            dst.append(hbase[sub] + table.start[rows] * hitem[sub])
+            src.append(src_rows)
+            size.append(nbytes)
+        if not dst:
+            return self.engine.submit([], priority), ([], [])
+        ticket = self.engine.submit_segments(np.concatenate(dst), np.concatenate(src),
+                                             np.concatenate(size), priority)
+        ticket._keep_alive = keep
+        return ticket, (read, [t._version for _, _, t in read])
+
+    def _live_bases(self, job: Job, slots: np.ndarray, key: Optional[str]):
+        """Per slot: the address of the live tensor of role ``key`` in the parameter's memory
+        order (0 where the optimizer has no such state yet); the tensors read, as (slot, key,
+        tensor); and the copies made of tensors laid out unlike their parameter."""
+        base = np.zeros(len(job.plan.slots), dtype=np.int64)
+        read, copies = [], []
+        for si in slots.tolist():
+            slot = job.plan.slots[si]
+            t = slot.param if key is None else self.optimizer.state.get(slot.param, {}).get(key)
+            if t is None:
+                continue
+            read.append((si, key, t))
+            if t.stride() != slot.strides:  # rare: a state tensor laid out otherwise
+                t = flat(t, slot.dims)
+                copies.append(t)
+            base[si] = t.data_ptr()
+        return base, read, copies
+
+    def _zeros(self, nbytes: int) -> int:
+        """Address of at least ``nbytes`` zero bytes (the source of state not created yet)."""
+        if self._zero_buf is None or self._zero_buf.numel() < nbytes:
+            self._zero_buf = torch.zeros(max(nbytes, 1 << 16), dtype=torch.uint8)
+        return self._zero_buf.data_ptr()
+
     def _pairs(self, job: Job, blocks) -> list:
-        """(host destination, live source) of every tensor of ``blocks``: the parameter and its
-        aligned state (zeros where the optimizer has none yet)."""
+        """(host destination, live source) of every tensor of ``blocks`` (for a device whose
+        copies are enqueued tensor by tensor)."""
         host, plan = job.host, job.plan
         pairs = []
         for b in blocks:
@@ -93,11 +153,25 @@ class Capture:
 
     def land_group(self, job: Job, j: int) -> None:
         """update_begin of window step j: group j's copies must have landed (they hold the
-        version before this step's update)."""
-        ticket = job.capture.tickets.get(j)
-        if ticket is not None:
-            ticket.wait()
-            job.capture.captured.extend(job.capture.groups[j - 1])
+        version before this step's update), and nothing may have written what they read
+        meanwhile (ConsistencyError naming the tensors otherwise)."""
+        book = job.capture
+        ticket = book.tickets.get(j)
+        if ticket is None:
+            return
+        ticket.wait()
+        tensors, versions = book.versions.get(j, ([], []))
+        written = sorted({job.plan.slots[si].name for (si, _, t), v in zip(tensors, versions)
+                          if t._version != v})
+        if written:
+            book.written_outside.update(written)
+            raise ConsistencyError(
+                f"{', '.join(written[:5])} {'was' if len(written) == 1 else 'were'} written "
+                f"during the training step in which gockpt copied {'it' if len(written) == 1 else 'them'}"
+                " (an in-place write outside the optimizer, e.g. nn.Embedding(max_norm=...)); "
+                "the checkpoint is not committed and these tensors are copied at the step "
+                "boundary from now on")
+        book.captured.extend(book.groups[j - 1])
 
     def copy_rest(self, job: Job) -> None:
         """Copy every block not yet captured now, blocking (sync/async, or close())."""
@@ -147,29 +221,49 @@ class Capture:
             raise HookOrderError("optimizer.step() ran twice in one training step; gockpt "
                                  "supports one optimizer step per save_checkpoint() boundary")
         job.capture.recorded.add(j)
-        steps = {}
-        for si, s in enumerate(job.plan.slots):
+        plan = job.plan
+        grads = {}
+        for si, s in enumerate(plan.slots):
             g = s.param.grad
             if s.static or g is None:
                 continue
             if g.is_sparse or g.dtype != s.param.dtype:
                 raise ConfigError(f"the gradient of {s.name!r} is sparse or {g.dtype}; the "
                                   f"replay needs dense {s.param.dtype} gradients")
-            steps[si] = self.adapter.step_count(s.param)
-        blocks = [b for b in job.capture.captured if b.slot in steps]
+            grads[si] = g
+        steps = self.adapter.step_counts({si: plan.slots[si].param for si in grads})
+        table = BlockTable([b for b in job.capture.captured if b.slot in grads])
         bufs = grad_pool.acquire()
-        pairs, flats = [], {}
-        for b in blocks:
-            slot = job.plan.slots[b.slot]
-            g = flats.get(b.slot)
-            if g is None:  # the parameter's memory order (a copy if the gradient's differs)
-                g = flats[b.slot] = flat(slot.param.grad, slot.dims)
-            pairs.append((grad_pool.buffer(bufs, b.slot, g)[b.start:b.end], g[b.start:b.end]))
-        ticket = self.engine.submit(pairs, GRADIENT)
-        record = StepRecord(j, self.adapter.scalars(), steps, blocks, bufs,
-                            torch.get_num_threads(), ticket,
+        arena = grad_pool.arena(bufs, torch.float32)
+        grad_base = arena.bases(len(plan.slots))
+        ticket = self._copy_gradients(job, table, grads, bufs, grad_pool, grad_base)
+        record = StepRecord(j, self.adapter.scalars(), steps, table, bufs, grad_base, ticket,
                             lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
                             final=j == job.k - 1)
         job.metrics.grad_bytes += ticket.nbytes
         job.capture.grad_tickets.append(ticket)
         return record
+
+    def _copy_gradients(self, job: Job, table: BlockTable, grads, bufs, grad_pool: GradPool,
+                        grad_base: np.ndarray):
+        """Queue the copies of ``grads`` (slot -> live gradient) for ``table``'s blocks into
+        the gradient set ``bufs``, in the parameters' memory order."""
+        plan, keep = job.plan, []
+        live = np.zeros(len(plan.slots), dtype=np.int64)
+        for si in table.slots.tolist():
+            slot, g = plan.slots[si], grads[si]
+            if g.stride() != slot.strides:  # a copy in the parameter's memory order
+                g = flat(g, slot.dims)
+                keep.append(g)
+            live[si] = g.data_ptr()
+        if self.engine.device.asynchronous_copies:
+            pairs = [(grad_pool.buffer(bufs, b.slot, grads[b.slot])[b.start:b.end],
+                      flat(grads[b.slot], plan.slots[b.slot].dims)[b.start:b.end])
+                     for b in table.blocks]
+            return self.engine.submit(pairs, GRADIENT)
+        item = 4  # float32: the replay modes refuse other dtypes
+        ticket = self.engine.submit_segments(grad_base[table.slot] + table.start * item,
+                                             live[table.slot] + table.start * item,
+                                             table.numel * item, GRADIENT)
+        ticket._keep_alive = keep
+        return ticket

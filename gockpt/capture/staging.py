@@ -12,9 +12,11 @@ from __future__ import annotations
 import threading
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .plan import Plan
+from .segments import slot_array
 
 #: Slots smaller than this are packed together (one stored tensor per arena, one write) ...
 PACK_BYTES = 64 << 10
@@ -49,6 +51,11 @@ class Arena:
         o = self.offset[slot]
         return self.buffer[o:o + self.sizes[slot]]
 
+    def bases(self, n_slots: int) -> np.ndarray:
+        """Per slot: the address of its first element here (0 for slots not in this arena)."""
+        base, item = self.buffer.data_ptr(), self.dtype.itemsize
+        return slot_array(n_slots, {s: base + o * item for s, o in self.offset.items()})
+
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
@@ -74,6 +81,7 @@ class HostCopy:
         self.state: List[Dict[str, torch.Tensor]] = [{} for _ in plan.slots]
         self.keys: List[tuple] = [() for _ in plan.slots]  # aligned keys of this checkpoint
         self._key_layout: Optional[tuple] = None
+        self._bases: Dict[Optional[str], Tuple[np.ndarray, np.ndarray]] = {}
 
     def set_keys(self, likes: Dict[int, Dict[str, torch.Tensor]]) -> None:
         """Declare, for every slot with aligned state, its keys (key -> a tensor of the dtype
@@ -91,7 +99,25 @@ class HostCopy:
                 for si in arena.offset:
                     self.state[si][key] = arena.view(si)
             self._key_layout = layout
+            self._bases = {}
         self.keys = [tuple(likes.get(si, {})) for si in range(len(self.slots))]
+
+    def roles(self) -> Tuple[str, ...]:
+        """The aligned state keys this copy holds (in arena order)."""
+        return tuple(dict.fromkeys(key for key, _ in self.state_arenas))
+
+    def bases(self, key: Optional[str] = None) -> Tuple[np.ndarray, np.ndarray]:
+        """Per slot: the address of its first element for role ``key`` (None: the parameter;
+        0 where the slot has no such role) and the element size there."""
+        cached = self._bases.get(key)
+        if cached is None:
+            views = self.param if key is None else [st.get(key) for st in self.state]
+            cached = self._bases[key] = (
+                np.fromiter((0 if v is None else v.data_ptr() for v in views), np.int64,
+                            len(views)),
+                np.fromiter((1 if v is None else v.element_size() for v in views), np.int64,
+                            len(views)))
+        return cached
 
     def arena_of(self, si: int, key: Optional[str] = None) -> Arena:
         """The arena holding slot ``si``'s parameter (``key`` None) or state ``key``."""
@@ -129,17 +155,19 @@ class GradPool:
         """Slot ``slot``'s gradient buffer in ``bufs`` (its arena allocated on first use, for
         every optimized slot of the gradient's dtype)."""
         buf = bufs.get(slot)
-        if buf is not None and buf.dtype == grad.dtype:
-            return buf
+        if buf is None or buf.dtype != grad.dtype:
+            buf = bufs[slot] = self.arena(bufs, grad.dtype).view(slot)
+        return buf
+
+    def arena(self, bufs: Dict[int, torch.Tensor], dtype: torch.dtype) -> Arena:
+        """The gradient arena of ``dtype`` of the set ``bufs`` (allocated on first use)."""
         arenas = self._arenas[id(bufs)]
-        arena = arenas.get(grad.dtype)
+        arena = arenas.get(dtype)
         if arena is None:
-            sizes = {si: s.numel for si, s in enumerate(self.plan.slots)
-                     if not s.static and s.param.dtype == grad.dtype}
-            sizes.setdefault(slot, self.plan.slots[slot].numel)
-            arena = arenas[grad.dtype] = Arena(self.device, grad.dtype, sizes)
-        bufs[slot] = arena.view(slot)
-        return bufs[slot]
+            sizes = {si: s.numel for si, s in enumerate(self.plan.slots) if not s.static}
+            arena = arenas[dtype] = Arena(self.device, dtype, sizes)
+            bufs.update({si: arena.view(si) for si in sizes})  # once per set: its views
+        return arena
 
     def release(self, bufs: Dict[int, torch.Tensor]) -> None:
         with self._cv:

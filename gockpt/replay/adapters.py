@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+import numpy as np
 import torch
 
-from ..capture.plan import Block
 from ..modes import NO_REPLAY_MODES
 from ..errors import UnsupportedOptimizerError
 from . import arithmetic
@@ -79,10 +79,19 @@ class AdamAdapter:
 
     def step_count(self, param: torch.Tensor) -> float:
         """t of the update about to run on ``param`` (torch increments before using it)."""
-        st = self.optimizer.state.get(param)
-        if not st or "step" not in st:
-            return 1.0
-        return float(st["step"]) + 1.0
+        return self.step_counts({0: param})[0]
+
+    def step_counts(self, params: Dict[int, torch.Tensor]) -> Dict[int, float]:
+        """t of the update about to run, for every (slot ->) parameter: the step counters
+        read with one stack, not one read (a device synchronisation on a GPU) each."""
+        state = self.optimizer.state
+        have = {si: state[p]["step"] for si, p in params.items()
+                if p in state and "step" in state[p]}
+        out = {si: 1.0 for si in params}
+        if have:
+            counts = torch.stack([t.reshape(()).to(torch.float64) for t in have.values()])
+            out.update(zip(have, (counts.cpu() + 1.0).tolist()))
+        return out
 
     def skipped_by_scaler(self) -> bool:
         """A fused step with GradScaler's found_inf set returns before touching any state."""
@@ -96,17 +105,29 @@ class AdamAdapter:
                     "unscale_); call scaler.unscale_(optimizer) before ck.update_begin()")
         return None
 
-    def apply(self, record: StepRecord, block: Block, host, threads: Optional[int]) -> None:
-        """Apply one recorded step to one block of the host copy, in place."""
-        slot = host.slots[block.slot]
-        sc = record.scalars[slot.group]
-        s, e = block.start, block.end
-        arithmetic.adam_replay(
-            host.param[block.slot][s:e], host.state[block.slot]["exp_avg"][s:e],
-            host.state[block.slot]["exp_avg_sq"][s:e], record.grads[block.slot][s:e],
-            impl=sc.impl, decoupled=sc.decoupled, lr=sc.lr, beta1=sc.beta1, beta2=sc.beta2,
-            eps=sc.eps, weight_decay=sc.weight_decay, step=record.steps[block.slot],
-            offset=s, full_numel=slot.numel, threads=threads)
+    def apply(self, record: StepRecord, host, threads: Optional[int]) -> None:
+        """Apply one recorded step to every block of the record, in place in the host copy:
+        one batched kernel call, with the scalars of each (param group, step count) pair."""
+        t = record.table
+        if not len(t):
+            return
+        combos: Dict[tuple, int] = {}
+        slot_arg = np.zeros(len(host.slots), dtype=np.int64)
+        full = np.zeros(len(host.slots), dtype=np.int64)
+        for si in t.slots.tolist():
+            key = (host.slots[si].group, record.steps[si])
+            slot_arg[si] = combos.setdefault(key, len(combos))
+            full[si] = host.slots[si].numel
+        args = [(record.scalars[g], step) for g, step in combos]
+        p, m, v = (host.bases(key)[0][t.slot] + t.start * 4
+                   for key in (None, "exp_avg", "exp_avg_sq"))
+        arithmetic.replay_batch(
+            p, m, v, record.grad_base[t.slot] + t.start * 4, t.numel, t.start, full[t.slot],
+            slot_arg[t.slot], [sc.impl for sc, _ in args], [sc.decoupled for sc, _ in args],
+            [sc.lr for sc, _ in args], [sc.beta1 for sc, _ in args],
+            [sc.beta2 for sc, _ in args], [sc.eps for sc, _ in args],
+            [sc.weight_decay for sc, _ in args], [step for _, step in args],
+            threads=threads, check_overlap=False)
 
 
 def adapter_for(optimizer: torch.optim.Optimizer) -> AdamAdapter:

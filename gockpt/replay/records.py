@@ -4,11 +4,15 @@ record of the gradients copied for the replay."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from ..capture.plan import Block
+
+if TYPE_CHECKING:
+    from ..capture.segments import BlockTable
 
 
 @dataclass(frozen=True)
@@ -31,10 +35,14 @@ class StepRecord:
     step_index: int                      # 1-based step within the checkpoint
     scalars: Dict[int, GroupScalars]     # param group -> scalars
     steps: Dict[int, float]              # slot -> t (step count after the increment)
-    blocks: List[Block]                  # captured blocks whose param had a gradient
-    grads: Dict[int, torch.Tensor]       # slot -> host gradient buffer (full length)
-    torch_threads: int
+    table: "BlockTable"                  # captured blocks whose param had a gradient
+    grads: Dict[int, torch.Tensor]       # the gradient buffer set (slot -> host buffer)
+    grad_base: Optional[np.ndarray] = None  # per slot: address of its gradient in the set
     ticket: object = None                # transfer ticket of the gradient copies
     release: object = None               # returns the gradient buffer to its pool
     nbytes: int = 0
     final: bool = False                  # the update that produces version F
+
+    @property
+    def blocks(self) -> List[Block]:
+        return self.table.blocks

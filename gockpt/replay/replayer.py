@@ -52,8 +52,7 @@ class Replayer:
                 record.ticket.wait()
                 if job.error is None:
                     t0 = time.perf_counter()
-                    for block in record.blocks:
-                        self.adapter.apply(record, block, job.host, self.threads)
+                    self.adapter.apply(record, job.host, self.threads)
                     if record.final and job.on_final is not None:
                         job.on_final(job, record.blocks)  # at F: may be written right away
                     job.metrics.replay_s += time.perf_counter() - t0

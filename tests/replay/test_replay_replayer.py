@@ -10,7 +10,8 @@ import torch
 
 from gockpt.capture.device import HostDevice
 from gockpt.capture.plan import Block, build_plan, flat
-from gockpt.capture.staging import HostCopy
+from gockpt.capture.segments import BlockTable
+from gockpt.capture.staging import GradPool, HostCopy
 from gockpt.capture.transfer import Ticket
 from gockpt.job import Job, State
 from gockpt.replay.adapters import adapter_for
@@ -25,10 +26,11 @@ class LogAdapter:
         self.log = []
         self.fail_on = fail_on
 
-    def apply(self, record, block, host, threads):
-        if (record.step_index, block) == self.fail_on:
-            raise RuntimeError("replay kernel failed")
-        self.log.append((record.step_index, block))
+    def apply(self, record, host, threads):
+        for block in record.blocks:  # the real adapter: one batched call per record
+            if (record.step_index, block) == self.fail_on:
+                raise RuntimeError("replay kernel failed")
+            self.log.append((record.step_index, block))
 
 
 class GateTicket:
@@ -51,7 +53,7 @@ def blocks(slot, n=3):
 
 
 def record(step, blks, released, ticket=None, final=False):
-    return StepRecord(step, {}, {}, blks, {}, 1, ticket or Ticket(0, 0),
+    return StepRecord(step, {}, {}, BlockTable(blks), {}, None, ticket or Ticket(0, 0),
                       lambda: released.append(step), final=final)
 
 
@@ -174,11 +176,15 @@ def test_a_real_record_brings_the_host_copy_to_the_next_version(replayer):
         for k in adapter.state_keys:
             host.state[si][k].zero_()
     model(torch.randn(4, 7)).sum().backward()
-    grads = {si: flat(s.param.grad).clone() for si, s in enumerate(plan.slots)}
+    pool = GradPool(plan, HostDevice())
+    bufs = pool.acquire()
+    arena = pool.arena(bufs, torch.float32)
+    for si, s in enumerate(plan.slots):
+        bufs[si].copy_(flat(s.param.grad))
     steps = {si: adapter.step_count(s.param) for si, s in enumerate(plan.slots)}
     released = []
-    rec = StepRecord(1, adapter.scalars(), steps, list(plan.blocks), grads,
-                     torch.get_num_threads(), Ticket(0, 0), lambda: released.append(1))
+    rec = StepRecord(1, adapter.scalars(), steps, BlockTable(plan.blocks), bufs,
+                     arena.bases(len(plan.slots)), Ticket(0, 0), lambda: released.append(1))
     opt.step()
     job = Job(1, 2, 1, [plan.blocks], "gockpt", "x", host=host)
     rep = replayer(adapter)
