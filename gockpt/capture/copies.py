@@ -56,12 +56,7 @@ class Capture:
 
     def state_bytes(self, host: HostCopy) -> int:
         """Bytes of parameters and aligned state one checkpoint copies."""
-        total = 0
-        for si, s in enumerate(host.slots):
-            total += s.numel * s.param.element_size()
-            total += sum(host.state[si][k].numel() * host.state[si][k].element_size()
-                         for k in host.keys[si])
-        return total
+        return host.nbytes()
 
     def enqueue_group(self, job: Job, j: int) -> None:
         """Queue the copies of group j: they hold the version of the last completed update.

@@ -34,7 +34,8 @@ class Arena:
         small = [s for s, n in sizes.items() if n * itemsize < PACK_BYTES]
         if len(small) < PACK_MIN_COUNT:
             small = []
-        large = [s for s in sizes if s not in set(small)]
+        packed = set(small)
+        large = [s for s in sizes if s not in packed]
         self.offset: Dict[int, int] = {}
         pos = 0
         for s in large + small:
@@ -86,8 +87,7 @@ class HostCopy:
     def set_keys(self, likes: Dict[int, Dict[str, torch.Tensor]]) -> None:
         """Declare, for every slot with aligned state, its keys (key -> a tensor of the dtype
         its buffer needs). The state arenas are laid out again only when this changes."""
-        layout = tuple(sorted((si, k, str(t.dtype)) for si, kt in likes.items()
-                              for k, t in kt.items()))
+        layout = [(si, [(k, t.dtype) for k, t in kt.items()]) for si, kt in likes.items()]
         if layout != self._key_layout:
             sizes: Dict[Tuple[str, torch.dtype], Dict[int, int]] = {}
             for si in sorted(likes):
