@@ -32,7 +32,8 @@ from .capture.plan import build_plan, check_layouts
 from .capture.staging import GradPool, HostCopy
 from .capture.transfer import CopyEngine
 from .config import Config
-from .errors import ConfigError, DirectoryInUseError, GockptError, HookOrderError
+from .errors import (ConfigError, ConsistencyError, DirectoryInUseError, GockptError,
+                     HookOrderError)
 from .job import CheckpointHandle, Job
 from .loop import BACKWARD, IDLE, UPDATE, Loop
 from .replay.adapters import adapter_for
@@ -257,6 +258,7 @@ class Checkpointer:
         if waited is None:
             return None
         check_layouts(self.plan.slots)
+        self.plan.copy_at_f(self.loop.take_adapted())
         if self.host is None:
             self.host = HostCopy(self.plan, self.device)
             if self.policy.replays:
@@ -376,8 +378,17 @@ class Checkpointer:
                     job.accounts_closed.set()  # its window is over: the metrics are final
 
     def _on_job_failed(self, job: Job) -> None:
-        """Any thread: ``job`` failed; raised at the next hook (voting on several ranks)."""
-        self.loop.job_failed(job)
+        """Any thread: ``job`` failed; raised at the next hook (voting on several ranks) --
+        unless it found tensors written outside the optimizer: then the next checkpoints copy
+        them at F, and a warning says so once."""
+        outside = sorted(job.capture.written_outside)
+        if outside and isinstance(job.error, ConsistencyError):
+            job.mark_reported()  # handle.wait() still raises; training goes on
+            self.loop.adapt(outside, f"gockpt: the checkpoint of step {job.handle.final_step} "
+                            f"was not committed: {job.error}. From now on these tensors are "
+                            "copied directly at the step boundary of each checkpoint")
+        else:
+            self.loop.job_failed(job)
         if self.ranks.several and not job.stream.entered and not job.dropped:
             self.persister.queue_persist(job)  # it still votes, so that the other ranks do not wait
 

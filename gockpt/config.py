@@ -46,9 +46,17 @@ class Config:
     block_bytes: int = 4 << 20
     """Size of one block of fp32 state: the unit of copy and replay (default 4 MiB)."""
 
-    self_check: float = 0.02
-    """Fraction of replayed blocks compared with a direct copy taken at version F (at least one
-    block per checkpoint when positive). 1.0 checks every replayed block; 0 disables the check."""
+    verify: bool = True
+    """Check every replayed block against the live state at F before committing: the device
+    digests the live tensors under the next forward/backward, the host digests its replayed
+    copy, and they must agree. Tensors that differ were written outside the attached optimizer:
+    that checkpoint is not committed (a warning names them) and they are copied directly at F
+    from then on. ``False`` trusts the replay (not recommended)."""
+
+    self_check: float = 0.0
+    """Fraction of replayed blocks also compared with a direct copy taken at version F (at
+    least one block per checkpoint when positive): a debugging aid for the replay itself, on
+    top of ``verify``. A mismatch fails the checkpoint with ConsistencyError."""
 
     self_check_strict: bool = True
     """A self-check mismatch fails the checkpoint (it is never committed). ``False`` only warns."""
@@ -101,6 +109,8 @@ class Config:
             raise ConfigError(f"block_bytes must be an int >= 64, got {self.block_bytes!r}")
         if not isinstance(self.self_check, (int, float)) or not 0.0 <= self.self_check <= 1.0:
             raise ConfigError(f"self_check must be a fraction in [0, 1], got {self.self_check!r}")
+        if not isinstance(self.verify, bool):
+            raise ConfigError(f"verify must be True or False, got {self.verify!r}")
         if self.on_busy not in ("wait", "skip"):
             raise ConfigError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
         for name in ("keep_last", "max_host_bytes"):

@@ -13,7 +13,8 @@ be called again.
 from __future__ import annotations
 
 import threading
-from typing import List, Optional
+import warnings
+from typing import List, Optional, Set
 
 from .errors import CheckpointFailedError, GockptError, HookOrderError
 
@@ -31,6 +32,8 @@ class Loop:
         self._after_error = False
         self._hook_error: Optional[str] = None
         self._failed: List = []    # jobs failed in the background, not reported yet
+        self._adapted: Set[str] = set()  # slots to copy at F from the next checkpoint on
+        self._warnings: List[str] = []
         self._lock = threading.Lock()
 
     def expect(self, hook: str, phase: str) -> None:
@@ -57,8 +60,26 @@ class Loop:
         with self._lock:
             self._failed.append(job)
 
+    def adapt(self, names, warning: str) -> None:
+        """Any thread: a checkpoint found ``names`` written outside the optimizer; the next
+        checkpoints copy them at F, and ``warning`` is issued at the next hook."""
+        with self._lock:
+            self._adapted.update(names)
+            self._warnings.append(warning)
+
+    def take_adapted(self) -> Set[str]:
+        """The slot names to copy at F from now on (training thread, at a checkpoint start)."""
+        with self._lock:
+            names, self._adapted = self._adapted, set()
+        return names
+
     def raise_pending(self) -> None:
-        """Raise the first error not reported yet (training thread)."""
+        """Issue pending warnings, then raise the first error not reported yet (training
+        thread)."""
+        with self._lock:
+            notes, self._warnings = self._warnings, []
+        for note in notes:
+            warnings.warn(note, stacklevel=3)
         try:
             self._raise_pending()
         except GockptError:

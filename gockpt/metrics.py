@@ -27,6 +27,9 @@ class CheckpointMetrics:
     time_to_durable_s: float = 0.0
     self_check_blocks: int = 0
     self_check_mismatches: int = 0
+    verify_blocks: int = 0        # replayed blocks checked against the live state by digest
+    verify_mismatches: int = 0
+    verify_s: float = 0.0         # digest time, device (live) + host (replayed)
     step_time_s: float = 0.0
     host_bytes: int = 0
 

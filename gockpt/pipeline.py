@@ -71,6 +71,8 @@ class Pipeline:
         self.capture.freeze_small(job, step, extra_state)
         if self.replayer is not None:
             selfcheck.sample(job, job.plan, self.capture.optimizer, self.config.self_check)
+            if self.config.verify:
+                self.capture.digest_replayed(job)
         at_f = self.capture.copy_at_f(job)
         if job.on_final is not None:
             self.persister.queue_open(job)

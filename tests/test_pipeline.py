@@ -38,6 +38,9 @@ class FakeCapture:
         self.log.append(("copy_rest",))
         job.captured()
 
+    def digest_replayed(self, job):
+        self.log.append(("digest",))
+
     def copy_at_f(self, job):
         self.log.append(("copy at F",))
         return []
@@ -128,7 +131,7 @@ def test_begin_boundary_land_order_for_k_3():
     pipe.boundary(job, 7, 7, {"x": 1})  # the boundary of F
     pipe.land(job, job.window_step(7))
     assert log == [("enqueue", 1), ("land", 1), ("enqueue", 2), ("land", 2),
-                   ("freeze", 7, {"x": 1}), ("copy at F",), ("open",), ("blocks final", 0), ("enqueue", 3), ("land", 3),
+                   ("freeze", 7, {"x": 1}), ("digest",), ("copy at F",), ("open",), ("blocks final", 0), ("enqueue", 3), ("land", 3),
                    ("write captured",), ("barrier",), ("queue persist",)]
     assert job.state is State.STAGED and job.handle._staged.is_set()
     # blocked time is charged by the Checkpointer around whole hooks (test_checkpointer)
@@ -137,8 +140,8 @@ def test_begin_boundary_land_order_for_k_3():
 def test_k_1_freezes_at_the_boundary_that_starts_it():
     pipe, job, log = make(k=1)
     run_window(pipe, job)
-    assert log[:5] == [("freeze", 5, {"x": 1}), ("copy at F",), ("open",), ("blocks final", 0),
-                       ("enqueue", 1)]
+    assert log[:6] == [("freeze", 5, {"x": 1}), ("digest",), ("copy at F",), ("open",),
+                       ("blocks final", 0), ("enqueue", 1)]
     assert job.state is State.STAGED
 
 

@@ -128,6 +128,30 @@ class Capture:
             self._zero_buf = torch.zeros(max(nbytes, 1 << 16), dtype=torch.uint8)
         return self._zero_buf.data_ptr()
 
+    def digest_replayed(self, job: Job) -> None:
+        """At the boundary of F: queue the digests (gockpt.replay.digest) of the live tensors
+        of every block captured so far -- the blocks the replay brings to F -- to be compared
+        with the replayed host copy. They run under the next forward/backward like a copy, and
+        a write during it is found by :meth:`land_group`, as for the last group."""
+        captured = job.capture.captured
+        if not captured or self.engine.device.asynchronous_copies:
+            return
+        table = BlockTable(captured)
+        roles = (None,) + tuple(k for k in job.host.roles() if k in self.adapter.state_keys)
+        rows, src, read = [], [], []
+        for key in roles:
+            lbase, tensors, copies = self._live_bases(job, table.slots, key)
+            if copies:  # laid out unlike the parameter: verified by the sampled self-check
+                return
+            read += tensors
+            have = np.flatnonzero(lbase[table.slot] != 0)  # no state yet: nothing to check
+            rows.append((key, have))
+            src.append(lbase[table.slot[have]] + table.start[have] * 4)
+        every = np.concatenate([r for _, r in rows])
+        ticket = self.engine.submit_digests(np.concatenate(src), table.numel[every],
+                                            table.start[every], STATE)
+        job.capture.digests = (table, rows, ticket, read, [t._version for _, _, t in read])
+
     def _pairs(self, job: Job, blocks) -> list:
         """(host destination, live source) of every tensor of ``blocks`` (for a device whose
         copies are enqueued tensor by tensor)."""
@@ -156,6 +180,9 @@ class Capture:
             return
         ticket.wait()
         tensors, versions = book.versions.get(j, ([], []))
+        if j == job.k and book.digests is not None:  # taken in the same window
+            book.digests[2].wait()
+            tensors, versions = tensors + book.digests[3], versions + book.digests[4]
         written = sorted({job.plan.slots[si].name for (si, _, t), v in zip(tensors, versions)
                           if t._version != v})
         if written:
