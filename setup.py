@@ -46,7 +46,7 @@ setup(
         "experiments": ["matplotlib", "tqdm"],
         "test": ["pytest", "safetensors"],
     },
-    entry_points={"console_scripts": ["gockpt-interval = gockpt.interval:main",
+    entry_points={"console_scripts": ["gockpt-interval = gockpt.cli.interval:main",
                                       "gockpt = gockpt.cli:main"]},
     zip_safe=False,
 )

@@ -168,7 +168,7 @@ def bench(sizes, threads_list, repeat):
                 res[k] = n / statistics.median(ts)
                 print(f"{k:34s} {_fmt(res[k])} M elem/s", flush=True)
             del opts, fns
-        del p, g, m, v
+        p = g = m = v = None  # free this size before allocating the next
     notes = {
         "sqrt_backend": arithmetic.sqrt_backend(), "isa": _C.isa(),
         "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),

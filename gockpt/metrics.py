@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Dict
+from typing import Dict, List
 
 
 @dataclass
@@ -48,8 +48,23 @@ def append(directory: str, metrics: CheckpointMetrics) -> None:
         f.write(line)
 
 
-def read(directory: str):
-    """All metrics records of a checkpoint directory, oldest first."""
+def read(directory: str) -> List[dict]:
+    """All metrics records of a checkpoint directory, oldest first (blank lines skipped).
+
+    Raises FileNotFoundError when ``<directory>/metrics.jsonl`` does not exist, and
+    ValueError naming the file and line (``.../metrics.jsonl:2: not valid JSON (...)``) when
+    a line is not a JSON object."""
     path = os.path.join(directory, "metrics.jsonl")
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object")
+            records.append(record)
+    return records

@@ -5,12 +5,13 @@ and optionally fp16 autocast with a GradScaler (with a step skipped on inf)."""
 
 from __future__ import annotations
 
-import copy
 import random
 
 import numpy as np
 import torch
 from torch import nn
+
+from gockpt import testing
 
 
 class Net(nn.Module):
@@ -116,40 +117,7 @@ def train_steps(model, opt, sched, start, stop, ck=None, *, scaler=None, inf_ste
     return losses
 
 
-def snapshot(model, opt, sched):
-    """Deep copies of every piece of live state."""
-    return {
-        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "optim": copy.deepcopy(opt.state_dict()),
-        "sched": copy.deepcopy(sched.state_dict()) if sched is not None else None,
-        "torch_rng": torch.get_rng_state(),
-        "np_rng": np.random.get_state(),
-        "py_rng": random.getstate(),
-    }
-
-
-def assert_same(a, b, path="state"):
-    """Bitwise equality of nested state (tensors compared with torch.equal, dtype too)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b)}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} " \
-            f"vs {b.dtype}{tuple(b.shape)}"
-        if a.is_floating_point():
-            same = torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
-                               b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))
-        else:
-            same = torch.equal(a, b)
-        assert same, f"{path}: tensors differ in {(a != b).sum().item()} elements"
-    elif isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict), f"{path}: dict vs {type(b)}"
-        assert set(a) == set(b), f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(a)} vs {type(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b or (a != a and b != b), f"{path}: {a!r} != {b!r}"
+# The state snapshot and the bitwise comparison live in the library (gockpt.testing); these
+# names are what the tests call.
+snapshot = testing.snapshot
+assert_same = testing.assert_same

@@ -50,6 +50,15 @@ def test_read_skips_blank_lines_and_needs_the_file(tmp_path):
     assert len(metrics.read(str(tmp_path))) == 2
 
 
+@pytest.mark.parametrize("bad, message", [("{oops", r"metrics.jsonl:3: not valid JSON \(Expecting"),
+                                          ("[1, 2]", "metrics.jsonl:3: expected a JSON object")])
+def test_read_names_the_bad_line(tmp_path, bad, message):
+    line = json.dumps(CheckpointMetrics(1, 1, "async", 1).to_dict())
+    (tmp_path / "metrics.jsonl").write_text(f"{line}\n\n{bad}\n{line}\n")
+    with pytest.raises(ValueError, match=message):
+        metrics.read(str(tmp_path))
+
+
 def test_concurrent_appends_give_whole_lines(tmp_path):
     start = threading.Barrier(4)
 

@@ -15,8 +15,10 @@ TOTAL = 30
 
 
 def run(*args):
+    # The worker imports the gockpt this test imported (this checkout's), not an installed one.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=env)
     return proc
 
 

@@ -26,6 +26,8 @@ when the data layout or the checksum scheme changes; ``verify`` prints what
 
 One module per command: :mod:`.inspect` (its data built by :mod:`.summary`), :mod:`.verify`,
 :mod:`.export`, :mod:`.listing` (list and clean); :mod:`.common` holds what they share.
+:mod:`.interval` is the separate console script ``gockpt-interval`` (the checkpoint interval
+that minimises wasted time; also ``python -m gockpt.interval``).
 """
 
 from __future__ import annotations

@@ -69,6 +69,9 @@ def _tensor_dtypes() -> set:
     return set(DTYPE_TO_CODE)
 
 
+_CONTAINERS = (list, tuple, dict, collections.OrderedDict)
+
+
 def encode(obj, tensors: dict, prefix: str):
     """Encode ``obj`` as JSON-compatible values, moving tensors and arrays into ``tensors``.
 
@@ -81,15 +84,19 @@ def encode(obj, tensors: dict, prefix: str):
     ``extra_state['cfg'][2]``) for anything that cannot be stored without pickle,
     and ``ValueError`` if the structure contains itself.
     """
-    counter = iter(range(1 << 62))
+    return _Encoder(tensors, prefix).value(obj, prefix)
 
-    def new_key() -> str:
-        while True:
-            key = f"{prefix}/{next(counter)}"
-            if key not in tensors:
-                return key
 
-    def enc(x, path: str, active: set):
+class _Encoder:
+    """The state of one :func:`encode` call: where tensors go and under which keys, and the
+    containers being walked (to refuse a structure that contains itself)."""
+
+    def __init__(self, tensors: dict, prefix: str):
+        self.tensors, self.prefix = tensors, prefix
+        self.counter = iter(range(1 << 62))
+        self.active: set = set()
+
+    def value(self, x, path: str):
         t = type(x)
         # Exact type checks, not isinstance: a subclass (bool is an int, an
         # IntEnum is an int, np.float64 is a float, a namedtuple is a tuple)
@@ -97,39 +104,44 @@ def encode(obj, tensors: dict, prefix: str):
         if x is None or t is bool or t is str:
             return x
         if t is int:
-            if -_MAX_PLAIN_INT <= x <= _MAX_PLAIN_INT:
-                return x
-            return {TAG: "int", "v": hex(x)}
+            return _encode_int(x)
         if t is float:
-            if math.isfinite(x):
-                return x  # json writes repr(), the shortest string that round-trips, -0.0 included
-            return {TAG: "float", "v": repr(x)}
+            return _encode_float(x)
         if t is bytes:
             return {TAG: "bytes", "v": base64.b64encode(x).decode("ascii")}
         if isinstance(x, torch.Tensor):
-            return {TAG: "tensor", "k": store_tensor(x, path)}
+            return {TAG: "tensor", "k": self.store_tensor(x, path)}
         if t is np.ndarray:
-            return store_array(x, path)
+            return self.store_array(x, path)
         if isinstance(x, np.generic):
-            return encode_np_scalar(x, path)
-        if t in (list, tuple, dict, collections.OrderedDict):
-            if id(x) in active:
-                raise ValueError(f"{path}: the structure contains itself; it cannot be stored")
-            active.add(id(x))
-            try:
-                if t is list:
-                    return [enc(v, f"{path}[{i}]", active) for i, v in enumerate(x)]
-                if t is tuple:
-                    return {TAG: "tuple", "v": [enc(v, f"{path}[{i}]", active) for i, v in enumerate(x)]}
-                return encode_dict(x, path, active)
-            finally:
-                active.discard(id(x))
+            return _encode_np_scalar(x, path)
+        if t in _CONTAINERS:
+            return self.container(x, path)
         raise TypeError(f"{path}: cannot store object of type {t.__qualname__} without pickle; {_HINT}")
 
-    def encode_dict(d, path: str, active: set):
+    def container(self, x, path: str):
+        """A list, tuple, dict or OrderedDict, refused if it is already being walked."""
+        if id(x) in self.active:
+            raise ValueError(f"{path}: the structure contains itself; it cannot be stored")
+        self.active.add(id(x))
+        try:
+            if type(x) is list:
+                return self.items(x, path)
+            if type(x) is tuple:
+                return {TAG: "tuple", "v": self.items(x, path)}
+            return self.mapping(x, path)
+        finally:
+            self.active.discard(id(x))
+
+    def items(self, seq, path: str) -> list:
+        return [self.value(v, f"{path}[{i}]") for i, v in enumerate(seq)]
+
+    def mapping(self, d, path: str):
+        """A str-keyed dict as a JSON object; any other dict (or one holding the tag key, or an
+        OrderedDict) as a tagged list of [key, value] pairs."""
         plain = type(d) is dict and TAG not in d and all(type(k) is str for k in d)
         if plain:
-            return {k: enc(v, f"{path}[{k!r}]", active) for k, v in d.items()}
+            return {k: self.value(v, f"{path}[{k!r}]") for k, v in d.items()}
         items = []
         for k, v in d.items():
             if not _is_key(k):
@@ -137,37 +149,54 @@ def encode(obj, tensors: dict, prefix: str):
                     f"{path}: cannot store a dict key of type {type(k).__qualname__} ({k!r:.60}) "
                     "without pickle; keys must be str, int, float, bool, None or tuples of those"
                 )
-            items.append([enc(k, f"{path}<key {k!r}>", active), enc(v, f"{path}[{k!r}]", active)])
+            items.append([self.value(k, f"{path}<key {k!r}>"), self.value(v, f"{path}[{k!r}]")])
         return {TAG: "odict" if type(d) is collections.OrderedDict else "dict", "v": items}
 
-    def store_tensor(x: torch.Tensor, path: str) -> str:
+    def new_key(self) -> str:
+        while True:
+            key = f"{self.prefix}/{next(self.counter)}"
+            if key not in self.tensors:
+                return key
+
+    def store_tensor(self, x: torch.Tensor, path: str) -> str:
         if x.layout != torch.strided or x.is_quantized or x.device.type == "meta":
             raise TypeError(f"{path}: cannot store a {x.layout} / {x.device.type} tensor; {_HINT}")
         if x.dtype not in _tensor_dtypes():
             raise TypeError(f"{path}: cannot store a tensor of dtype {x.dtype}; convert it to a supported dtype")
-        key = new_key()
+        key = self.new_key()
         # copy=True: the caller may keep mutating its tensor after encode returns.
-        tensors[key] = x.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+        self.tensors[key] = x.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
         return key
 
-    def store_array(a: np.ndarray, path: str):
+    def store_array(self, a: np.ndarray, path: str) -> dict:
         if a.dtype.hasobject or a.dtype.fields is not None or a.dtype.itemsize == 0:
             raise TypeError(f"{path}: cannot store a numpy array of dtype {a.dtype} without pickle; {_HINT}")
         # Saved as raw bytes (a flat uint8 tensor) so that every fixed-size numpy
         # dtype round-trips, including ones torch lacks (complex128, str, datetime64);
         # dtype.str records the byte order, so the array comes back bit-identical.
         raw = np.array(a, order="C", copy=True).reshape(-1).view(np.uint8)
-        key = new_key()
-        tensors[key] = torch.from_numpy(raw)
+        key = self.new_key()
+        self.tensors[key] = torch.from_numpy(raw)
         return {TAG: "ndarray", "k": key, "dtype": a.dtype.str, "shape": list(a.shape)}
 
-    def encode_np_scalar(x: np.generic, path: str):
-        if x.dtype.kind not in "biufcmM":
-            raise TypeError(f"{path}: cannot store numpy scalar of type {type(x).__qualname__} without pickle; {_HINT}")
-        # Raw bytes, not x.item(): item() loses float16/longdouble bits and nan payloads.
-        return {TAG: "np", "dtype": x.dtype.str, "hex": x.tobytes().hex()}
 
-    return enc(obj, prefix, set())
+def _encode_int(x: int):
+    if -_MAX_PLAIN_INT <= x <= _MAX_PLAIN_INT:
+        return x
+    return {TAG: "int", "v": hex(x)}
+
+
+def _encode_float(x: float):
+    if math.isfinite(x):
+        return x  # json writes repr(), the shortest string that round-trips, -0.0 included
+    return {TAG: "float", "v": repr(x)}
+
+
+def _encode_np_scalar(x: np.generic, path: str) -> dict:
+    if x.dtype.kind not in "biufcmM":
+        raise TypeError(f"{path}: cannot store numpy scalar of type {type(x).__qualname__} without pickle; {_HINT}")
+    # Raw bytes, not x.item(): item() loses float16/longdouble bits and nan payloads.
+    return {TAG: "np", "dtype": x.dtype.str, "hex": x.tobytes().hex()}
 
 
 def decode(data, tensors: dict):
@@ -177,62 +206,78 @@ def decode(data, tensors: dict):
     arrays come back as numpy arrays with the original dtype and shape.
     Raises ``ValueError`` if ``data`` is not something ``encode`` could have produced.
     """
+    return _Decoder(tensors).value(data, "state")
 
-    def dec(x, path: str):
+
+class _Decoder:
+    """One :func:`decode` call: the stored tensors that tagged values refer to."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def value(self, x, path: str):
         t = type(x)
         if x is None or t in (bool, int, float, str):
             return x
         if t is list:
-            return [dec(v, f"{path}[{i}]") for i, v in enumerate(x)]
+            return [self.value(v, f"{path}[{i}]") for i, v in enumerate(x)]
         if t is not dict:
             raise ValueError(f"{path}: unexpected JSON value of type {t.__name__}")
         if TAG not in x:
-            return {k: dec(v, f"{path}[{k!r}]") for k, v in x.items()}
+            return {k: self.value(v, f"{path}[{k!r}]") for k, v in x.items()}
         try:
-            return dec_tagged(x, path)
+            return self.tagged(x, path)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             if isinstance(e, ValueError) and str(e).startswith(path):
                 raise  # already names the place inside this value
             raise ValueError(f"{path}: malformed {x.get(TAG)!r} value: {e!r}") from e
 
-    def dec_tagged(x: dict, path: str):
+    def tagged(self, x: dict, path: str):
         tag = x[TAG]
         if tag == "tuple":
-            return tuple(dec(v, f"{path}[{i}]") for i, v in enumerate(x["v"]))
+            return tuple(self.value(v, f"{path}[{i}]") for i, v in enumerate(x["v"]))
         if tag in ("dict", "odict"):
-            out = {} if tag == "dict" else collections.OrderedDict()
-            for k, v in x["v"]:
-                key = dec(k, f"{path}<key>")
-                if not _is_key(key):
-                    raise ValueError(f"{path}: invalid dict key {key!r}")
-                out[key] = dec(v, f"{path}[{key!r}]")
-            return out
-        if tag == "float":
-            if x["v"] not in ("inf", "-inf", "nan"):
-                raise ValueError(f"{path}: invalid float {x['v']!r}")
-            return float(x["v"])
-        if tag == "int":
-            return int(x["v"], 16)
-        if tag == "bytes":
-            return base64.b64decode(x["v"], validate=True)
+            return self.mapping(x["v"], collections.OrderedDict() if tag == "odict" else {}, path)
+        if tag in ("float", "int", "bytes", "np"):
+            return _decode_scalar(tag, x, path)
         if tag == "tensor":
-            return lookup(x["k"], path)
+            return self.lookup(x["k"], path)
         if tag == "ndarray":
-            dtype = np.dtype(x["dtype"])
-            if dtype.hasobject:
-                raise ValueError(f"{path}: object arrays are not allowed")
-            raw = lookup(x["k"], path).reshape(-1).view(torch.uint8).numpy()
-            return raw.view(dtype).reshape(x["shape"])
-        if tag == "np":
-            dtype = np.dtype(x["dtype"])
-            if dtype.kind not in "biufcmM":
-                raise ValueError(f"{path}: numpy scalar of dtype {dtype} is not allowed")
-            return np.frombuffer(bytes.fromhex(x["hex"]), dtype=dtype)[0]
+            return self.array(x, path)
         raise ValueError(f"{path}: unknown tag {tag!r}")
 
-    def lookup(key, path: str) -> torch.Tensor:
-        if key not in tensors:
-            raise ValueError(f"{path}: tensor {key!r} is missing")
-        return tensors[key]
+    def mapping(self, pairs, out: dict, path: str) -> dict:
+        for k, v in pairs:
+            key = self.value(k, f"{path}<key>")
+            if not _is_key(key):
+                raise ValueError(f"{path}: invalid dict key {key!r}")
+            out[key] = self.value(v, f"{path}[{key!r}]")
+        return out
 
-    return dec(data, "state")
+    def array(self, x: dict, path: str) -> np.ndarray:
+        dtype = np.dtype(x["dtype"])
+        if dtype.hasobject:
+            raise ValueError(f"{path}: object arrays are not allowed")
+        raw = self.lookup(x["k"], path).reshape(-1).view(torch.uint8).numpy()
+        return raw.view(dtype).reshape(x["shape"])
+
+    def lookup(self, key, path: str) -> torch.Tensor:
+        if key not in self.tensors:
+            raise ValueError(f"{path}: tensor {key!r} is missing")
+        return self.tensors[key]
+
+
+def _decode_scalar(tag: str, x: dict, path: str):
+    """The value of a tagged ``float``, ``int``, ``bytes`` or ``np`` scalar."""
+    if tag == "float":
+        if x["v"] not in ("inf", "-inf", "nan"):
+            raise ValueError(f"{path}: invalid float {x['v']!r}")
+        return float(x["v"])
+    if tag == "int":
+        return int(x["v"], 16)
+    if tag == "bytes":
+        return base64.b64decode(x["v"], validate=True)
+    dtype = np.dtype(x["dtype"])
+    if dtype.kind not in "biufcmM":
+        raise ValueError(f"{path}: numpy scalar of dtype {dtype} is not allowed")
+    return np.frombuffer(bytes.fromhex(x["hex"]), dtype=dtype)[0]

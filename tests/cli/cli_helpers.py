@@ -15,8 +15,9 @@ def make_model():
     return model, torch.optim.AdamW(model.parameters())
 
 
-def train(directory, model, opt, steps=8, inputs=16):
-    ck = gockpt.Checkpointer(model, opt, str(directory), mode="gockpt-o", overlap_steps=2,
+def train(directory, model, opt, steps=8, inputs=16, mode="gockpt-o", overlap_steps=2):
+    """Train ``steps`` steps on random inputs, a checkpoint every 3 steps."""
+    ck = gockpt.Checkpointer(model, opt, str(directory), mode=mode, overlap_steps=overlap_steps,
                              interval=3)
     for step in range(steps):
         loss = model(torch.randn(8, inputs)).pow(2).mean()
@@ -43,18 +44,6 @@ def run(capsys, *argv):
     rc = main(list(argv))
     out, err = capsys.readouterr()
     return rc, out, err
-
-
-def bitwise_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
-    if isinstance(a, dict):
-        return (isinstance(b, dict) and set(a) == set(b)
-                and all(bitwise_equal(a[k], b[k]) for k in a))
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def part_dir(run, rank):
