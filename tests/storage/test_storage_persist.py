@@ -16,7 +16,7 @@ import torch
 from gockpt import metrics, storage
 from gockpt.capture.copies import Capture
 from gockpt.capture.device import HostDevice
-from gockpt.capture.plan import build_plan, flat
+from gockpt.capture.plan import build_plan
 from gockpt.capture.staging import HostCopy
 from gockpt.capture.transfer import CopyEngine
 from gockpt.config import Config
