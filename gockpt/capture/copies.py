@@ -225,7 +225,8 @@ class Capture:
             "extra_state": extra_state,
         }
         try:
-            small = SmallSection(**{section: tree.encode(value, tensors, small_prefix(section))
+            small = SmallSection(**{section: tree.encode(value, tensors, small_prefix(section),
+                                                         inline_scalars=True)
                                     for section, value in values.items()})
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"cannot store the state of step {step}: {exc}") from exc

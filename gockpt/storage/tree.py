@@ -23,6 +23,9 @@ tag         used for                                               fields
 ``tensor``  torch.Tensor                                           ``k``: key in ``tensors``
 ``ndarray`` numpy.ndarray                                          ``k``, ``dtype``, ``shape``
 ``np``      numpy scalar (np.float32(1.5), np.int64(3), ...)       ``dtype``, ``hex``: raw bytes
+``scalar``  0-dim CPU tensor, with ``inline_scalars=True``          ``dtype``, ``hex``: raw bytes
+            (an optimizer's step counters: thousands of them
+            cost one JSON value each, not one stored tensor)
 ==========  =====================================================  ==========================
 
 Plain dicts with str keys, lists, str, bool, None and small ints/finite floats
@@ -72,27 +75,29 @@ def _tensor_dtypes() -> set:
 _CONTAINERS = (list, tuple, dict, collections.OrderedDict)
 
 
-def encode(obj, tensors: dict, prefix: str):
+def encode(obj, tensors: dict, prefix: str, *, inline_scalars: bool = False):
     """Encode ``obj`` as JSON-compatible values, moving tensors and arrays into ``tensors``.
 
     Each tensor or array is stored as a CPU contiguous copy (detached, so
     ``requires_grad`` is false) under the key ``f"{prefix}/{n}"``, n = 0, 1, ...
     (keys already in ``tensors`` are skipped, so several calls may share one dict).
-    ``prefix`` also names the root of the structure in error messages.
+    ``prefix`` also names the root of the structure in error messages. With
+    ``inline_scalars``, 0-dim CPU tensors are written inline as their raw bytes instead
+    (they decode to equal tensors, bit for bit).
 
     Raises ``TypeError`` naming the path inside the structure (for example
     ``extra_state['cfg'][2]``) for anything that cannot be stored without pickle,
     and ``ValueError`` if the structure contains itself.
     """
-    return _Encoder(tensors, prefix).value(obj, prefix)
+    return _Encoder(tensors, prefix, inline_scalars).value(obj, prefix)
 
 
 class _Encoder:
     """The state of one :func:`encode` call: where tensors go and under which keys, and the
     containers being walked (to refuse a structure that contains itself)."""
 
-    def __init__(self, tensors: dict, prefix: str):
-        self.tensors, self.prefix = tensors, prefix
+    def __init__(self, tensors: dict, prefix: str, inline_scalars: bool = False):
+        self.tensors, self.prefix, self.inline_scalars = tensors, prefix, inline_scalars
         self.counter = iter(range(1 << 62))
         self.active: set = set()
 
@@ -110,6 +115,9 @@ class _Encoder:
         if t is bytes:
             return {TAG: "bytes", "v": base64.b64encode(x).decode("ascii")}
         if isinstance(x, torch.Tensor):
+            if self.inline_scalars and x.dim() == 0 and x.device.type == "cpu" \
+                    and x.dtype in _tensor_dtypes() and not x.is_quantized:
+                return _encode_tensor_scalar(x)
             return {TAG: "tensor", "k": self.store_tensor(x, path)}
         if t is np.ndarray:
             return self.store_array(x, path)
@@ -192,6 +200,14 @@ def _encode_float(x: float):
     return {TAG: "float", "v": repr(x)}
 
 
+def _encode_tensor_scalar(x: torch.Tensor) -> dict:
+    """A 0-dim tensor as its dtype and raw bytes (exact: NaN payloads, -0.0)."""
+    from gockpt.storage import DTYPE_TO_CODE
+
+    raw = x.detach().reshape(1).view(torch.uint8).tolist()
+    return {TAG: "scalar", "dtype": DTYPE_TO_CODE[x.dtype], "hex": bytes(raw).hex()}
+
+
 def _encode_np_scalar(x: np.generic, path: str) -> dict:
     if x.dtype.kind not in "biufcmM":
         raise TypeError(f"{path}: cannot store numpy scalar of type {type(x).__qualname__} without pickle; {_HINT}")
@@ -242,6 +258,8 @@ class _Decoder:
             return _decode_scalar(tag, x, path)
         if tag == "tensor":
             return self.lookup(x["k"], path)
+        if tag == "scalar":
+            return _decode_tensor_scalar(x, path)
         if tag == "ndarray":
             return self.array(x, path)
         raise ValueError(f"{path}: unknown tag {tag!r}")
@@ -265,6 +283,17 @@ class _Decoder:
         if key not in self.tensors:
             raise ValueError(f"{path}: tensor {key!r} is missing")
         return self.tensors[key]
+
+
+def _decode_tensor_scalar(x: dict, path: str) -> torch.Tensor:
+    """The 0-dim tensor of a tagged ``scalar``."""
+    from gockpt.storage import CODE_TO_DTYPE
+
+    dtype = CODE_TO_DTYPE.get(x["dtype"])
+    raw = bytes.fromhex(x["hex"])
+    if dtype is None or len(raw) != dtype.itemsize:
+        raise ValueError(f"{path}: invalid scalar of dtype {x['dtype']!r} ({len(raw)} bytes)")
+    return torch.tensor(list(raw), dtype=torch.uint8).view(dtype).reshape(())
 
 
 def _decode_scalar(tag: str, x: dict, path: str):
