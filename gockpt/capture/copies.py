@@ -41,7 +41,10 @@ class Capture:
         self._zero_buf: Optional[torch.Tensor] = None
 
     def declare_state_keys(self, host: HostCopy) -> None:
-        """Which optimizer state tensors this checkpoint carries, per slot."""
+        """Which optimizer state tensors this checkpoint carries, per slot (with a replay: the
+        adapter's keys for every optimized slot, declared once)."""
+        if self.adapter is not None and host.keys_declared:
+            return
         likes = {}
         for si, s in enumerate(host.slots):
             if s.static:
@@ -81,20 +84,20 @@ class Capture:
         aligned state; zeros where the optimizer has none yet): (ticket, versions read)."""
         if self.engine.device.asynchronous_copies:
             return self.engine.submit(self._pairs(job, table.blocks), priority), ([], [])
-        dst, src, size, read, keep = [], [], [], [], []
-        for key in (None,) + job.host.roles():
+        roles = (None,) + job.host.roles()
+        live, read, keep = self._live_bases(job, table.slots, roles)
+        dst, src, size = [], [], []
+        for key in roles:
             hbase, hitem = job.host.bases(key)
             rows = hbase[table.slot] != 0  # the blocks whose slot has this role
             if not rows.any():
                 continue
-            lbase, tensors, copies = self._live_bases(job, table.slots, key)
-            read += tensors
-            keep += copies
             sub = table.slot[rows]
+            offset = table.start[rows] * hitem[sub]
             nbytes = table.numel[rows] * hitem[sub]
-            src_rows = lbase[sub] + table.start[rows] * hitem[sub]
-            src_rows[lbase[sub] == 0] = self._zeros(int(nbytes.max(initial=0)))
-            dst.append(hbase[sub] + table.start[rows] * hitem[sub])
+            src_rows = live[key][sub] + offset
+            src_rows[live[key][sub] == 0] = self._zeros(int(nbytes.max(initial=0)))
+            dst.append(hbase[sub] + offset)
             src.append(src_rows)
             size.append(nbytes)
         if not dst:
@@ -104,23 +107,28 @@ class Capture:
         ticket._keep_alive = keep
         return ticket, (read, [t._version for _, _, t in read])
 
-    def _live_bases(self, job: Job, slots: np.ndarray, key: Optional[str]):
-        """Per slot: the address of the live tensor of role ``key`` in the parameter's memory
-        order (0 where the optimizer has no such state yet); the tensors read, as (slot, key,
-        tensor); and the copies made of tensors laid out unlike their parameter."""
-        base = np.zeros(len(job.plan.slots), dtype=np.int64)
+    def _live_bases(self, job: Job, slots: np.ndarray, roles):
+        """Per role (None: the parameter, or a state key), per slot: the address of the live
+        tensor in the parameter's memory order (0 where the optimizer has no such state yet);
+        the tensors read, as (slot, key, tensor); and the copies made of tensors laid out
+        unlike their parameter. One pass over the slots."""
+        n = len(job.plan.slots)
+        bases = {key: np.zeros(n, dtype=np.int64) for key in roles}
         read, copies = [], []
+        state, plan_slots = self.optimizer.state, job.plan.slots
         for si in slots.tolist():
-            slot = job.plan.slots[si]
-            t = slot.param if key is None else self.optimizer.state.get(slot.param, {}).get(key)
-            if t is None:
-                continue
-            read.append((si, key, t))
-            if t.stride() != slot.strides:  # rare: a state tensor laid out otherwise
-                t = flat(t, slot.dims)
-                copies.append(t)
-            base[si] = t.data_ptr()
-        return base, read, copies
+            slot = plan_slots[si]
+            live = state.get(slot.param, {})
+            for key in roles:
+                t = slot.param if key is None else live.get(key)
+                if t is None:
+                    continue
+                read.append((si, key, t))
+                if t.stride() != slot.strides:  # rare: a state tensor laid out otherwise
+                    t = flat(t, slot.dims)
+                    copies.append(t)
+                bases[key][si] = t.data_ptr()
+        return bases, read, copies
 
     def _zeros(self, nbytes: int) -> int:
         """Address of at least ``nbytes`` zero bytes (the source of state not created yet)."""
@@ -138,15 +146,14 @@ class Capture:
             return
         table = BlockTable(captured)
         roles = (None,) + tuple(k for k in job.host.roles() if k in self.adapter.state_keys)
-        rows, src, read = [], [], []
+        live, read, copies = self._live_bases(job, table.slots, roles)
+        if copies:  # laid out unlike the parameter: verified by the sampled self-check
+            return
+        rows, src = [], []
         for key in roles:
-            lbase, tensors, copies = self._live_bases(job, table.slots, key)
-            if copies:  # laid out unlike the parameter: verified by the sampled self-check
-                return
-            read += tensors
-            have = np.flatnonzero(lbase[table.slot] != 0)  # no state yet: nothing to check
+            have = np.flatnonzero(live[key][table.slot] != 0)  # no state yet: nothing to check
             rows.append((key, have))
-            src.append(lbase[table.slot[have]] + table.start[have] * 4)
+            src.append(live[key][table.slot[have]] + table.start[have] * 4)
         every = np.concatenate([r for _, r in rows])
         ticket = self.engine.submit_digests(np.concatenate(src), table.numel[every],
                                             table.start[every], STATE)

@@ -83,6 +83,8 @@ class HostCopy:
         self.keys: List[tuple] = [() for _ in plan.slots]  # aligned keys of this checkpoint
         self._key_layout: Optional[tuple] = None
         self._bases: Dict[Optional[str], Tuple[np.ndarray, np.ndarray]] = {}
+        self.keys_declared = False
+        self.keys_version = 0  # bumped whenever the state arenas are laid out again
 
     def set_keys(self, likes: Dict[int, Dict[str, torch.Tensor]]) -> None:
         """Declare, for every slot with aligned state, its keys (key -> a tensor of the dtype
@@ -100,7 +102,9 @@ class HostCopy:
                     self.state[si][key] = arena.view(si)
             self._key_layout = layout
             self._bases = {}
+            self.keys_version += 1
         self.keys = [tuple(likes.get(si, {})) for si in range(len(self.slots))]
+        self.keys_declared = True
 
     def roles(self) -> Tuple[str, ...]:
         """The aligned state keys this copy holds (in arena order)."""

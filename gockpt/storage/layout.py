@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..capture.plan import Plan
+from ..capture.segments import BlockTable
 from ..capture.staging import Arena, HostCopy
 from .format import DTYPE_TO_CODE
 from .manifest import optim_tensor, param_tensor
@@ -46,28 +48,39 @@ class StoredLayout:
     def ranges(self, blocks) -> List[Tuple[str, int, torch.Tensor]]:
         """(stored name, element start, host data) to write for ``blocks``: adjacent ranges of
         one stored tensor merged into one write (a pack of small slots is one range)."""
-        pieces = []
-        for b in blocks:
-            for (si, role), (name, base) in self._roles_of(b.slot):
-                stored = self.tensors[name]
-                pieces.append((name, base + b.start, stored, b.numel))
-        pieces.sort(key=lambda p: (p[0], p[1]))
-        out: List[list] = []
-        for name, start, stored, n in pieces:
-            if out and out[-1][0] == name and out[-1][1] + out[-1][3] == start:
-                out[-1][3] += n
-            else:
-                out.append([name, start, stored, n])
-        return [(name, start, s.arena.buffer[s.start + start:s.start + start + n])
-                for name, start, s, n in out]
+        if not blocks:
+            return []
+        table = blocks if isinstance(blocks, BlockTable) else BlockTable(blocks)
+        name_idx, starts, sizes = [], [], []
+        for index, base in self._columns.values():  # per role: arrays indexed by slot
+            rows = index[table.slot] >= 0
+            name_idx.append(index[table.slot[rows]])
+            starts.append(base[table.slot[rows]] + table.start[rows])
+            sizes.append(table.numel[rows])
+        name_idx, starts, sizes = (np.concatenate(x) for x in (name_idx, starts, sizes))
+        order = np.lexsort((starts, name_idx))
+        name_idx, starts, sizes = name_idx[order], starts[order], sizes[order]
+        # a run continues where the previous piece of the same tensor ends
+        new_run = np.ones(len(starts), dtype=bool)
+        new_run[1:] = (name_idx[1:] != name_idx[:-1]) | (starts[1:] != starts[:-1] + sizes[:-1])
+        heads = np.flatnonzero(new_run)
+        lengths = np.add.reduceat(sizes, heads)
+        out = []
+        for h, n in zip(heads.tolist(), lengths.tolist()):
+            name = self._names[name_idx[h]]
+            st, start = self.tensors[name], int(starts[h])
+            out.append((name, start, st.arena.buffer[st.start + start:st.start + start + n]))
+        return out
 
-    def _roles_of(self, si: int):
-        return self._by_slot.get(si, ())
-
-    def index(self) -> "StoredLayout":
-        self._by_slot: Dict[int, list] = {}
-        for key, value in self.where.items():
-            self._by_slot.setdefault(key[0], []).append((key, value))
+    def index(self, n_slots: int) -> "StoredLayout":
+        """Per role, the stored tensor and element offset of every slot, as arrays."""
+        self._names = list(self.tensors)
+        number = {name: i for i, name in enumerate(self._names)}
+        self._columns: Dict[Optional[str], Tuple[np.ndarray, np.ndarray]] = {}
+        for (si, role), (name, base) in self.where.items():
+            index, bases = self._columns.setdefault(
+                role, (np.full(n_slots, -1, dtype=np.int64), np.zeros(n_slots, dtype=np.int64)))
+            index[si], bases[si] = number[name], base
         return self
 
 
@@ -87,13 +100,14 @@ def stored_layout(plan: Plan, host: HostCopy, aligned: Dict[int, tuple]) -> Stor
         for si in slots:
             out.state_refs.setdefault(plan.slots[si].opt_index, {})[key] = \
                 _ref(out, plan, si, key)
-    return out.index()
+    return out.index(len(plan.slots))
 
 
 def _place(out: StoredLayout, arena: Arena, pack_name: str, names: Dict[int, str], plan: Plan,
            role: Optional[str]) -> None:
     """Stored tensors of ``arena`` for the slots in ``names``: one each for the large ones,
     one pack for the small ones (the whole packed range, dead slots included)."""
+    small = set(arena.small)
     packed = [si for si in arena.small if si in names]
     if packed:
         lo, hi = arena.pack
@@ -101,7 +115,7 @@ def _place(out: StoredLayout, arena: Arena, pack_name: str, names: Dict[int, str
         for si in packed:
             out.where[(si, role)] = (pack_name, arena.offset[si] - lo)
     for si, name in names.items():
-        if si not in arena.small:
+        if si not in small:
             out.tensors[name] = Stored(arena, arena.offset[si], arena.sizes[si],
                                        plan.slots[si].stored_shape)
             out.where[(si, role)] = (name, 0)

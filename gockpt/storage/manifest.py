@@ -23,7 +23,7 @@ checkpoint and the field.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CorruptCheckpointError, LoadError
@@ -162,7 +162,9 @@ class Manifest:
                "world_size": self.world_size,
                "model": {"params": {n: r.to_json() for n, r in self.model.params.items()},
                          "aliases": dict(self.model.aliases)},
-               "small": asdict(self.small), "metrics": dict(self.metrics)}
+               # shallow: asdict() would deep-copy thousands of encoded values
+               "small": {s: getattr(self.small, s) for s in SMALL_SECTIONS},
+               "metrics": dict(self.metrics)}
         if self.optimizer is not None:
             out["optimizer"] = {"class": self.optimizer.cls,
                                 "aligned": {str(i): {k: r.to_json() for k, r in refs.items()}

@@ -52,6 +52,7 @@ class Persister:
         self.config, self.plan, self.ranks = config, plan, ranks
         self.optimizer_class = optimizer_class
         self.step_time, self.host_bytes, self.on_durable = step_time, host_bytes, on_durable
+        self._layout_key, self._layout_cache = None, None
         self._queue: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="gockpt-persist", daemon=True)
         self._thread.start()
@@ -93,7 +94,14 @@ class Persister:
     def _layout(self, job: Job) -> StoredLayout:
         """The stored tensors of ``job`` (known once the aligned state at F is)."""
         if job.stream.layout is None:
-            job.stream.layout = stored_layout(job.plan, job.host, job.capture.aligned)
+            # The same for every checkpoint of a plan while the aligned state keys stay: built
+            # once (its loops over thousands of slots would hold the GIL at every checkpoint).
+            key = (id(job.plan), id(job.host), job.host.keys_version,
+                   tuple(sorted(job.capture.aligned.items())))
+            if self._layout_key != key:
+                self._layout_key = key
+                self._layout_cache = stored_layout(job.plan, job.host, job.capture.aligned)
+            job.stream.layout = self._layout_cache
         return job.stream.layout
 
     def _host_tensors(self, job: Job) -> Dict[str, torch.Tensor]:

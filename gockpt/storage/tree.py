@@ -23,7 +23,7 @@ tag         used for                                               fields
 ``tensor``  torch.Tensor                                           ``k``: key in ``tensors``
 ``ndarray`` numpy.ndarray                                          ``k``, ``dtype``, ``shape``
 ``np``      numpy scalar (np.float32(1.5), np.int64(3), ...)       ``dtype``, ``hex``: raw bytes
-``scalar``  0-dim CPU tensor, with ``inline_scalars=True``          ``dtype``, ``hex``: raw bytes
+``scalar``  0-dim CPU tensor, with ``inline_scalars=True``          ``dtype``, ``bits``: raw bits (int)
             (an optimizer's step counters: thousands of them
             cost one JSON value each, not one stored tensor)
 ==========  =====================================================  ==========================
@@ -101,7 +101,8 @@ class _Encoder:
         self.counter = iter(range(1 << 62))
         self.active: set = set()
 
-    def value(self, x, path: str):
+    def value(self, x, path):
+        """The encoding of ``x``; ``path`` says where it sits (rendered only for an error)."""
         t = type(x)
         # Exact type checks, not isinstance: a subclass (bool is an int, an
         # IntEnum is an int, np.float64 is a float, a namedtuple is a tuple)
@@ -122,15 +123,16 @@ class _Encoder:
         if t is np.ndarray:
             return self.store_array(x, path)
         if isinstance(x, np.generic):
-            return _encode_np_scalar(x, path)
+            return _encode_np_scalar(x, _render(path))
         if t in _CONTAINERS:
             return self.container(x, path)
-        raise TypeError(f"{path}: cannot store object of type {t.__qualname__} without pickle; {_HINT}")
+        raise TypeError(f"{_render(path)}: cannot store object of type {t.__qualname__} without "
+                        f"pickle; {_HINT}")
 
     def container(self, x, path: str):
         """A list, tuple, dict or OrderedDict, refused if it is already being walked."""
         if id(x) in self.active:
-            raise ValueError(f"{path}: the structure contains itself; it cannot be stored")
+            raise ValueError(f"{_render(path)}: the structure contains itself; it cannot be stored")
         self.active.add(id(x))
         try:
             if type(x) is list:
@@ -142,22 +144,22 @@ class _Encoder:
             self.active.discard(id(x))
 
     def items(self, seq, path: str) -> list:
-        return [self.value(v, f"{path}[{i}]") for i, v in enumerate(seq)]
+        return [self.value(v, (path, i)) for i, v in enumerate(seq)]
 
     def mapping(self, d, path: str):
         """A str-keyed dict as a JSON object; any other dict (or one holding the tag key, or an
         OrderedDict) as a tagged list of [key, value] pairs."""
         plain = type(d) is dict and TAG not in d and all(type(k) is str for k in d)
         if plain:
-            return {k: self.value(v, f"{path}[{k!r}]") for k, v in d.items()}
+            return {k: self.value(v, (path, k)) for k, v in d.items()}
         items = []
         for k, v in d.items():
             if not _is_key(k):
                 raise TypeError(
-                    f"{path}: cannot store a dict key of type {type(k).__qualname__} ({k!r:.60}) "
+                    f"{_render(path)}: cannot store a dict key of type {type(k).__qualname__} ({k!r:.60}) "
                     "without pickle; keys must be str, int, float, bool, None or tuples of those"
                 )
-            items.append([self.value(k, f"{path}<key {k!r}>"), self.value(v, f"{path}[{k!r}]")])
+            items.append([self.value(k, (path, _KeyOf(k))), self.value(v, (path, k))])
         return {TAG: "odict" if type(d) is collections.OrderedDict else "dict", "v": items}
 
     def new_key(self) -> str:
@@ -168,9 +170,11 @@ class _Encoder:
 
     def store_tensor(self, x: torch.Tensor, path: str) -> str:
         if x.layout != torch.strided or x.is_quantized or x.device.type == "meta":
-            raise TypeError(f"{path}: cannot store a {x.layout} / {x.device.type} tensor; {_HINT}")
+            raise TypeError(f"{_render(path)}: cannot store a {x.layout} / {x.device.type} "
+                            f"tensor; {_HINT}")
         if x.dtype not in _tensor_dtypes():
-            raise TypeError(f"{path}: cannot store a tensor of dtype {x.dtype}; convert it to a supported dtype")
+            raise TypeError(f"{_render(path)}: cannot store a tensor of dtype {x.dtype}; convert "
+                            "it to a supported dtype")
         key = self.new_key()
         # copy=True: the caller may keep mutating its tensor after encode returns.
         self.tensors[key] = x.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
@@ -178,7 +182,8 @@ class _Encoder:
 
     def store_array(self, a: np.ndarray, path: str) -> dict:
         if a.dtype.hasobject or a.dtype.fields is not None or a.dtype.itemsize == 0:
-            raise TypeError(f"{path}: cannot store a numpy array of dtype {a.dtype} without pickle; {_HINT}")
+            raise TypeError(f"{_render(path)}: cannot store a numpy array of dtype {a.dtype} "
+                            f"without pickle; {_HINT}")
         # Saved as raw bytes (a flat uint8 tensor) so that every fixed-size numpy
         # dtype round-trips, including ones torch lacks (complex128, str, datetime64);
         # dtype.str records the byte order, so the array comes back bit-identical.
@@ -186,6 +191,24 @@ class _Encoder:
         key = self.new_key()
         self.tensors[key] = torch.from_numpy(raw)
         return {TAG: "ndarray", "k": key, "dtype": a.dtype.str, "shape": list(a.shape)}
+
+
+class _KeyOf:
+    """A dict key as a path component: ``<key 'k'>``."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key):
+        self.key = key
+
+
+def _render(path) -> str:
+    """The text of a path built as nested (parent, index or key) pairs: ``extra_state['cfg'][2]``."""
+    parts = []
+    while type(path) is tuple:
+        path, key = path
+        parts.append(f"<key {key.key!r}>" if type(key) is _KeyOf else f"[{key!r}]")
+    return path + "".join(reversed(parts))
 
 
 def _encode_int(x: int):
@@ -200,12 +223,15 @@ def _encode_float(x: float):
     return {TAG: "float", "v": repr(x)}
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _encode_tensor_scalar(x: torch.Tensor) -> dict:
-    """A 0-dim tensor as its dtype and raw bytes (exact: NaN payloads, -0.0)."""
+    """A 0-dim tensor as its dtype and raw bits, as an int (exact: NaN payloads, -0.0)."""
     from gockpt.storage import DTYPE_TO_CODE
 
-    raw = x.detach().reshape(1).view(torch.uint8).tolist()
-    return {TAG: "scalar", "dtype": DTYPE_TO_CODE[x.dtype], "hex": bytes(raw).hex()}
+    return {TAG: "scalar", "dtype": DTYPE_TO_CODE[x.dtype],
+            "bits": x.detach().view(_BITS[x.element_size()]).item()}
 
 
 def _encode_np_scalar(x: np.generic, path: str) -> dict:
@@ -289,11 +315,10 @@ def _decode_tensor_scalar(x: dict, path: str) -> torch.Tensor:
     """The 0-dim tensor of a tagged ``scalar``."""
     from gockpt.storage import CODE_TO_DTYPE
 
-    dtype = CODE_TO_DTYPE.get(x["dtype"])
-    raw = bytes.fromhex(x["hex"])
-    if dtype is None or len(raw) != dtype.itemsize:
-        raise ValueError(f"{path}: invalid scalar of dtype {x['dtype']!r} ({len(raw)} bytes)")
-    return torch.tensor(list(raw), dtype=torch.uint8).view(dtype).reshape(())
+    dtype, bits = CODE_TO_DTYPE.get(x["dtype"]), x["bits"]
+    if dtype is None or dtype.itemsize not in _BITS or type(bits) is not int:
+        raise ValueError(f"{path}: invalid scalar {x!r:.80}")
+    return torch.tensor(bits, dtype=_BITS[dtype.itemsize]).view(dtype)
 
 
 def _decode_scalar(tag: str, x: dict, path: str):

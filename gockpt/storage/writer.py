@@ -297,7 +297,9 @@ class CheckpointWriter:
         temporary directory, fsynced."""
         full = {"format": FORMAT, "format_version": FORMAT_VERSION, "tensors": self._entries, **manifest}
         try:
-            text = json.dumps(full, indent=1, allow_nan=False)
+            # Compact: the C encoder (an indent makes json fall back to pure Python, slow on the
+            # large manifests of models with thousands of parameters, holding the GIL).
+            text = json.dumps(full, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise TypeError(f"manifest is not plain JSON ({e}); encode Python state with gockpt.storage.tree.encode") from e
         # Written in place, not via a tmp file + rename: the whole directory is

@@ -244,3 +244,33 @@ def test_plain_output_stays_readable():
     data = tree.encode({"lr": 0.1, "betas": [0.9, 0.99], "name": "adam"}, {}, "x")
     assert data == {"lr": 0.1, "betas": [0.9, 0.99], "name": "adam"}
     assert not math.isnan(data["lr"])
+
+
+SCALARS = [
+    torch.tensor(3.0), torch.tensor(-0.0), torch.tensor(1, dtype=torch.int32).view(torch.float32),
+    torch.tensor(0x7FC12345, dtype=torch.int32).view(torch.float32),  # a NaN with a payload
+    torch.tensor(2.5, dtype=torch.bfloat16), torch.tensor(-7.25, dtype=torch.float16),
+    torch.tensor(2**63 - 1, dtype=torch.int64), torch.tensor(True), torch.tensor(-3, dtype=torch.int8),
+    torch.tensor(1 + 2j, dtype=torch.complex64), torch.tensor(float("inf"), dtype=torch.float64),
+]
+
+
+@pytest.mark.parametrize("t", SCALARS, ids=lambda t: f"{t.dtype}")
+def test_inline_scalars_round_trip_bit_for_bit(t):
+    tensors = {}
+    enc = tree.encode({"step": t}, tensors, "s", inline_scalars=True)
+    assert tensors == {} and enc["step"]["__t"] == "scalar"
+    back = tree.decode(json.loads(json.dumps(enc)), tensors)["step"]
+    assert back.dtype == t.dtype and back.shape == () and back.device.type == "cpu"
+    assert torch.equal(back.reshape(1).view(torch.uint8), t.reshape(1).view(torch.uint8))
+
+
+def test_inline_scalars_leave_other_tensors_stored():
+    tensors = {}
+    enc = tree.encode([torch.tensor(1.0), torch.ones(1)], tensors, "s", inline_scalars=True)
+    assert list(tensors) == ["s/0"] and enc[0]["__t"] == "scalar" and enc[1]["__t"] == "tensor"
+
+
+def test_a_malformed_inline_scalar_is_refused():
+    with pytest.raises(ValueError, match="scalar"):
+        tree.decode({"__t": "scalar", "dtype": "F32", "bits": "x"}, {})
