@@ -49,17 +49,31 @@ def model_small(model: torch.nn.Module, planned_ids: Iterable[int]) -> Dict[str,
 
 def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys) -> dict:
     """``optimizer.state_dict()`` without the aligned per-element state (which travels as
-    blocks): param groups, step counts and any other small state, cloned."""
+    blocks): param groups, step counts and any other small state, copied (frozen at this
+    version).
+
+    Scalar state (0-dim tensors: Adam's step counters) is gathered per key and dtype into one
+    tensor with one stack -- one copy from a GPU, one stored value -- under ``"columns"``:
+    ``{key: [{"index": [state index, ...], "values": 1-D tensor}, ...]}``;
+    :func:`gockpt.storage.manifest.expand_columns` puts them back in place."""
     sd = optimizer.state_dict()
-    state = {}
+    state, gathered = {}, {}
     for idx, st in sd["state"].items():
-        state[idx] = {}
         for key, value in st.items():
             if key in aligned_keys.get(idx, ()):
                 continue
-            state[idx][key] = value.detach().to("cpu", copy=True) \
-                if isinstance(value, torch.Tensor) else value
-    return {"state": state, "param_groups": sd["param_groups"]}
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                group = gathered.setdefault((key, value.dtype, value.device), ([], []))
+                group[0].append(idx)
+                group[1].append(value.detach())
+            else:
+                state.setdefault(idx, {})[key] = value.detach().to("cpu", copy=True) \
+                    if isinstance(value, torch.Tensor) else value
+    columns = {}
+    for (key, _, _), (index, values) in gathered.items():
+        columns.setdefault(key, []).append({"index": index,
+                                            "values": torch.stack(values).to("cpu")})
+    return {"state": state, "columns": columns, "param_groups": sd["param_groups"]}
 
 
 def scheduler_state(scheduler) -> Optional[dict]:

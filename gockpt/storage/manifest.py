@@ -274,13 +274,29 @@ class Manifest:
                 raise LoadError(f"{path}: the optimizer has {len(optimizer.param_groups)} "
                                 f"groups / {n_live} parameters, the checkpoint "
                                 f"{len(small['param_groups'])} / {n_saved}")
-        state = small["state"]
+        state = expand_columns(small)
         if aligned and opt is not None:
             for idx, refs in opt.aligned.items():
                 for key, ref in refs.items():
                     t = ref.resolve(tensors)  # a packed one gets storage of its own
                     state.setdefault(idx, {})[key] = t if ref.shape is None else t.clone()
         return {"state": state, "param_groups": small["param_groups"]}
+
+
+def expand_columns(small: dict) -> dict:
+    """The per-parameter state of a decoded optimizer small section, with the gathered
+    scalar columns (see gockpt.capture.smallstate.optimizer_small) put back in place as 0-dim
+    tensors of their own."""
+    state = small["state"]
+    for key, groups in (small.get("columns") or {}).items():
+        for group in groups:
+            values = group["values"]
+            if len(group["index"]) != values.numel():
+                raise ValueError(f"scalar column {key!r}: {len(group['index'])} indices for "
+                                 f"{values.numel()} values")
+            for i, idx in enumerate(group["index"]):
+                state.setdefault(idx, {})[key] = values[i].clone()
+    return state
 
 
 @dataclass

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from gockpt.capture import smallstate
+from gockpt.storage.manifest import expand_columns
 
 import harness as H
 
@@ -66,22 +67,27 @@ def test_model_small_keeps_extra_state():
     assert smallstate.model_small(m, [id(m.w)]) == {"_extra_state": {"calls": 3}}
 
 
-def test_optimizer_small_drops_aligned_keys_and_clones():
+def test_optimizer_small_drops_aligned_keys_gathers_scalars_and_copies():
     model, opt, sched = H.build()
     H.train_steps(model, opt, sched, 1, 2)
     sd = opt.state_dict()
     aligned = {0: ("exp_avg", "exp_avg_sq")}
     small = smallstate.optimizer_small(opt, aligned)
-    assert set(small["state"][0]) == {"step"}
+    assert 0 not in small["state"]  # its step is in the column, its moments are aligned
     other = next(i for i in sd["state"] if i != 0)
-    assert set(small["state"][other]) == set(sd["state"][other])  # not aligned: all kept
+    assert set(small["state"][other]) == {"exp_avg", "exp_avg_sq"}  # not aligned: kept
+    [steps] = small["columns"]["step"]  # every step counter, stacked in one tensor
+    assert steps["index"] == list(sd["state"]) and steps["values"].shape == (len(sd["state"]),)
     assert small["param_groups"] == sd["param_groups"]
     p0 = opt.param_groups[0]["params"][0]
-    step_before = small["state"][0]["step"].clone()
+    step_before = steps["values"][0].clone()
     opt.state[p0]["step"].add_(5)
-    assert torch.equal(small["state"][0]["step"], step_before)
+    assert torch.equal(steps["values"][0], step_before)  # a copy, frozen
     assert small["state"][other]["exp_avg"].data_ptr() != \
         sd["state"][other]["exp_avg"].data_ptr()
+    state = expand_columns(small)  # back in place: what optimizer.state_dict() holds
+    assert torch.equal(state[0]["step"], step_before) and state[0]["step"].dim() == 0
+    assert set(state[other]) == set(sd["state"][other])
 
 
 def test_scheduler_state():
