@@ -101,6 +101,9 @@ class CaptureBook:
     """Slots found written outside the optimizer (to be copied at F from now on)."""
     digests: object = None
     """The digests of the live replayed blocks at F: (table, roles, ticket)."""
+    states: Optional[list] = None
+    """Per slot: the optimizer's state dict, looked up once (gockpt.capture.copies)."""
+    missing_states: List[int] = field(default_factory=list)
     _tables: Dict[int, object] = field(default_factory=dict)
 
     def table(self, j: int):

@@ -115,10 +115,10 @@ class Capture:
         n = len(job.plan.slots)
         bases = {key: np.zeros(n, dtype=np.int64) for key in roles}
         read, copies = [], []
-        state, plan_slots = self.optimizer.state, job.plan.slots
+        states, plan_slots = self._states(job), job.plan.slots
         for si in slots.tolist():
             slot = plan_slots[si]
-            live = state.get(slot.param, {})
+            live = states[si] or {}
             for key in roles:
                 t = slot.param if key is None else live.get(key)
                 if t is None:
@@ -129,6 +129,22 @@ class Capture:
                     copies.append(t)
                 bases[key][si] = t.data_ptr()
         return bases, read, copies
+
+    def _states(self, job: Job) -> list:
+        """Per slot: its optimizer state dict (None: none yet). Looked up once per checkpoint
+        (a tensor's hash is a Python call): only the missing ones are looked up again."""
+        book = job.capture
+        if book.states is None:
+            book.states = [None] * len(job.plan.slots)
+            book.missing_states = list(range(len(job.plan.slots)))
+        if book.missing_states:
+            state, still = self.optimizer.state, []
+            for si in book.missing_states:
+                book.states[si] = state.get(job.plan.slots[si].param)
+                if book.states[si] is None:
+                    still.append(si)
+            book.missing_states = still
+        return book.states
 
     def _zeros(self, nbytes: int) -> int:
         """Address of at least ``nbytes`` zero bytes (the source of state not created yet)."""
@@ -261,7 +277,7 @@ class Capture:
                 raise ConfigError(f"the gradient of {s.name!r} is sparse or {g.dtype}; the "
                                   f"replay needs dense {s.param.dtype} gradients")
             grads[si] = g
-        steps = self.adapter.step_counts({si: plan.slots[si].param for si in grads})
+        steps = self.adapter.step_counts(grads, self._states(job))
         table = BlockTable([b for b in job.capture.captured if b.slot in grads])
         bufs = grad_pool.acquire()
         arena = grad_pool.arena(bufs, torch.float32)

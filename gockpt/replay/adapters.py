@@ -79,18 +79,18 @@ class AdamAdapter:
 
     def step_count(self, param: torch.Tensor) -> float:
         """t of the update about to run on ``param`` (torch increments before using it)."""
-        return self.step_counts({0: param})[0]
+        return self.step_counts({0: param}, [self.optimizer.state.get(param)])[0]
 
-    def step_counts(self, params: Dict[int, torch.Tensor]) -> Dict[int, float]:
-        """t of the update about to run, for every (slot ->) parameter: the step counters
-        read with one stack, not one read (a device synchronisation on a GPU) each."""
-        state = self.optimizer.state
-        have = {si: state[p]["step"] for si, p in params.items()
-                if p in state and "step" in state[p]}
-        out = {si: 1.0 for si in params}
+    def step_counts(self, slots, states) -> Dict[int, float]:
+        """t of the update about to run, for every slot in ``slots`` whose optimizer state is
+        ``states[slot]`` (None: none yet): the step counters read with one stack, not one read
+        (a device synchronisation on a GPU) each."""
+        have = {si: states[si]["step"] for si in slots
+                if states[si] is not None and "step" in states[si]}
+        out = {si: 1.0 for si in slots}
         if have:
-            counts = torch.stack([t.reshape(()).to(torch.float64) for t in have.values()])
-            out.update(zip(have, (counts.cpu() + 1.0).tolist()))
+            counts = torch.stack(list(have.values())).to("cpu", torch.float64)
+            out.update(zip(have, (counts.reshape(-1) + 1.0).tolist()))
         return out
 
     def skipped_by_scaler(self) -> bool:
