@@ -57,15 +57,18 @@ def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys) -> dict:
     ``{key: [{"index": [state index, ...], "values": 1-D tensor}, ...]}``;
     :func:`gockpt.storage.manifest.expand_columns` puts them back in place."""
     sd = optimizer.state_dict()
-    state, gathered = {}, {}
+    state, gathered, none = {}, {}, ()
     for idx, st in sd["state"].items():
+        skip = aligned_keys.get(idx, none)
         for key, value in st.items():
-            if key in aligned_keys.get(idx, ()):
+            if key in skip:
                 continue
-            if isinstance(value, torch.Tensor) and value.dim() == 0:
-                group = gathered.setdefault((key, value.dtype, value.device), ([], []))
+            if type(value) is torch.Tensor and value.dim() == 0:  # (state holds no grad)
+                group = gathered.get((key, value.dtype, value.device))
+                if group is None:
+                    group = gathered[(key, value.dtype, value.device)] = ([], [])
                 group[0].append(idx)
-                group[1].append(value.detach())
+                group[1].append(value)
             else:
                 state.setdefault(idx, {})[key] = value.detach().to("cpu", copy=True) \
                     if isinstance(value, torch.Tensor) else value
