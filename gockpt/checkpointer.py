@@ -28,7 +28,7 @@ import torch
 from . import storage
 from .capture.copies import Capture
 from .capture.device import device_for
-from .capture.plan import build_plan, check_layouts
+from .capture.plan import build_plan, check_layouts, fingerprint
 from .capture.staging import GradPool, HostCopy
 from .capture.transfer import CopyEngine
 from .config import Config
@@ -103,7 +103,10 @@ class Checkpointer:
         cleanup_temporaries(self.config.directory)
         self.planned_host_bytes = self._plan_host_bytes()
         self.device = device_for([s.param for s in self.plan.slots])
-        self.engine = CopyEngine(self.device)
+        if self.config.emulate_link_gbps is not None and self.device.kind != "cpu":
+            raise ConfigError("emulate_link_gbps emulates a GPU link for training on the CPU; "
+                              f"the parameters live on {self.device.kind}")
+        self.engine = CopyEngine(self.device, link_gbps=self.config.emulate_link_gbps)
         self.host: Optional[HostCopy] = None          # allocated at the first checkpoint
         self.grad_pool: Optional[GradPool] = None
         self.replayer = Replayer(self.adapter, self.config.replay_threads) if self.adapter else None
@@ -257,6 +260,8 @@ class Checkpointer:
         waited = self._wait_for_previous(step)
         if waited is None:
             return None
+        if fingerprint(self.optimizer) != self.plan.fingerprint:
+            self._replan()
         check_layouts(self.plan.slots)
         self.plan.copy_at_f(self.loop.take_adapted())
         if self.host is None:
@@ -279,6 +284,23 @@ class Checkpointer:
         self._job = job
         self.pipeline.begin(job, step, self.loop.boundary, extra_state)
         return job.handle
+
+    def _replan(self) -> None:
+        """The optimizer's parameters changed: plan again (a replay mode checks the new param
+        groups' settings as at construction); host memory is allocated anew."""
+        adapted = {s.name for s in self.plan.slots if s.at_f and not s.static}
+        plan = build_plan(self.model, self.optimizer, self.config.block_bytes)
+        plan.copy_at_f(adapted)
+        if self.policy.replays:
+            self.adapter = self.capture.adapter = self.replayer.adapter = \
+                adapter_for(self.optimizer)
+        if device_for([s.param for s in plan.slots]).kind != self.device.kind:
+            raise ConfigError("the optimizer's new parameters live on another device")
+        self.plan = plan
+        self.planned_host_bytes = self._plan_host_bytes()
+        self.host, self.grad_pool = None, None
+        log.info("gockpt: the optimizer's parameters changed: planned again (%d tensors)",
+                 len(plan.slots))
 
     def _wait_for_previous(self, step: int) -> Optional[float]:
         """Seconds waited for the previous checkpoint to persist; None: skip this one."""
@@ -331,7 +353,15 @@ class Checkpointer:
             if job is not None and job.capturing:
                 job.fail_reported(HookOrderError(msg))  # reported by the HookOrderError itself
             return
-        if job is None or not job.capturing or job.error is not None or self.adapter is None:
+        if job is None or not job.capturing or job.error is not None:
+            return
+        if fingerprint(self.optimizer) != job.plan.fingerprint:
+            job.capture.replan = True
+            job.fail(ConsistencyError(
+                "the optimizer's parameters changed during the checkpoint (add_param_group, or a "
+                "param group's list edited)"))
+            return
+        if self.adapter is None:
             return
         j = job.window_step(self.loop.boundary)
         if j < job.k:  # the update of window step K produces F + 1: not needed
@@ -387,6 +417,11 @@ class Checkpointer:
             self.loop.adapt(outside, f"gockpt: the checkpoint of step {job.handle.final_step} "
                             f"was not committed: {job.error}. From now on these tensors are "
                             "copied directly at the step boundary of each checkpoint")
+        elif job.capture.replan and isinstance(job.error, ConsistencyError):
+            job.mark_reported()
+            self.loop.adapt((), f"gockpt: the checkpoint of step {job.handle.final_step} was "
+                            f"not committed: {job.error}; the next one is planned for the "
+                            "optimizer's new parameters")
         else:
             self.loop.job_failed(job)
         if self.ranks.several and not job.stream.entered and not job.dropped:

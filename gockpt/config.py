@@ -76,6 +76,12 @@ class Config:
     replay_threads: Optional[int] = None
     """Threads of the C++ replay kernel; ``None``: the number of CPU cores."""
 
+    emulate_link_gbps: Optional[float] = None
+    """Training on the CPU only: perform the device-to-host copies at this rate (GB/s, 1e9
+    bytes/s) as if through a PCIe-like link, with completion by events -- the GPU device
+    layer's contract on a machine without one, to develop, test and benchmark the overlap.
+    ``None``: copies at memory speed."""
+
     storage_writer: Optional[Callable] = None
     """Storage plugin: ``storage_writer(root, name)`` returns the writer of one checkpoint, an
     object with :class:`gockpt.storage.CheckpointWriter`'s methods (usually a subclass of it).
@@ -118,6 +124,12 @@ class Config:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+        if self.emulate_link_gbps is not None and (
+                isinstance(self.emulate_link_gbps, bool)
+                or not isinstance(self.emulate_link_gbps, (int, float))
+                or not self.emulate_link_gbps > 0):
+            raise ConfigError(f"emulate_link_gbps must be None or a rate > 0 in GB/s, got "
+                              f"{self.emulate_link_gbps!r}")
         if self.storage_writer is not None and not callable(self.storage_writer):
             raise ConfigError(f"storage_writer must be a callable (root, name) -> writer, got "
                               f"{self.storage_writer!r}")

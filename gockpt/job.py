@@ -99,6 +99,8 @@ class CaptureBook:
     """Group j -> ((slot, key, tensor) read by its copies, their versions when queued)."""
     written_outside: Set[str] = field(default_factory=set)
     """Slots found written outside the optimizer (to be copied at F from now on)."""
+    replan: bool = False
+    """The optimizer's parameters changed during the window (plan again for the next one)."""
     digests: object = None
     """The digests of the live replayed blocks at F: (table, roles, ticket)."""
     states: Optional[list] = None

@@ -229,3 +229,330 @@ def test_a_skipped_optimizer_step_counts_as_a_skipped_step(tmp_path, mode, k):
     assert handles[0].error is None and f == 2 + (k or 1) - 1
     fresh, fresh_opt = small_model()
     assert same(at_f[f], loaded(tmp_path, fresh, fresh_opt)) is None
+
+
+# ------------------------------------------------------------------ writers outside the optimizer
+
+class GAN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 6))
+        self.d = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def gan(second="adamw"):
+    torch.manual_seed(0)
+    model = GAN()
+    opt_g = torch.optim.AdamW(model.g.parameters(), lr=1e-2)
+    opt_d = torch.optim.AdamW(model.d.parameters(), lr=1e-2) if second == "adamw" else \
+        torch.optim.SGD(model.d.parameters(), lr=1e-2, momentum=0.9)
+    return model, opt_g, opt_d
+
+
+@pytest.mark.parametrize("mode,k", [("gockpt-o", 3), ("gockpt", 2), ("async-o", None)])
+@pytest.mark.parametrize("second", ["adamw", "sgd"])
+def test_a_gan_with_two_optimizers_commits_the_live_state(tmp_path, mode, k, second):
+    """G's optimizer is attached; D trains with its own optimizer: D's parameters are not the
+    attached optimizer's, so they are copied at F."""
+    from loops import state
+    model, opt_g, opt_d = gan(second)
+    ck = gockpt.Checkpointer(model, opt_g, str(tmp_path), mode=mode, overlap_steps=k,
+                             block_bytes=256)
+    gen = torch.Generator().manual_seed(3)
+    at_f, handles = {}, []
+    for step in range(12):
+        real, z = torch.randn(8, 6, generator=gen), torch.randn(8, 4, generator=gen)
+        opt_d.zero_grad()
+        (model.d(model.g(z).detach()).mean() - model.d(real).mean()).backward()
+        opt_d.step()
+        loss_g = -model.d(model.g(z)).mean()
+        ck.backward_begin()
+        loss_g.backward()  # also accumulates into D's .grad
+        ck.update_begin()
+        opt_g.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+        h = ck.save_checkpoint(step + 1, force=step + 1 in (2, 7))
+        handles += [h] if h else []
+        if any(step + 1 == x.final_step for x in handles):
+            at_f[step + 1] = state(model, opt_g)
+    ck.close()
+    assert [h.error for h in handles] == [None, None]
+    for h in handles:
+        fresh, fresh_g, _ = gan(second)
+        got = loaded(tmp_path, fresh, fresh_g, tag=storage.checkpoint_name(h.final_step))
+        assert same(at_f[h.final_step], got) is None, h.final_step
+
+
+def embedding_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(40, 8, max_norm=1.0), nn.Flatten(), nn.Linear(24, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(3)  # most rows beyond max_norm: forward renormalises them
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_in_place_renorm_in_forward_is_refused_then_copied_at_the_boundary(tmp_path):
+    model, opt = embedding_model()
+    ids = torch.randint(0, 40, (20, 4, 3), generator=torch.Generator().manual_seed(1))
+    run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=3, block_bytes=256,
+              step_fn=lambda s: model(ids[s]).square().mean())
+    with pytest.warns(UserWarning, match=r"0\.weight.*copied directly at the step boundary"):
+        run.train(0, 20, force={2, 8, 14})
+    run.close()
+    first, *later = run.handles
+    with pytest.raises(gockpt.CheckpointFailedError, match="written during the training step"):
+        first.wait()
+    assert run.committed() == [h.final_step for h in later] and len(later) == 2
+    assert not run.errors  # a warning, not an exception in the loop
+    assert assert_every_commit_is_state_at_f(run, tmp_path, embedding_model) == 2
+
+
+def clamped_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=5e-2)
+
+
+def clamp_first_weight(model):
+    with torch.no_grad():
+        model[0].weight.clamp_(-0.2, 0.2)  # outside the optimizer, after its step
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_clamp_after_the_step_is_caught_by_the_verification(tmp_path, verify):
+    """The same out-of-band writer with and without the verification: without it a wrong
+    checkpoint is committed -- the test can fail -- with it, never."""
+    model, opt = clamped_model()
+    x = torch.randn(24, 5, 16, generator=torch.Generator().manual_seed(2))
+    run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=3, block_bytes=512,
+              verify=verify, step_fn=lambda s: model(x[s]).square().mean(),
+              between=lambda s: clamp_first_weight(model))
+    run.train(0, 20, force={2, 9})
+    run.close()
+    wrong = []
+    for f in run.committed():
+        fresh, fresh_opt = clamped_model()
+        if same(run.at_f[f], loaded(tmp_path, fresh, fresh_opt,
+                                    tag=storage.checkpoint_name(f))) is not None:
+            wrong.append(f)
+    if verify:
+        assert wrong == [] and run.committed() == [run.handles[1].final_step]
+        assert run.handles[0].error is not None and "0.weight" in str(run.handles[0].error)
+    else:  # without verification, every checkpoint is committed -- silently wrong
+        assert wrong == run.committed() == [h.final_step for h in run.handles]
+
+
+def backbone_model():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"backbone": nn.Linear(8, 8), "head": nn.Linear(8, 48)})
+    return model, torch.optim.AdamW(model["head"].parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("when", [4, 6])  # inside a checkpoint's window; between two
+def test_add_param_group_after_construction_plans_again(tmp_path, when):
+    model, opt = backbone_model()
+    x = torch.randn(20, 3, 8, generator=torch.Generator().manual_seed(4))
+
+    def between(step):
+        if step + 1 == when:
+            opt.add_param_group({"params": model["backbone"].parameters(), "lr": 3e-3})
+
+    run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=3, block_bytes=64,
+              step_fn=lambda s: model["head"](torch.tanh(model["backbone"](x[s]))).sum(),
+              between=between)
+    if when == 4:
+        with pytest.warns(UserWarning, match="the optimizer's parameters changed"):
+            run.train(0, 16, force={3, 9})
+    else:
+        run.train(0, 16, force={3, 9})
+    run.close()
+    assert not run.errors
+    assert [h.final_step for h in run.handles] == [5, 11]
+    assert run.committed() == ([11] if when == 4 else [5, 11])
+
+    def fresh():
+        m, o = backbone_model()
+        o.add_param_group({"params": m["backbone"].parameters(), "lr": 3e-3})
+        return m, o
+    model_f, opt_f = fresh()
+    got = loaded(tmp_path, model_f, opt_f, tag=storage.checkpoint_name(11))
+    assert same(run.at_f[11], got) is None
+    assert len(got["optim"]["state"]) == 4  # the backbone's moments are in it
+
+
+# ------------------------------------------------------------------ gradients stay put
+
+@pytest.mark.parametrize("zeroing", ["model.zero_grad", "grad.zero_", "accumulate"])
+def test_no_gradient_is_read_after_it_was_overwritten(tmp_path, zeroing):
+    """The gradient copies run through a slow emulated link, so without ordering they would
+    still be reading .grad when the loop zeroes it (or accumulates into it) in place."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(16, 8, 64, generator=torch.Generator().manual_seed(5))
+
+    def between(step):
+        if zeroing == "model.zero_grad":
+            model.zero_grad(set_to_none=False)
+        elif zeroing == "grad.zero_":
+            for p in model.parameters():
+                p.grad.zero_()
+        else:  # another backward accumulates into the same .grad, zeroed before the next
+            model(x[step]).sum().backward()
+            for p in model.parameters():
+                p.grad.zero_()
+
+    run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=4, block_bytes=4096,
+              emulate_link_gbps=0.001, step_fn=lambda s: model(x[s]).square().mean(),
+              between=between)
+    # opt.zero_grad() in Run sets to None first: use the loop's own zeroing instead
+    run.opt.zero_grad = lambda set_to_none=True: None
+    run.train(0, 12, force={2, 7})
+    run.close()
+    assert not run.errors and len(run.committed()) == 2
+    for f in run.committed():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        assert same(run.at_f[f], loaded(tmp_path, m, o, tag=storage.checkpoint_name(f))) is None
+
+
+# ------------------------------------------------------------------ many small tensors
+
+class Tiny(nn.Module):
+    def __init__(self, n=2000):
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(10)) for _ in range(n)])
+
+    def forward(self):
+        return torch.cat(list(self.ps)).square().sum()
+
+
+def tiny():
+    torch.manual_seed(0)
+    model = Tiny()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_thousands_of_small_parameters_are_packed_and_every_hook_second_is_counted(tmp_path):
+    import time
+    model, opt = tiny()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=2)
+    spent = {"save_checkpoint": 0.0, "update_begin": 0.0, "backward_begin": 0.0}
+    from loops import state
+    at_f, handles, job = {}, [], None
+
+    def timed(name, *args, **kw):
+        charged = job is not None and job.capturing  # a hook inside the checkpoint's window
+        t0 = time.perf_counter()
+        out = getattr(ck, name)(*args, **kw)
+        if charged or out is not None:
+            spent[name] += time.perf_counter() - t0
+        return out
+
+    for step in range(6):
+        loss = model()
+        timed("backward_begin")
+        loss.backward()
+        timed("update_begin")
+        opt.step()
+        opt.zero_grad()
+        h = timed("save_checkpoint", step + 1, force=step + 1 == 2)
+        if h is not None:
+            handles.append(h)
+            job = ck._job
+        if any(step + 1 == x.final_step for x in handles):
+            at_f[step + 1] = state(model, opt)
+    ck.close()
+    [h] = handles
+    assert h.error is None
+    fresh, fresh_opt = tiny()
+    assert same(at_f[h.final_step], loaded(tmp_path, fresh, fresh_opt)) is None
+    manifest = storage.read_manifest(h.path)
+    # 2,000 parameters and 4,000 moments in a few packs; the step counters in one column
+    assert len(manifest["tensors"]) <= 8
+    assert os.path.getsize(os.path.join(h.path, storage.MANIFEST_FILE)) < 1_000_000
+    by_hook = gockpt.metrics.read(str(tmp_path))[0]["blocked_by_hook_s"]
+    for name, seconds in spent.items():
+        # the library's count of each hook's time inside the window matches the loop's clock
+        # up to the cost of the call itself
+        assert seconds - 0.01 <= by_hook.get(name, 0.0) <= seconds, (name, by_hook, spent)
+
+
+# ------------------------------------------------------------------ what must stay correct
+
+class Mixed(nn.Module):
+    """Views into one storage, a 0-dim and a 0-element parameter, one switched off later."""
+
+    def __init__(self):
+        super().__init__()
+        base = torch.randn(2 * 24)
+        self.a = nn.Parameter(base[:24].view(6, 4))   # two parameters viewing one storage
+        self.b = nn.Parameter(base[24:].view(4, 6))
+        self.scale = nn.Parameter(torch.tensor(1.5))  # 0-dim
+        self.empty = nn.Parameter(torch.zeros(0, 3))  # 0 elements
+        self.late = nn.Parameter(torch.randn(4))      # requires_grad switched off mid-run
+
+    def forward(self, x):
+        return (x @ self.a @ self.b).sum(1) * self.scale + self.empty.sum() + \
+            (x[:, :4] * self.late).sum(1)
+
+
+def mixed():
+    torch.manual_seed(0)
+    model = Mixed()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=40,
+                                                cycle_momentum=True)  # changes beta1
+    return model, opt, sched
+
+
+@pytest.mark.parametrize("mode,k", [("gockpt-o", 3), ("gockpt", 2), ("async-o", None)])
+def test_what_users_do_today_stays_bitwise(tmp_path, mode, k):
+    """Gradient accumulation, bf16 autocast, DataLoader workers (fork), OneCycleLR changing
+    betas, views into one storage, 0-dim and 0-element parameters, requires_grad switched off
+    mid-run, a directory with spaces behind a symlink -- and a resume with another mode."""
+    from loops import state
+    real = tmp_path / "real dir with spaces"
+    real.mkdir()
+    os.symlink(real, tmp_path / "link")
+    directory = str(tmp_path / "link" / "run 1")
+    model, opt, sched = mixed()
+    ck = gockpt.Checkpointer(model, opt, directory, mode=mode, overlap_steps=k,
+                             scheduler=sched, block_bytes=64)
+    data = torch.utils.data.DataLoader(torch.randn(64, 6), batch_size=4, num_workers=2)
+    at_f, handles = {}, []
+    for step, x in enumerate(data):
+        if step == 6:
+            model.late.requires_grad_(False)
+        ck.backward_begin()
+        for micro in x.chunk(2):  # gradient accumulation over two micro-batches
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(micro).float().square().mean()
+            loss.backward()
+        ck.update_begin()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        h = ck.save_checkpoint(step + 1, force=step + 1 in (3, 9))
+        handles += [h] if h else []
+        if any(step + 1 == x_.final_step for x_ in handles):
+            at_f[step + 1] = dict(state(model, opt), sched=sched.state_dict())
+    ck.close()
+    assert [h.error for h in handles] == [None, None]
+    for h in handles:
+        fresh, fresh_opt, fresh_sched = mixed()
+        gockpt.load(directory, fresh, fresh_opt, scheduler=fresh_sched, restore_rng=False,
+                    tag=storage.checkpoint_name(h.final_step))
+        got = dict(state(fresh, fresh_opt), sched=fresh_sched.state_dict())
+        assert same(at_f[h.final_step], got) is None, h.final_step
+    # resume with another mode and K, and checkpoint again: still the live state
+    fresh, fresh_opt, fresh_sched = mixed()
+    gockpt.load(directory, fresh, fresh_opt, scheduler=fresh_sched)
+    run = Run(fresh, fresh_opt, directory, mode="gockpt-o" if mode != "gockpt-o" else "async",
+              overlap_steps=2, step_fn=lambda s: fresh(torch.ones(2, 6) * s).square().mean())
+    run.train(handles[-1].final_step, handles[-1].final_step + 4,
+              force={handles[-1].final_step + 1})
+    run.close()
+    assert not run.errors and len(run.committed()) == 1
