@@ -29,10 +29,10 @@ from . import storage
 from .capture.copies import Capture
 from .capture.device import device_for
 from .capture.plan import build_plan, check_layouts, fingerprint
-from .capture.staging import GradPool, HostCopy
+from .capture.staging import GradPool, HostCopy, planned_host_bytes
 from .capture.transfer import CopyEngine
 from .config import Config
-from .errors import (ConfigError, ConsistencyError, DirectoryInUseError, GockptError,
+from .errors import (ConfigError, ConsistencyError, GockptError,
                      HookOrderError)
 from .job import CheckpointHandle, Job
 from .loop import BACKWARD, IDLE, UPDATE, Loop
@@ -41,7 +41,7 @@ from .replay.replayer import Replayer
 from .pipeline import Pipeline
 from .schedule import Schedule
 from .storage.commit import cleanup_temporaries, ensure_writable
-from .storage.lock import DirectoryLock
+from .storage.lock import lock_for_ranks
 from .storage.persist import Persister
 from .storage.ranks import Ranks
 
@@ -91,7 +91,7 @@ class Checkpointer:
         self.plan = build_plan(model, optimizer, self.config.block_bytes)
         self.adapter = adapter_for(optimizer) if self.policy.replays else None
         ensure_writable(self.config.directory)
-        self.lock = _lock_directory(self.config.directory, self.ranks)
+        self.lock = lock_for_ranks(self.config.directory, self.ranks)
         try:
             self._build(model, optimizer, scheduler)
         except BaseException:
@@ -101,7 +101,7 @@ class Checkpointer:
     def _build(self, model, optimizer, scheduler) -> None:
         """Everything that needs the directory lock."""
         cleanup_temporaries(self.config.directory)
-        self.planned_host_bytes = self._plan_host_bytes()
+        self.planned_host_bytes = planned_host_bytes(self.plan, self.policy.replays, self.config.max_host_bytes)
         self.device = device_for([s.param for s in self.plan.slots])
         if self.config.emulate_link_gbps is not None and self.device.kind != "cpu":
             raise ConfigError("emulate_link_gbps emulates a GPU link for training on the CPU; "
@@ -297,7 +297,7 @@ class Checkpointer:
         if device_for([s.param for s in plan.slots]).kind != self.device.kind:
             raise ConfigError("the optimizer's new parameters live on another device")
         self.plan = plan
-        self.planned_host_bytes = self._plan_host_bytes()
+        self.planned_host_bytes = planned_host_bytes(self.plan, self.policy.replays, self.config.max_host_bytes)
         self.host, self.grad_pool = None, None
         log.info("gockpt: the optimizer's parameters changed: planned again (%d tensors)",
                  len(plan.slots))
@@ -322,20 +322,6 @@ class Checkpointer:
         waited = time.perf_counter() - t0
         self.loop.raise_pending()
         return waited
-
-    def _plan_host_bytes(self) -> int:
-        """Host memory of one state copy plus, with replay, the pool of gradient buffers;
-        refused here when over ``max_host_bytes``."""
-        planned = self.plan.state_bytes(2)  # Adam-like optimizers: two aligned state tensors
-        if self.policy.replays:
-            planned += GradPool.SIZE * self.plan.optimized_bytes()
-        cap = self.config.max_host_bytes
-        if cap is not None and planned > cap:
-            raise ConfigError(
-                f"gockpt needs {planned / 2**20:.1f} MiB of host memory for staging (state "
-                f"copy + gradient buffers) but max_host_bytes is {cap / 2**20:.1f} MiB; raise "
-                "the cap or use a mode without replay (no gradient buffers)")
-        return planned
 
     # ------------------------------------------------------------------ gradients
 
@@ -408,41 +394,10 @@ class Checkpointer:
                     job.accounts_closed.set()  # its window is over: the metrics are final
 
     def _on_job_failed(self, job: Job) -> None:
-        """Any thread: ``job`` failed; raised at the next hook (voting on several ranks) --
-        unless it found tensors written outside the optimizer: then the next checkpoints copy
-        them at F, and a warning says so once."""
-        outside = sorted(job.capture.written_outside)
-        if outside and isinstance(job.error, ConsistencyError):
-            job.mark_reported()  # handle.wait() still raises; training goes on
-            self.loop.adapt(outside, f"gockpt: the checkpoint of step {job.handle.final_step} "
-                            f"was not committed: {job.error}. From now on these tensors are "
-                            "copied directly at the step boundary of each checkpoint")
-        elif job.capture.replan and isinstance(job.error, ConsistencyError):
-            job.mark_reported()
-            self.loop.adapt((), f"gockpt: the checkpoint of step {job.handle.final_step} was "
-                            f"not committed: {job.error}; the next one is planned for the "
-                            "optimizer's new parameters")
-        else:
-            self.loop.job_failed(job)
+        """Any thread: ``job`` failed (see Loop.job_failed); on several ranks it still votes."""
+        self.loop.job_failed(job)
         if self.ranks.several and not job.stream.entered and not job.dropped:
             self.persister.queue_persist(job)  # it still votes, so that the other ranks do not wait
-
-
-def _lock_directory(directory: str, ranks: Ranks) -> DirectoryLock:
-    """Rank 0 locks the directory for the whole job; every rank learns whether it could."""
-    lock, error = None, None
-    if ranks.rank == 0:
-        try:
-            lock = DirectoryLock(directory)
-        except GockptError as exc:
-            error = exc
-    if not ranks.agree_all(error is None):
-        if lock is not None:
-            lock.release()
-        raise error or DirectoryInUseError(
-            f"checkpoint directory {directory!r}: rank 0 could not lock it (another "
-            "Checkpointer writes it); see rank 0's error")
-    return lock or DirectoryLock.shared()
 
 
 def _checkpoint_path(directory: str, step: int) -> str:

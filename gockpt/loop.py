@@ -16,7 +16,7 @@ import threading
 import warnings
 from typing import List, Optional, Set
 
-from .errors import CheckpointFailedError, GockptError, HookOrderError
+from .errors import CheckpointFailedError, ConsistencyError, GockptError, HookOrderError
 
 IDLE, BACKWARD, UPDATE = "idle (after save_checkpoint)", "backward", "update"
 
@@ -56,7 +56,18 @@ class Loop:
         self._hook_error = message
 
     def job_failed(self, job) -> None:
-        """A background thread failed ``job`` (any thread)."""
+        """Any thread: ``job`` failed. Its error is raised at the next hook -- unless it found
+        tensors written outside the optimizer, or the optimizer's parameters changed: then the
+        next checkpoints adapt, and a warning says so once (``handle.wait()`` still raises)."""
+        outside = sorted(job.capture.written_outside)
+        if isinstance(job.error, ConsistencyError) and (outside or job.capture.replan):
+            job.mark_reported()
+            what = ("From now on these tensors are copied directly at the step boundary of "
+                    "each checkpoint" if outside else
+                    "The next one is planned for the optimizer's new parameters")
+            self.adapt(outside, f"gockpt: the checkpoint of step {job.handle.final_step} was "
+                       f"not committed: {job.error}. {what}")
+            return
         with self._lock:
             self._failed.append(job)
 

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..errors import ConfigError
 from .plan import Plan
 from .segments import slot_array
 
@@ -22,6 +23,20 @@ from .segments import slot_array
 PACK_BYTES = 64 << 10
 #: ... when an arena has at least this many of them (fewer cost nothing worth packing).
 PACK_MIN_COUNT = 32
+
+
+def planned_host_bytes(plan: Plan, replays: bool, cap: Optional[int]) -> int:
+    """Host memory of one state copy (parameters + two aligned state tensors, Adam-like) plus,
+    with a replay, the pool of gradient buffers; ConfigError when over ``cap``."""
+    planned = plan.state_bytes(2)
+    if replays:
+        planned += GradPool.SIZE * plan.optimized_bytes()
+    if cap is not None and planned > cap:
+        raise ConfigError(
+            f"gockpt needs {planned / 2**20:.1f} MiB of host memory for staging (state copy + "
+            f"gradient buffers) but max_host_bytes is {cap / 2**20:.1f} MiB; raise the cap or "
+            "use a mode without replay (no gradient buffers)")
+    return planned
 
 
 class Arena:

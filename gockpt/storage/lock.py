@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Optional
 
-from ..errors import DirectoryInUseError, StorageError
+from ..errors import DirectoryInUseError, GockptError, StorageError
 
 LOCK_FILE = ".gockpt-lock"
 
@@ -86,3 +86,20 @@ def _read_holder(fd: int) -> str:
         return f"pid {int(info['pid'])} on host {info['host']!s:.64}, since {since}"
     except (OSError, ValueError, KeyError, TypeError):
         return "holder unknown"
+
+
+def lock_for_ranks(directory: str, ranks) -> DirectoryLock:
+    """Rank 0 locks the directory for the whole job; every rank learns whether it could."""
+    lock, error = None, None
+    if ranks.rank == 0:
+        try:
+            lock = DirectoryLock(directory)
+        except GockptError as exc:
+            error = exc
+    if not ranks.agree_all(error is None):
+        if lock is not None:
+            lock.release()
+        raise error or DirectoryInUseError(
+            f"checkpoint directory {directory!r}: rank 0 could not lock it (another "
+            "Checkpointer writes it); see rank 0's error")
+    return lock or DirectoryLock.shared()

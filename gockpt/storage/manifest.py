@@ -133,7 +133,7 @@ class SmallSection:
     def tensor_refs(self, section: str) -> Dict[str, str]:
         """Stored tensor name -> where it sits in ``section``'s value (``state[0]['exp_avg']``),
         read from the encoding alone (no data, nothing decoded; malformed parts are skipped)."""
-        return _tensor_refs(getattr(self, section), "", {})
+        return tree.tensor_refs(getattr(self, section))
 
 
 @dataclass
@@ -378,28 +378,6 @@ def _refs(x) -> Optional[Dict[str, TensorRef]]:
         return None
     out = {k: TensorRef.from_json(v) for k, v in x.items() if isinstance(k, str)}
     return None if len(out) != len(x) or None in out.values() else out
-
-
-def _tensor_refs(encoded, path: str, out: dict) -> dict:
-    """Map each tensor key a :mod:`.tree` encoding refers to to its place in the value."""
-    if isinstance(encoded, list):
-        for i, v in enumerate(encoded):
-            _tensor_refs(v, f"{path}[{i}]", out)
-    elif isinstance(encoded, dict):
-        tag = encoded.get(tree.TAG)
-        if tag is None:
-            for k, v in encoded.items():
-                _tensor_refs(v, f"{path}[{k!r}]" if path else str(k), out)
-        elif tag in ("tensor", "ndarray") and isinstance(encoded.get("k"), str):
-            out[encoded["k"]] = path
-        elif tag == "tuple" and isinstance(encoded.get("v"), list):
-            _tensor_refs(encoded["v"], path, out)
-        elif tag in ("dict", "odict") and isinstance(encoded.get("v"), list):
-            for pair in encoded["v"]:
-                if isinstance(pair, list) and len(pair) == 2:
-                    key = pair[0] if not isinstance(pair[0], dict) else "<key>"
-                    _tensor_refs(pair[1], f"{path}[{key!r}]", out)
-    return out
 
 
 def _str_map(x) -> bool:

@@ -41,7 +41,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["encode", "decode"]
+__all__ = ["encode", "decode", "tensor_refs"]
 
 TAG = "__t"
 
@@ -335,3 +335,31 @@ def _decode_scalar(tag: str, x: dict, path: str):
     if dtype.kind not in "biufcmM":
         raise ValueError(f"{path}: numpy scalar of dtype {dtype} is not allowed")
     return np.frombuffer(bytes.fromhex(x["hex"]), dtype=dtype)[0]
+
+
+def tensor_refs(encoded) -> dict:
+    """Stored tensor key -> where it sits in the value ``encoded`` (``state[0]['exp_avg']``),
+    read from an encoding alone (no data, nothing decoded; malformed parts are skipped)."""
+    return _tensor_refs(encoded, "", {})
+
+
+def _tensor_refs(encoded, path: str, out: dict) -> dict:
+    """Map each tensor key an encoding refers to to its place in the value."""
+    if isinstance(encoded, list):
+        for i, v in enumerate(encoded):
+            _tensor_refs(v, f"{path}[{i}]", out)
+    elif isinstance(encoded, dict):
+        tag = encoded.get(TAG)
+        if tag is None:
+            for k, v in encoded.items():
+                _tensor_refs(v, f"{path}[{k!r}]" if path else str(k), out)
+        elif tag in ("tensor", "ndarray") and isinstance(encoded.get("k"), str):
+            out[encoded["k"]] = path
+        elif tag == "tuple" and isinstance(encoded.get("v"), list):
+            _tensor_refs(encoded["v"], path, out)
+        elif tag in ("dict", "odict") and isinstance(encoded.get("v"), list):
+            for pair in encoded["v"]:
+                if isinstance(pair, list) and len(pair) == 2:
+                    key = pair[0] if not isinstance(pair[0], dict) else "<key>"
+                    _tensor_refs(pair[1], f"{path}[{key!r}]", out)
+    return out
