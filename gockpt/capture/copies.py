@@ -158,21 +158,26 @@ class Capture:
         with the replayed host copy. They run under the next forward/backward like a copy, and
         a write during it is found by :meth:`land_group`, as for the last group."""
         captured = job.capture.captured
-        if not captured or self.engine.device.asynchronous_copies:
+        if not captured:
             return
         table = BlockTable(captured)
         roles = (None,) + tuple(k for k in job.host.roles() if k in self.adapter.state_keys)
         live, read, copies = self._live_bases(job, table.slots, roles)
         if copies:  # laid out unlike the parameter: verified by the sampled self-check
             return
-        rows, src = [], []
-        for key in roles:
-            have = np.flatnonzero(live[key][table.slot] != 0)  # no state yet: nothing to check
-            rows.append((key, have))
-            src.append(live[key][table.slot[have]] + table.start[have] * 4)
-        every = np.concatenate([r for _, r in rows])
-        ticket = self.engine.submit_digests(np.concatenate(src), table.numel[every],
-                                            table.start[every], STATE)
+        rows = [(key, np.flatnonzero(live[key][table.slot] != 0)) for key in roles]
+        if self.engine.device.asynchronous_copies:  # a reduction on the device
+            tensors = {(si, key): t for si, key, t in read}
+            ticket = self.engine.device.digest_blocks(
+                [(key, [(tensors[(si, key)], job.plan.slots[si].dims, st) for si, st in
+                        zip(table.slot[have].tolist(), table.start[have].tolist())])
+                 for key, have in rows], job.plan.block_elems)
+        else:
+            every = np.concatenate([r for _, r in rows])  # no state yet: nothing to check
+            src = np.concatenate([live[key][table.slot[have]] + table.start[have] * 4
+                                  for key, have in rows])
+            ticket = self.engine.submit_digests(src, table.numel[every], table.start[every],
+                                                STATE)
         job.capture.digests = (table, rows, ticket, read, [t._version for _, _, t in read])
 
     def _pairs(self, job: Job, blocks) -> list:

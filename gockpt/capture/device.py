@@ -54,6 +54,33 @@ class CudaDevice:
         elif ticket.error is not None:
             raise ticket.error
 
+    def digest_blocks(self, per_role, block: int) -> _DeviceDigests:
+        """Digests of the live blocks ``per_role`` = [(key, [(tensor, dims, start), ...])],
+        rows in that order, computed on the state stream behind the work queued so far on the
+        compute stream (the state at this boundary) and copied to pinned host memory."""
+        from ..replay.digest import block_digests_torch
+        from .plan import flat
+
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        stream = self.state_stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            parts, offset, index = [], {}, []
+            for _, blocks in per_role:
+                for t, dims, start in blocks:
+                    if id(t) not in offset:  # every block of that tensor, in one pass
+                        offset[id(t)] = sum(len(p) for p in parts)
+                        parts.append(block_digests_torch(flat(t, dims), block))
+                    index.append(offset[id(t)] + start // block)
+            digests = torch.cat(parts)[torch.tensor(index, device=self.device)] if index \
+                else torch.empty(0, 2, dtype=torch.int64, device=self.device)
+            host = torch.empty(digests.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(digests, non_blocking=True)
+            done.record(stream)
+        return _DeviceDigests(host, done)
+
     def enqueue(self, pairs, high_priority: bool):
         """Enqueue device-to-host copies behind the work already queued on the current stream;
         returns an event that completes when they are done."""
@@ -70,6 +97,19 @@ class CudaDevice:
                 src.record_stream(stream)
             done.record(stream)
         return done
+
+
+class _DeviceDigests:
+    """Digests computed on the GPU, on their way to pinned host memory."""
+
+    seconds = 0.0
+
+    def __init__(self, host: torch.Tensor, done):
+        self.host, self.done = host, done
+
+    def wait(self):
+        self.done.synchronize()
+        return self.host.numpy().view("uint64")
 
 
 def device_for(tensors) -> "HostDevice | CudaDevice":

@@ -69,6 +69,7 @@ class Plan:
     blocks: List[Block]
     aliases: Dict[str, str]  # extra state_dict names of tied parameters -> canonical name
     fingerprint: tuple = ()  # the optimizer's parameters when planned (see fingerprint())
+    block_elems: int = 1     # elements per block (the last block of a slot is shorter)
 
     def blocks_at_f(self) -> List[Block]:
         """The blocks copied directly at the boundary of F."""
@@ -145,7 +146,7 @@ def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         n = s.numel
         for start in range(0, n, elems):
             blocks.append(Block(si, start, min(n, start + elems)))
-    return Plan(slots, blocks, aliases, fingerprint(optimizer))
+    return Plan(slots, blocks, aliases, fingerprint(optimizer), elems)
 
 
 def fingerprint(optimizer: torch.optim.Optimizer) -> tuple:

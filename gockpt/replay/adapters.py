@@ -29,8 +29,9 @@ def _refuse(optimizer, why: str):
 
 
 class AdamAdapter:
-    """torch.optim.Adam and torch.optim.AdamW on CPU float32 tensors, in their default
-    (single-tensor), foreach and fused implementations."""
+    """torch.optim.Adam and torch.optim.AdamW on float32 tensors, in every implementation:
+    on the CPU torch's single-tensor (default), foreach and fused kernels; on a CUDA GPU its
+    for-loop, foreach (default) and fused kernels (torch >= 2.11; docs/arithmetics.md)."""
 
     state_keys = ("exp_avg", "exp_avg_sq")
 
@@ -38,6 +39,7 @@ class AdamAdapter:
         if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             _refuse(optimizer, "no bitwise replay exists for this optimizer class")
         self.optimizer = optimizer
+        self.device = _device_of(optimizer)
         for gi, g in enumerate(optimizer.param_groups):
             for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
                 if g.get(flag, False):
@@ -50,27 +52,52 @@ class AdamAdapter:
             for p in g["params"]:
                 if p.dtype != torch.float32:
                     _refuse(optimizer, f"a parameter of group {gi} is {p.dtype}, not float32")
-                if p.device.type != "cpu":
-                    _refuse(optimizer, "the bitwise replay is proven for CPU training tensors; "
-                                       f"a parameter lives on {p.device}")
-        ok, reason = arithmetic.exactness_supported()
-        if not ok:
-            _refuse(optimizer, f"this torch build cannot be replayed exactly ({reason})")
+        if self.device.type == "cuda":
+            self._check_cuda()
+        elif self.device.type == "cpu":
+            ok, reason = arithmetic.exactness_supported()
+            if not ok:
+                _refuse(optimizer, f"this torch build cannot be replayed exactly ({reason})")
+        else:
+            _refuse(optimizer, f"no replay arithmetic is proven for {self.device.type} tensors")
         for gi, sc in self.scalars().items():
-            if not probe(type(optimizer), sc):
+            if not probe(type(optimizer), sc, self.device):
                 _refuse(optimizer, f"a probe replay of param group {gi}'s settings ({sc}) "
-                                   f"differs from torch {torch.__version__} on this machine")
+                                   f"differs from torch {torch.__version__} on "
+                                   f"{_device_name(self.device)}")
+
+    def _check_cuda(self) -> None:
+        """What the CUDA profiles are proven for (docs/arithmetics.md), refused otherwise."""
+        version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+        for gi, (g, sc) in enumerate(zip(self.optimizer.param_groups, self.scalars().values())):
+            if sc.impl == "cuda-fused" and version < (2, 11):
+                _refuse(self.optimizer, f"param group {gi}: torch {torch.__version__}'s fused "
+                                        "CUDA kernel computes in double (proven: torch >= 2.11)")
+            if sc.impl in ("cuda-forloop", "cuda-foreach") and not sc.beta1 > 0.5:
+                _refuse(self.optimizer, f"param group {gi}: beta1 <= 0.5 takes a lerp branch "
+                                        "with no proof on CUDA")
+            if sc.impl == "cuda-fused" and sc.weight_decay != 0.0:
+                odd = [tuple(p.shape) for p in g["params"] if p.numel() % 4]
+                if odd:
+                    _refuse(self.optimizer, f"param group {gi}: fused CUDA Adam(W) with weight "
+                                            "decay is proven for parameters of numel % 4 == 0; "
+                                            f"shapes {odd[:3]} are not (use foreach=True for "
+                                            "that group)")
 
     def scalars(self) -> Dict[int, GroupScalars]:
         """The scalars every group's update uses right now (call inside the step pre-hook)."""
         out = {}
+        cuda = self.device.type == "cuda"
         for gi, g in enumerate(self.optimizer.param_groups):
+            foreach = g.get("foreach")
+            if foreach is None:  # torch's default: foreach on CUDA, single-tensor on the CPU
+                foreach = cuda
             if g.get("fused"):
-                impl = "fused"
-            elif g.get("foreach"):
-                impl = "foreach"
+                impl = "cuda-fused" if cuda else "fused"
+            elif foreach:
+                impl = "cuda-foreach" if cuda else "foreach"
             else:
-                impl = "single"  # torch's default on CPU tensors
+                impl = "cuda-forloop" if cuda else "single"
             decoupled = bool(g.get("decoupled_weight_decay",
                                    isinstance(self.optimizer, torch.optim.AdamW)))
             out[gi] = GroupScalars(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]),
@@ -128,6 +155,19 @@ class AdamAdapter:
             [sc.beta2 for sc, _ in args], [sc.eps for sc, _ in args],
             [sc.weight_decay for sc, _ in args], [step for _, step in args],
             threads=threads, check_overlap=False)
+
+
+def _device_of(optimizer) -> torch.device:
+    devices = {p.device for g in optimizer.param_groups for p in g["params"]}
+    if len(devices) > 1:
+        _refuse(optimizer, f"its parameters live on several devices ({sorted(map(str, devices))})")
+    return next(iter(devices), torch.device("cpu"))
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    return "this machine's CPU"
 
 
 def adapter_for(optimizer: torch.optim.Optimizer) -> AdamAdapter:

@@ -82,3 +82,25 @@ def digest_segments(src, nwords, first, threads: Optional[int] = None) -> np.nda
     threads = (os.cpu_count() or 1) if threads is None else int(threads)
     _C.digest_batch(src, nwords, first, out, threads)
     return out.reshape(-1, 2)
+
+
+def block_digests_torch(flat: torch.Tensor, block: int, window: int = _TORCH_CHUNK) -> torch.Tensor:
+    """Digests of every ``block``-element block of the 1-D float32 tensor ``flat`` (the last one
+    shorter; element indices from 0), with torch int64 ops on ``flat``'s device -- one pass
+    per window of blocks, no synchronisation: an (nblocks, 2) int64 tensor on that device whose
+    bits are the (d1, d2) of each block (``.cpu().numpy().view(np.uint64)``)."""
+    n = flat.numel()
+    nb = -(-n // block)
+    out = torch.empty(nb, 2, dtype=torch.int64, device=flat.device)
+    words = flat.view(torch.int32)
+    per = max(1, window // block)
+    for b0 in range(0, nb, per):
+        b1 = min(nb, b0 + per)
+        lo, hi = b0 * block, min(n, b1 * block)
+        w = words[lo:hi].to(torch.int64) & 0xFFFFFFFF
+        idx = torch.arange(lo, hi, dtype=torch.int64, device=flat.device)
+        pad = (b1 - b0) * block - (hi - lo)  # zero words add nothing
+        for lane, weight in enumerate((2 * idx + 1, (idx * DIGEST_MULTIPLIER) | 1)):
+            terms = torch.nn.functional.pad(w * weight, (0, pad)) if pad else w * weight
+            out[b0:b1, lane] = terms.view(b1 - b0, block).sum(1)
+    return out

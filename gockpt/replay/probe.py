@@ -1,40 +1,55 @@
-"""The attach-time probe: run the real optimizer for a few steps on a small problem and replay
-them; any difference refuses the replay modes at construction instead of at F."""
+"""The attach-time probe: run the real optimizer for a few steps on a small problem -- on the
+device the training runs on -- and replay them on the CPU; any difference refuses the replay
+modes at construction instead of at F. This is what makes the bitwise claim hold on a torch
+build, CPU or GPU that was never measured."""
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from . import arithmetic
 from .records import GroupScalars
 
-
 _PROBED: Dict[tuple, bool] = {}
+_N = 1032  # a multiple of 4 and 8 plus a tail for every wider vector: exercises the tails
 
 
-def probe(cls, sc: GroupScalars) -> bool:
-    """Replay three steps of a small random problem and compare with torch itself: refuses
-    a torch version or CPU whose arithmetic differs, at attach time instead of at F."""
-    key = (cls, sc, torch.get_num_threads())
-    if key in _PROBED:
-        return _PROBED[key]
+def probe(cls, sc: GroupScalars, device: Optional[torch.device] = None) -> bool:
+    """Replay three steps of ``cls`` with the settings ``sc`` on ``device`` (default: CPU) and
+    compare with what the real optimizer computed there, bit for bit (a NaN equals a NaN)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    key = (cls, sc, torch.get_num_threads(), str(device))
+    if key not in _PROBED:
+        _PROBED[key] = _run_probe(cls, sc, device)
+    return _PROBED[key]
+
+
+def _run_probe(cls, sc: GroupScalars, device: torch.device) -> bool:
     gen = torch.Generator().manual_seed(7)
-    n = 1031  # not a multiple of any vector width: exercises tails
-    p = torch.nn.Parameter(torch.rand(n, generator=gen) - 0.5)
-    kw = {"fused": True} if sc.impl == "fused" else {"foreach": sc.impl == "foreach"}
+    n = _N - 1 if device.type == "cpu" else _N  # CPU: an odd size; CUDA fused wants n % 4 == 0
+    p = torch.nn.Parameter((torch.rand(n, generator=gen) - 0.5).to(device))
+    impl = sc.impl.replace("cuda-", "")
+    kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     opt = cls([p], lr=sc.lr, betas=(sc.beta1, sc.beta2), eps=sc.eps,
               weight_decay=sc.weight_decay, **kw)
-    mine = [p.detach().clone(), torch.zeros(n), torch.zeros(n)]
+    mine = [p.detach().cpu().clone(), torch.zeros(n), torch.zeros(n)]
     for t in range(1, 4):
-        p.grad = torch.rand(n, generator=gen) - 0.5
-        arithmetic.adam_replay(*mine, p.grad, impl=sc.impl, decoupled=sc.decoupled, lr=sc.lr,
-                             beta1=sc.beta1, beta2=sc.beta2, eps=sc.eps,
-                             weight_decay=sc.weight_decay, step=float(t), threads=1)
+        grad = torch.rand(n, generator=gen) - 0.5
+        p.grad = grad.to(device)
+        arithmetic.adam_replay(*mine, grad, impl=sc.impl, decoupled=sc.decoupled, lr=sc.lr,
+                               beta1=sc.beta1, beta2=sc.beta2, eps=sc.eps,
+                               weight_decay=sc.weight_decay, step=float(t), threads=1)
         opt.step()
     st = opt.state[p]
-    ok = all(torch.equal(a, b) for a, b in
-             zip(mine, (p.detach(), st["exp_avg"], st["exp_avg_sq"])))
-    _PROBED[key] = ok
-    return ok
+    return all(_same_bits(a, b.detach().cpu()) for a, b in
+               zip(mine, (p, st["exp_avg"], st["exp_avg_sq"])))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, a NaN counted equal to a NaN in the same place (payloads may differ
+    between devices)."""
+    nan = torch.isnan(a) & torch.isnan(b)
+    return torch.equal(torch.where(nan, 0.0, a).view(torch.int32),
+                       torch.where(nan, 0.0, b).view(torch.int32))

@@ -145,3 +145,15 @@ def test_cpp_out_array_checked():
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="out must be"):
         _C.digest_batch(src, one, one, ro, 1)
+
+
+@pytest.mark.parametrize("n,block", [(1, 4), (100, 16), (1003, 64), (4096, 4096), (70000, 1000)])
+def test_block_digests_with_torch_ops_equal_the_host_digests(n, block):
+    """What a GPU runs for the live blocks (torch int64 ops), checked on the CPU against C++."""
+    from gockpt.replay.digest import block_digests_torch
+    t = torch.randn(n)
+    t[::7] = float("nan")
+    got = block_digests_torch(t, block, window=3 * block).numpy().view(np.uint64)
+    starts = np.arange(0, n, block, dtype=np.int64)
+    want = digest_segments(t.data_ptr() + 4 * starts, np.minimum(block, n - starts), starts)
+    assert np.array_equal(got, want)
