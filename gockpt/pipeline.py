@@ -18,7 +18,7 @@ from .capture.copies import Capture
 from .config import Config
 from .errors import CheckpointFailedError, GockptError
 from .job import Job
-from .modes import GRADS_IN_STEP
+from .modes import GRADS_AT_BACKWARD, GRADS_IN_STEP
 from .replay import selfcheck
 from .replay.replayer import Replayer
 from .storage.persist import Persister
@@ -97,11 +97,12 @@ class Pipeline:
         or None."""
         ticket = None
         try:
-            record = self.capture.gradients(job, j, grad_pool)
+            record = self.capture.gradients(job, j, grad_pool, snapshot=self.policy.grad_wait
+                                            == GRADS_AT_BACKWARD)
             if record is not None:
                 if self.policy.grad_wait == GRADS_IN_STEP:
                     record.ticket.wait()
-                else:
+                elif not record.snapshot:  # .grad itself is read: order later work after it
                     ticket = record.ticket
                 self.replayer.submit(record, job)
         except BaseException as exc:

@@ -49,7 +49,7 @@ class FakeCapture:
         self.log.append(("freeze", step, extra_state))
         self._maybe_fail("freeze")
 
-    def gradients(self, job, j, pool):
+    def gradients(self, job, j, pool, snapshot=False):
         self.log.append(("gradients", j))
         return FakeRecord(self.log, j)
 
@@ -64,7 +64,7 @@ class FakeTicket:
 
 class FakeRecord:
     def __init__(self, log, j):
-        self.step_index, self.ticket = j, FakeTicket(log)
+        self.step_index, self.ticket, self.snapshot = j, FakeTicket(log), False
 
 
 class FakeReplayer:

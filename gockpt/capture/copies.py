@@ -39,6 +39,7 @@ class Capture:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.engine, self.adapter = engine, adapter
         self._zero_buf: Optional[torch.Tensor] = None
+        self._snapshot = None  # (plan, the device-side gradient snapshot, its D2H ticket)
 
     def declare_state_keys(self, host: HostCopy) -> None:
         """Which optimizer state tensors this checkpoint carries, per slot (with a replay: the
@@ -260,9 +261,14 @@ class Capture:
             raise ConfigError(f"cannot store the state of step {step}: {exc}") from exc
         job.capture.small, job.capture.small_tensors = small, tensors
 
-    def gradients(self, job: Job, j: int, grad_pool: GradPool) -> Optional[StepRecord]:
+    def gradients(self, job: Job, j: int, grad_pool: GradPool,
+                  snapshot: bool = False) -> Optional[StepRecord]:
         """Queue the copies of this step's gradients for the blocks captured so far; the
-        record to replay, or None when GradScaler skips the step (nothing changes)."""
+        record to replay, or None when GradScaler skips the step (nothing changes).
+
+        With ``snapshot`` the gradients are first copied on the device (at device memory
+        speed, before the update may start) and the slow device-to-host copy reads that
+        snapshot: nothing the loop does to ``.grad`` afterwards can reach it (gockpt-o)."""
         if self.adapter.skipped_by_scaler():
             return None
         why = self.adapter.unsupported_step()
@@ -287,18 +293,40 @@ class Capture:
         bufs = grad_pool.acquire()
         arena = grad_pool.arena(bufs, torch.float32)
         grad_base = arena.bases(len(plan.slots))
-        ticket = self._copy_gradients(job, table, grads, bufs, grad_pool, grad_base)
+        snapshot = snapshot and not self.engine.device.asynchronous_copies
+        if snapshot:
+            ticket = self._snapshot_gradients(job, table, grads, grad_base)
+        else:
+            ticket = self._copy_gradients(job, table, grads, bufs, grad_pool, grad_base)
         record = StepRecord(j, self.adapter.scalars(), steps, table, bufs, grad_base, ticket,
                             lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
-                            final=j == job.k - 1)
+                            final=j == job.k - 1, snapshot=snapshot)
         job.metrics.grad_bytes += ticket.nbytes
         job.capture.grad_tickets.append(ticket)
         return record
 
-    def _copy_gradients(self, job: Job, table: BlockTable, grads, bufs, grad_pool: GradPool,
-                        grad_base: np.ndarray):
-        """Queue the copies of ``grads`` (slot -> live gradient) for ``table``'s blocks into
-        the gradient set ``bufs``, in the parameters' memory order."""
+    def _snapshot_gradients(self, job: Job, table: BlockTable, grads, grad_base: np.ndarray):
+        """Copy the gradients of ``table``'s blocks to the device-side snapshot now, then queue
+        the device-to-host copy from it (the snapshot is reused once that copy has landed)."""
+        device, plan = self.engine.device, job.plan
+        if self._snapshot is None or self._snapshot[0] is not plan:
+            sizes = {si: s.numel for si, s in enumerate(plan.slots) if not s.static}
+            self._snapshot = (plan, device.device_arena(torch.float32, sizes), None)
+        _, arena, previous = self._snapshot
+        if previous is not None:  # its copy still reads the snapshot
+            device.order_after(previous)
+        live, keep = self._grad_bases(job, table, grads)
+        snap = arena.bases(len(plan.slots))
+        offset, nbytes = table.start * 4, table.numel * 4  # float32 (the replay modes)
+        device.copy_now(snap[table.slot] + offset, live[table.slot] + offset, nbytes)
+        ticket = self.engine.submit_segments(grad_base[table.slot] + offset,
+                                             snap[table.slot] + offset, nbytes, GRADIENT)
+        self._snapshot = (plan, arena, ticket)
+        return ticket
+
+    def _grad_bases(self, job: Job, table: BlockTable, grads):
+        """Per slot: the address of the live gradient in the parameter's memory order; and
+        the copies made of gradients laid out unlike their parameter."""
         plan, keep = job.plan, []
         live = np.zeros(len(plan.slots), dtype=np.int64)
         for si in table.slots.tolist():
@@ -307,6 +335,14 @@ class Capture:
                 g = flat(g, slot.dims)
                 keep.append(g)
             live[si] = g.data_ptr()
+        return live, keep
+
+    def _copy_gradients(self, job: Job, table: BlockTable, grads, bufs, grad_pool: GradPool,
+                        grad_base: np.ndarray):
+        """Queue the copies of ``grads`` (slot -> live gradient) for ``table``'s blocks into
+        the gradient set ``bufs``, in the parameters' memory order."""
+        plan = job.plan
+        live, keep = self._grad_bases(job, table, grads)
         if self.engine.device.asynchronous_copies:
             pairs = [(grad_pool.buffer(bufs, b.slot, grads[b.slot])[b.start:b.end],
                       flat(grads[b.slot], plan.slots[b.slot].dims)[b.start:b.end])

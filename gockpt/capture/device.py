@@ -29,6 +29,23 @@ class HostDevice:
         landed. The CPU has no stream to order on: the training thread waits."""
         ticket.wait()
 
+    def device_arena(self, dtype: torch.dtype, sizes):
+        """An arena in device memory (here: host memory standing for it)."""
+        from .staging import Arena
+        return Arena(self, dtype, sizes)
+
+    def copy_now(self, dst, src, nbytes) -> None:
+        """Device-local copies (addresses as numpy arrays), done when this returns: at memory
+        speed, never through the (possibly emulated, paced) device-to-host link."""
+        from gockpt import _C
+        if self._local is None:
+            self._local = _C.CopyEngine(0.0)
+        ticket = self._local.submit(0, dst, src, nbytes)
+        self._local.wait(ticket)
+        self._local.release(ticket)
+
+    _local = None
+
 
 class CudaDevice:
     """Training tensors on a GPU: pinned host buffers, side streams (gradients on a

@@ -42,6 +42,7 @@ class StepRecord:
     release: object = None               # returns the gradient buffer to its pool
     nbytes: int = 0
     final: bool = False                  # the update that produces version F
+    snapshot: bool = False               # copied from a device-side snapshot of the gradients
 
     @property
     def blocks(self) -> List[Block]:
