@@ -268,8 +268,9 @@ class Checkpointer:
             self.host = HostCopy(self.plan, self.device)
             if self.policy.replays:
                 self.grad_pool = GradPool(self.plan, self.device)
-        k = self.ranks.agree_max(self.schedule.choose_k(self.plan.state_bytes(2),
-                                                        self.engine.bandwidth()))
+        k = self.ranks.agree_max(self.schedule.choose_k(
+            self.plan.state_bytes(2), self.plan.optimized_bytes() if self.policy.replays else 0,
+            self.engine.bandwidth()))
         groups = self.plan.groups(k)
         k = len(groups)
         job = Job(step, k, self.loop.boundary, groups, self.config.mode,

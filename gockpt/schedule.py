@@ -17,6 +17,9 @@ from .config import Config
 log = logging.getLogger("gockpt")
 
 _HISTORY = 16  # measurements kept (the medians ignore a few outliers)
+# Longest window: the paper finds the best K near 7 on GPUs; beyond, the gradient traffic
+# grows faster than what one more step of overlap saves.
+_MAX_K = 8
 
 
 class Schedule:
@@ -78,18 +81,24 @@ class Schedule:
     def started(self, step: int) -> None:
         self._last_start = step
 
-    def choose_k(self, state_bytes: int, bandwidth: float) -> int:
-        """K: enough steps for the state copies to ride under forward/backward."""
+    def choose_k(self, state_bytes: int, grad_bytes: int, bandwidth: float) -> int:
+        """K: the fewest steps whose forward/backward passes carry the state copy and the
+        gradients the replay needs.  A block copied during step j of the window needs the
+        gradients of the K-1-j later steps, so on average the window moves
+        ``S + G (K-1) / 2`` bytes (S: state, G: one step's gradients) in K passes;
+        ``bandwidth`` is bytes/s (0: not measured yet, probed once)."""
         fixed = self.config.fixed_overlap_steps()
         if fixed is not None:
             return fixed
         if not self.fwd_bwd_times:
             return 2  # nothing measured yet
-        fwd_bwd = statistics.median(self.fwd_bwd_times)
-        copy_s = state_bytes / (bandwidth or _probe_bandwidth())
-        # The paper finds the best K near 7 on GPUs, beyond which gradient traffic grows
-        # faster than the saving.
-        return max(1, min(8, math.ceil(copy_s / max(fwd_bwd, 1e-6))))
+        per_pass = statistics.median(self.fwd_bwd_times) * (bandwidth or _probe_bandwidth())
+        for k in range(1, _MAX_K + 1):
+            if k * per_pass >= state_bytes + grad_bytes * (k - 1) / 2:
+                return k
+        # The link cannot keep up even at _MAX_K (gradients nearly fill it): the longest
+        # window still blocks least.
+        return _MAX_K
 
     def _update_auto_interval(self) -> None:
         """Recompute N* from the stalls and step time measured so far (after each checkpoint)."""

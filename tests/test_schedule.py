@@ -105,18 +105,18 @@ def test_step_times_are_measured_between_boundaries(clock):
                                                    ("async-o", 5, 1), ("sync", None, 1)])
 def test_choose_k_fixed(mode, overlap, expected):
     s = Schedule(Config(directory="x", mode=mode, overlap_steps=overlap))
-    assert s.choose_k(1 << 30, 1.0) == expected
+    assert s.choose_k(1 << 30, 0, 1.0) == expected
 
 
 def test_choose_k_before_any_measurement_is_2():
-    assert Schedule(Config(directory="x")).choose_k(1 << 30, 1.0) == 2
+    assert Schedule(Config(directory="x")).choose_k(1 << 30, 0, 1.0) == 2
 
 
 @pytest.mark.parametrize("state_bytes,expected", [(320, 3), (256, 2), (1, 1), (10 ** 9, 8)])
 def test_choose_k_from_the_measured_forward_backward(clock, state_bytes, expected):
     s = Schedule(Config(directory="x"))
     steps(s, clock, 3, 0.125, 1.0)  # forward/backward 0.125 s
-    assert s.choose_k(state_bytes, 1024.0) == expected  # copy time / fwd_bwd, in [1, 8]
+    assert s.choose_k(state_bytes, 0, 1024.0) == expected  # copy time / fwd_bwd, in [1, 8]
 
 
 def test_choose_k_probes_the_bandwidth_when_none_was_measured(clock, monkeypatch):
@@ -124,4 +124,12 @@ def test_choose_k_probes_the_bandwidth_when_none_was_measured(clock, monkeypatch
     monkeypatch.setattr(schedule_mod, "_probe_bandwidth", lambda: probed.append(1) or 1024.0)
     s = Schedule(Config(directory="x"))
     steps(s, clock, 1, 0.125, 1.0)
-    assert s.choose_k(320, 0.0) == 3 and probed == [1]
+    assert s.choose_k(320, 0, 0.0) == 3 and probed == [1]
+
+
+@pytest.mark.parametrize("grad_bytes,expected", [(0, 3), (64, 3), (96, 4), (180, 7), (256, 8)])
+def test_choose_k_counts_the_gradients_the_replay_needs(clock, grad_bytes, expected):
+    # 128 bytes per forward/backward; a state of 320 bytes; K passes carry 320 + G (K-1)/2.
+    s = Schedule(Config(directory="x"))
+    steps(s, clock, 3, 0.125, 1.0)
+    assert s.choose_k(320, grad_bytes, 1024.0) == expected

@@ -135,6 +135,7 @@ class CopyEngine:
         if link_gbps is not None and not 0 < rate < float("inf"):
             raise ValueError(f"link_gbps must be a positive number of GB/s, got {link_gbps!r}")
         self.device = device
+        self._link_rate = rate
         self._engine = _C.CopyEngine(rate, PIECE_BYTES)
         self._async_bytes = 0  # bytes enqueued on CUDA streams
 
@@ -192,9 +193,10 @@ class CopyEngine:
         return ticket
 
     def bandwidth(self) -> float:
-        """Measured copy bandwidth in bytes/s (0 before any copy)."""
+        """Measured copy bandwidth in bytes/s; before any copy, the emulated link's rate
+        (0 when there is none: unknown)."""
         bytes_done, seconds = self._engine.stats()
-        return (self._async_bytes + bytes_done) / seconds if seconds > 0 else 0.0
+        return (self._async_bytes + bytes_done) / seconds if seconds > 0 else self._link_rate
 
     def close(self) -> None:
         """Finish queued copies and stop the transfer thread."""

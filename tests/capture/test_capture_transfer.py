@@ -202,3 +202,9 @@ def test_empty_submission_is_done():
     assert engine.submit_segments([], [], [], STATE).done()
     assert Ticket(0, 0).done() and Ticket(0, 0).seconds == 0.0
     engine.close()
+
+
+def test_bandwidth_before_any_copy_is_the_emulated_link_or_unknown():
+    paced, plain = CopyEngine(HostDevice(), link_gbps=0.5), CopyEngine(HostDevice())
+    assert paced.bandwidth() == 0.5e9 and plain.bandwidth() == 0.0
+    paced.close(), plain.close()

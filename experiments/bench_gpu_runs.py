@@ -1,0 +1,364 @@
+"""The runs of bench_gpu.py: one training loop, timed the same way for every scheme.
+
+Blocked time per checkpoint is measured by the loop itself: the time spent inside the hooks
+plus what ``optimizer.step()`` took beyond its own cost (its hooks, a wait for copies), summed
+over the steps of the checkpoint's window (the boundary that starts it to the update after F).
+On a GPU, where a wait can be a stream wait that the CPU does not see, the loss of wall time per
+step against the ``none`` run is used instead (every step ends with ``loss.item()``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+import gockpt
+from model import TinyLlama, batch, num_params
+
+
+@dataclass
+class Timing:
+    """Per step: seconds inside the scheme's hooks and waits; step wall times; starts."""
+
+    lost: List[float] = field(default_factory=list)
+    wall: List[float] = field(default_factory=list)
+    update: List[float] = field(default_factory=list)
+    windows: List[range] = field(default_factory=list)
+    total: float = 0.0
+
+
+class Setup:
+    """The model, data and baseline measurements shared by every run of one benchmark."""
+
+    def __init__(self, cfg, args, device: str, work: str):
+        self.cfg, self.args, self.device, self.work = cfg, args, device, work
+        self.batches = [batch(s, args.batch, cfg) for s in range(args.steps)]
+        self.update_s = 0.0      # median optimizer.step() time without checkpoints
+        self.fwd_bwd_s = 0.0
+        self.step_s = 0.0
+        self.link_gbps: Optional[float] = None
+        self.state_bytes = 0
+
+    def build(self):
+        torch.manual_seed(0)
+        model = TinyLlama(self.cfg).to(self.device)
+        fused = {"fused": True} if self.device == "cuda" else {"foreach": True}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **fused)
+        return model, opt
+
+    def calibrate(self) -> None:
+        """State size, and the link rate for --emulate-link auto (from a short run)."""
+        model, opt = self.build()
+        self.state_bytes = 12 * num_params(model)
+        rate = self.args.emulate_link
+        if rate is not None and rate != "auto":
+            self.link_gbps = float(rate)
+
+    def describe(self) -> dict:
+        return {"device": self.device if self.device == "cuda" else "cpu (emulated link)",
+                "gpu": torch.cuda.get_device_name() if self.device == "cuda" else None,
+                "params": self.state_bytes // 12, "state_bytes": self.state_bytes,
+                "steps": self.args.steps, "every": self.args.every, "k": self.args.k,
+                "link_gbps": self.link_gbps, "step_s": self.step_s,
+                "fwd_bwd_s": self.fwd_bwd_s, "update_s": self.update_s,
+                "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+    def headline(self) -> str:
+        link = f", link {self.link_gbps:.3f} GB/s (a full copy: " \
+               f"{self.state_bytes / (self.link_gbps * 1e9) / self.fwd_bwd_s:.1f} fwd/bwd)" \
+            if self.link_gbps else ""
+        return (f"{self.state_bytes // 12 / 1e6:.1f}M params, {self.state_bytes / 1e6:.0f} MB of "
+                f"state, step {self.step_s * 1e3:.0f} ms (fwd/bwd {self.fwd_bwd_s * 1e3:.0f} ms)"
+                f"{link}; a checkpoint every {self.args.every} steps, {self.args.steps} steps")
+
+
+def train(setup: Setup, model, opt, hooks=None, on_step: Callable = None) -> Timing:
+    """The loop: ``hooks`` has backward_begin/update_begin/boundary/before_step callables."""
+    timing = Timing()
+    sync = torch.cuda.synchronize if setup.device == "cuda" else (lambda: None)
+    t_start = time.perf_counter()
+    for step, tokens in enumerate(setup.batches):
+        t0 = time.perf_counter()
+        lost = 0.0
+        with torch.autocast(setup.device, dtype=torch.bfloat16, enabled=setup.device == "cuda"):
+            loss = model.loss(tokens.to(setup.device))
+        if hooks:
+            lost += _timed(hooks.backward_begin)
+        loss.backward()
+        if hooks:
+            lost += _timed(hooks.update_begin)
+        t_fwd_bwd = time.perf_counter() - t0
+        tu = time.perf_counter()
+        opt.step()
+        timing.update.append(time.perf_counter() - tu)
+        opt.zero_grad()
+        if hooks:
+            lost += _timed(lambda: hooks.boundary(step + 1))
+        loss.item()
+        sync()
+        timing.lost.append(lost)
+        timing.wall.append(time.perf_counter() - t0)
+        if on_step:
+            on_step(step, t_fwd_bwd)
+    timing.total = time.perf_counter() - t_start
+    return timing
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def summarise(setup: Setup, timing: Timing, extra: dict) -> dict:
+    """The JSON record of one run."""
+    lost = []
+    for window in timing.windows:
+        steps = [s for s in window if s < len(timing.wall)]
+        if setup.device == "cuda":  # stream waits show up as longer steps
+            lost.append(sum(max(0.0, timing.wall[s] - setup.step_s) for s in steps))
+        else:
+            lost.append(sum(timing.lost[s] + max(0.0, timing.update[s] - setup.update_s)
+                            for s in steps))
+    base = setup.step_s * len(timing.wall)
+    return {"blocked_median_s": statistics.median(lost) if lost else None,
+            "blocked_first_s": lost[0] if lost else None,
+            "blocked_all_s": lost,
+            "overhead_vs_none": (timing.total - base) / base if base else 0.0,
+            **extra}
+
+
+# ------------------------------------------------------------------ the runs
+
+def run_none(setup: Setup) -> dict:
+    model, opt = setup.build()
+    fwd_bwd = []
+    timing = train(setup, model, opt, on_step=lambda s, t: fwd_bwd.append(t))
+    setup.step_s = statistics.median(timing.wall)
+    setup.update_s = statistics.median(timing.update)
+    setup.fwd_bwd_s = statistics.median(fwd_bwd)
+    if setup.args.emulate_link == "auto":
+        setup.link_gbps = setup.state_bytes / (setup.args.copy_steps * setup.fwd_bwd_s) / 1e9
+    return summarise(setup, timing, _empty())
+
+
+def _empty() -> dict:
+    return {"blocked_by_hook_s": {}, "time_to_staged_median_s": None,
+            "time_to_durable_median_s": None, "copy_gbps": None, "host_bytes": 0}
+
+
+class _GockptHooks:
+    def __init__(self, ck, timing_windows: list):
+        self.ck, self.windows = ck, timing_windows
+        self.backward_begin, self.update_begin = ck.backward_begin, ck.update_begin
+
+    def boundary(self, step: int) -> None:
+        h = self.ck.save_checkpoint(step)
+        if h is not None:  # steps step-1 (this boundary) .. F (the update after F)
+            self.windows.append(range(step - 1, h.final_step + 1))
+
+
+def gockpt_run(mode: str, k: Optional[int]) -> Callable[[Setup], dict]:
+    def run(setup: Setup) -> dict:
+        model, opt = setup.build()
+        directory = os.path.join(setup.work, f"{mode}-{k}")
+        options = {"emulate_link_gbps": setup.link_gbps} if setup.device == "cpu" else {}
+        ck = gockpt.Checkpointer(model, opt, directory, mode=mode, overlap_steps=k,
+                                 interval=setup.args.every, on_busy="wait", **options)
+        windows: list = []
+        timing = train(setup, model, opt, _GockptHooks(ck, windows))
+        timing.windows = windows
+        host = ck.host_bytes
+        ck.close()
+        return summarise(setup, timing, _from_metrics(directory, host))
+    return run
+
+
+def _from_metrics(directory: str, host: int) -> dict:
+    records = gockpt.metrics.read(directory)
+    if not records:
+        return _empty()
+    hooks = sorted({h for r in records for h in r["blocked_by_hook_s"]})
+    copied = [(r["state_bytes"] + r["grad_bytes"]) / r["copy_s"] for r in records
+              if r["copy_s"] > 0]
+    return {"blocked_by_hook_s": {h: statistics.median(r["blocked_by_hook_s"].get(h, 0.0)
+                                                       for r in records) for h in hooks},
+            "gockpt_blocked_median_s": statistics.median(r["blocked_s"] for r in records),
+            "k": [r["overlap_steps"] for r in records],
+            "time_to_staged_median_s": statistics.median(r["time_to_staged_s"] for r in records),
+            "time_to_durable_median_s": statistics.median(r["time_to_durable_s"]
+                                                          for r in records),
+            "copy_gbps": statistics.median(copied) / 1e9 if copied else None,
+            "host_bytes": host}
+
+
+def run_reference(setup: Setup) -> dict:
+    """A copy-only schedule: every state tensor copied into buffers allocated beforehand
+    under the next forward/backward; the next optimizer step waits for it. No persistence."""
+    model, opt = setup.build()
+    copier = reference_copier(setup, model, opt)
+    windows: list = []
+
+    class Hooks:
+        backward_begin = staticmethod(lambda: None)
+        update_begin = staticmethod(copier.wait)
+
+        @staticmethod
+        def boundary(step):
+            if step % setup.args.every == 0:
+                copier.start()
+                windows.append(range(step - 1, step + 1))
+
+    timing = train(setup, model, opt, Hooks())
+    timing.windows = windows
+    return summarise(setup, timing, dict(_empty(), host_bytes=copier.nbytes,
+                                         copy_gbps=copier.gbps()))
+
+
+def reference_copier(setup: Setup, model, opt):
+    return (_CudaCopier if setup.device == "cuda" else _EmulatedCopier)(setup, model, opt)
+
+
+class _Copier:
+    def __init__(self, setup, model, opt):
+        self.model, self.opt = model, opt
+        self.pending, self.seconds, self.bytes = None, [], 0
+        self.host: Dict[int, torch.Tensor] = {}
+
+    def tensors(self):
+        out = [p.detach() for p in self.model.parameters()]
+        for st in self.opt.state.values():
+            out += [v for k, v in st.items() if k != "step"]
+        return out
+
+    def buffers(self, pin: bool):
+        """(host buffer, live tensor) of every state tensor; buffers allocated once."""
+        pairs = []
+        for t in self.tensors():
+            key = (t.data_ptr(), t.numel())
+            if key not in self.host:
+                self.host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            pairs.append((self.host[key], t))
+        return pairs
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.host.values())
+
+    def gbps(self) -> Optional[float]:
+        return self.bytes / sum(self.seconds) / 1e9 if self.seconds else None
+
+
+class _EmulatedCopier(_Copier):
+    def __init__(self, setup, model, opt):
+        super().__init__(setup, model, opt)
+        from gockpt import _C
+        self.engine = _C.CopyEngine(setup.link_gbps * 1e9)
+
+    def start(self):
+        pairs = self.buffers(False)
+        dst = np.array([d.data_ptr() for d, _ in pairs], dtype=np.int64)
+        src = np.array([s.data_ptr() for _, s in pairs], dtype=np.int64)
+        size = np.array([s.numel() * s.element_size() for _, s in pairs], dtype=np.int64)
+        self.pending = self.engine.submit(1, dst, src, size)
+        self.bytes += int(size.sum())
+
+    def wait(self):
+        if self.pending is not None:
+            self.engine.wait(self.pending)
+            self.seconds.append(self.engine.seconds(self.pending))
+            self.engine.release(self.pending)
+            self.pending = None
+
+
+class _CudaCopier(_Copier):
+    def __init__(self, setup, model, opt):
+        super().__init__(setup, model, opt)
+        self.stream = torch.cuda.Stream()
+
+    def start(self):
+        pairs = self.buffers(True)
+        ready, self.begin, done = (torch.cuda.Event(enable_timing=t) for t in (False, True, True))
+        ready.record()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            self.begin.record(self.stream)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            done.record(self.stream)
+        self.pending = done
+        self.bytes += sum(s.numel() * s.element_size() for _, s in pairs)
+
+    def wait(self):
+        if self.pending is not None:  # on the GPU: the optimizer step waits, the CPU goes on
+            torch.cuda.current_stream().wait_event(self.pending)
+            self.pending.synchronize()
+            self.seconds.append(self.begin.elapsed_time(self.pending) / 1e3)
+            self.pending = None
+
+
+def run_dcp_async(setup: Setup) -> dict:
+    """torch.distributed.checkpoint.async_save with a pinned DefaultStager (CUDA)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    model, opt = setup.build()
+    stager = DefaultStager(StagingOptions(True, True, False, True))
+    windows, state = [], {"pending": None}
+
+    def start(step):
+        if step % setup.args.every:
+            return
+        if state["pending"] is not None:
+            _result(state["pending"]).result()
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        state["pending"] = dcp.async_save(sd, checkpoint_id=os.path.join(
+            setup.work, f"dcp-{step}"), async_stager=stager, no_dist=True)
+        windows.append(range(step - 1, step + 1))
+
+    def before_update():
+        pending = state["pending"]
+        staging = getattr(pending, "staging_completion", None)
+        if staging is not None:
+            staging.result()  # the state must not change while it is staged
+
+    class Hooks:
+        backward_begin = staticmethod(lambda: None)
+        update_begin = staticmethod(before_update)
+        boundary = staticmethod(start)
+
+    timing = train(setup, model, opt, Hooks())
+    if state["pending"] is not None:
+        _result(state["pending"]).result()
+    stager.close()
+    timing.windows = windows
+    return summarise(setup, timing, _empty())
+
+
+def _result(pending):
+    return getattr(pending, "upload_completion", pending)
+
+
+RUNS = {
+    "none": run_none,
+    "reference": run_reference,
+    "sync": gockpt_run("sync", None),
+    "async": gockpt_run("async", None),
+    "async-o": gockpt_run("async-o", None),
+    "gockpt": gockpt_run("gockpt", None),
+    "gockpt-o": gockpt_run("gockpt-o", None),
+    "gockpt-o-k": None,  # filled below with --k
+    "dcp-async": run_dcp_async,
+}
+
+
+def _fixed_k(setup: Setup) -> dict:
+    return gockpt_run("gockpt-o", setup.args.k)(setup)
+
+
+RUNS["gockpt-o-k"] = _fixed_k
