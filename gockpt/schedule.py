@@ -5,7 +5,6 @@ bandwidth. Everything here is decided from step counts and measurements of this 
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from typing import List, Optional
