@@ -41,6 +41,7 @@ from .replay.replayer import Replayer
 from .pipeline import Pipeline
 from .schedule import Schedule
 from .storage.commit import cleanup_temporaries, ensure_writable
+from .storage.format import check_name
 from .storage.lock import lock_for_ranks
 from .storage.persist import Persister
 from .storage.ranks import Ranks
@@ -154,16 +155,20 @@ class Checkpointer:
         self.loop.raise_pending()
 
     def save_checkpoint(self, step: int, extra_state: Union[dict, Callable[[], dict], None] = None,
-                        *, force: bool = False) -> Optional[CheckpointHandle]:
+                        *, force: bool = False, name: Optional[str] = None
+                        ) -> Optional[CheckpointHandle]:
         """The step boundary: call once at the end of every step, after ``optimizer.step()``
         and ``scheduler.step()``.
 
         Starts a checkpoint when ``force`` is true or ``interval`` divides ``step`` and returns
         its handle (otherwise ``None``). ``extra_state`` (a dict, or a zero-argument callable
         called only at the boundary of F) holds tensors, numbers, strings, lists and dicts;
-        it is stored without pickle.
+        it is stored without pickle. ``name`` names the checkpoint started here (default
+        ``step-<F>``; a tag such as DeepSpeed's ``global_step<N>``); it must not exist yet.
         """
         self.loop.check_open()
+        if name is not None:
+            _check_new_name(self.config.directory, name)
         if isinstance(step, bool) or not isinstance(step, int):
             raise ConfigError(f"step must be an int, got {step!r}")
         loop = self.loop
@@ -183,7 +188,7 @@ class Checkpointer:
                 self.pipeline.boundary(job, step, loop.boundary, extra_state)
             loop.raise_pending()  # the boundary is recorded; no new checkpoint after a failure
             if force or self.schedule.due(step):
-                handle = self._start(step, extra_state)
+                handle = self._start(step, extra_state, name)
                 if handle is not None:
                     self.schedule.started(step)
         if handle is not None and self.policy.persists_inline and self._job.error is None:
@@ -255,7 +260,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ the window
 
-    def _start(self, step: int, extra_state) -> Optional[CheckpointHandle]:
+    def _start(self, step: int, extra_state, name: Optional[str] = None
+               ) -> Optional[CheckpointHandle]:
         """Start a checkpoint at this boundary (or skip it, with a warning, when busy)."""
         waited = self._wait_for_previous(step)
         if waited is None:
@@ -274,9 +280,11 @@ class Checkpointer:
         groups = self.plan.groups(k)
         k = len(groups)
         job = Job(step, k, self.loop.boundary, groups, self.config.mode,
+                  os.path.join(self.config.directory, name) if name is not None else
                   _checkpoint_path(self.config.directory, step + k - 1), host=self.host,
                   plan=self.plan)
         job.on_fail = self._on_job_failed
+        job.named = name is not None
         if not self.ranks.several and self.policy.streams:
             job.on_final = self.persister.blocks_final
         job.metrics.add_blocked("save_checkpoint_busy_wait", waited)
@@ -399,6 +407,16 @@ class Checkpointer:
         self.loop.job_failed(job)
         if self.ranks.several and not job.stream.entered and not job.dropped:
             self.persister.queue_persist(job)  # it still votes, so that the other ranks do not wait
+
+
+def _check_new_name(directory: str, name: str) -> None:
+    try:
+        check_name(name, "checkpoint name")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if os.path.lexists(os.path.join(directory, name)):
+        raise ConfigError(f"a checkpoint named {name!r} exists in {directory!r} already; pick "
+                          "another name (checkpoints are never overwritten)")
 
 
 def _checkpoint_path(directory: str, step: int) -> str:

@@ -19,6 +19,7 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
+import os
 from typing import Callable, Dict, List, Optional, Set
 
 import torch
@@ -143,6 +144,7 @@ class Job:
         self.error: Optional[BaseException] = None
         self.t_start = time.perf_counter()
         self.handle = CheckpointHandle(start_step + k - 1, path)
+        self.named = False  # the caller named it (save_checkpoint(name=...)): never renamed
         self.metrics = metrics_mod.CheckpointMetrics(start_step, start_step + k - 1, mode, k)
         self.host = host
         self.plan = plan
@@ -227,10 +229,16 @@ class Job:
         self.handle._staged.set()
         self.handle._durable.set()
 
-    def renamed(self, final_step: int, path: str) -> None:
+    @property
+    def name(self) -> str:
+        """The checkpoint's directory name (``step-<F>`` unless the caller named it)."""
+        return os.path.basename(self.handle.path)
+
+    def renamed(self, final_step: int, path: Optional[str]) -> None:
         """The step passed at F differs from the expected one: the checkpoint takes its name."""
         self.handle.final_step = self.metrics.final_step = final_step
-        self.handle.path = path
+        if path is not None:  # None: a name the caller chose stays
+            self.handle.path = path
 
     @property
     def reported(self) -> bool:

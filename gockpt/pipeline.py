@@ -67,7 +67,7 @@ class Pipeline:
             warnings.warn(f"gockpt: expected step {job.handle.final_step} at the final boundary "
                           f"of this checkpoint, got {step}; save_checkpoint should be called "
                           "every step with consecutive step numbers", stacklevel=5)
-            job.renamed(step, self.path_of(step))
+            job.renamed(step, None if job.named else self.path_of(step))
         self.capture.freeze_small(job, step, extra_state)
         if self.replayer is not None:
             selfcheck.sample(job, job.plan, self.capture.optimizer, self.config.self_check)

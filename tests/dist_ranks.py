@@ -15,16 +15,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(directory, scenario, world=2):
+def run_ranks(directory, scenario, world=2, worker=WORKER, timeout=240):
+    """Run ``worker DIRECTORY SCENARIO`` as ``world`` gloo ranks; returns (stdout, stderr) each."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join(sys.path))
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(directory), scenario],
+        procs.append(subprocess.Popen([sys.executable, worker, str(directory), scenario],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
-    outs = [p.communicate(timeout=240) for p in procs]
+    outs = [p.communicate(timeout=timeout) for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {rank}:\n{out}\n{err}"
         assert f"rank {rank}: ok" in out

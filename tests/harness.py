@@ -71,10 +71,10 @@ def seed_all(seed):
 
 
 def train_steps(model, opt, sched, start, stop, ck=None, *, scaler=None, inf_steps=(),
-                on_boundary=None, force=(), extra=None):
+                on_boundary=None, force=(), extra=None, names=None):
     """Run steps [start, stop); returns the losses. ``force``: steps (as passed to
     save_checkpoint) at which to force a checkpoint; ``on_boundary(step, handle)`` runs after
-    each save_checkpoint."""
+    each save_checkpoint. ``names``: {step: name} of checkpoints to force with that name."""
     losses = []
     model.train()
     for step in range(start, stop):
@@ -111,7 +111,9 @@ def train_steps(model, opt, sched, start, stop, ck=None, *, scaler=None, inf_ste
         handle = None
         if ck is not None:
             ex = extra(step + 1) if extra else {"epoch": step // 5, "note": "x"}
-            handle = ck.save_checkpoint(step + 1, extra_state=ex, force=(step + 1) in force)
+            name = (names or {}).get(step + 1)
+            handle = ck.save_checkpoint(step + 1, extra_state=ex, name=name,
+                                        force=(step + 1) in force or name is not None)
         if on_boundary is not None:
             on_boundary(step + 1, handle)
     return losses

@@ -173,6 +173,25 @@ def test_keep_last_retention(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
 
 
+@pytest.mark.parametrize("mode", ["async-o", "gockpt-o"])
+def test_a_checkpoint_named_by_the_caller(tmp_path, mode):
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode=mode, overlap_steps=2)
+    with pytest.raises(gockpt.ConfigError, match="checkpoint name"):
+        ck.save_checkpoint(0, force=True, name="../escape")
+    ck.save_checkpoint(0)  # the refused call changed nothing
+    handles = []
+    H.train_steps(model, opt, sched, 0, 4, ck, names={1: "global_step2"},
+                  on_boundary=lambda step, h: h and handles.append(h))
+    handles[0].wait()
+    assert storage.list_checkpoints(str(tmp_path)) == ["global_step2"]
+    assert open(tmp_path / "latest").read() == "global_step2"
+    with pytest.raises(gockpt.ConfigError, match="exists"):
+        H.train_steps(model, opt, sched, 4, 5, ck, names={5: "global_step2"})
+    ck.close()
+
+
 def test_host_memory_is_planned_and_capped(tmp_path):
     model, opt, _ = H.build()
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=2)

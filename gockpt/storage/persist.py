@@ -30,7 +30,6 @@ from ..config import Config
 from ..errors import GockptError, StorageError
 from ..job import Job
 from .commit import apply_retention
-from .format import checkpoint_name
 from .layout import StoredLayout, stored_layout
 from .manifest import Manifest, ModelSection, OptimizerSection, PartsManifest, part_name
 from .ranks import Ranks
@@ -122,8 +121,7 @@ class Persister:
         if job.error is not None or job.dropped:
             return
         try:
-            writer = self.new_writer(self.config.directory,
-                                              checkpoint_name(job.handle.final_step))
+            writer = self.new_writer(self.config.directory, job.name)
             try:
                 writer.begin({name: (t.dtype, tuple(t.shape))
                               for name, t in self._host_tensors(job).items()})
@@ -187,7 +185,7 @@ class Persister:
             return  # failed before its persist came up (e.g. the writer could not open)
         t0 = time.perf_counter()
         writer = None
-        name = checkpoint_name(job.handle.final_step)
+        name = job.name
         try:
             if self.ranks.several:
                 write_part = None if job.error is not None else \

@@ -1,0 +1,1 @@
+"""Integrations of gockpt into training frameworks: ``gockpt.integrations.deepspeed``."""

@@ -1,0 +1,170 @@
+"""DeepSpeed integration: the engine's own ``save_checkpoint``/``load_checkpoint`` go through
+gockpt, and its ``forward``/``backward``/``step`` carry the hooks. Two lines::
+
+    from gockpt.integrations import deepspeed as gockpt_ds
+    gockpt_ds.install()          # before deepspeed.initialize(); or gockpt_ds.patch(engine)
+
+    engine.save_checkpoint(save_dir, client_state={"data_pos": pos})   # returns at once
+    load_path, client_state = engine.load_checkpoint(save_dir)        # unchanged call
+
+A checkpoint holds the engine's training state at one step, bitwise: the base optimizer's
+fp32 master weights (this rank's ZeRO partition) and moments, its step, the module's weights
+and buffers, the LR scheduler, the engine's counters (``global_steps``, ``global_samples``,
+``skipped_steps``, ``micro_steps``), the loss scaler, RNG states and ``client_state`` (a dict
+taken at the call, or a callable called at the checkpoint's step; tensors, numbers, strings,
+lists and dicts -- never pickled).  Every rank writes its own part; the checkpoint commits
+(and ``latest`` names it) when every part is durable.
+
+Options (keyword arguments of :func:`patch`/:func:`install`, or a ``"gockpt": {...}`` section of
+the DeepSpeed config; arguments win) are :class:`gockpt.Config` fields: ``mode`` (default
+``"async-o"``), ``block_bytes``, ``keep_last``, ``on_busy``, ``max_host_bytes``, ...; the
+directory is the ``save_dir`` of each call.  Modes ``sync``, ``async`` and ``async-o`` copy
+the state; the replay modes (``gockpt``, ``gockpt-o``) need a bitwise replay of DeepSpeed's
+optimizers, which is not built yet: they are refused, or with ``fallback=True`` replaced by
+``async-o`` with one warning.  ZeRO stage 3 is refused.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import warnings
+import weakref
+
+from ...config import Config
+from ...errors import ConfigError
+from .patch import EnginePatch, holds_gockpt_checkpoint
+
+DEFAULT_MODE = "async-o"
+COPY_MODES = ("sync", "async", "async-o")
+
+_installed = {}                      # method name -> the original, while install() is active
+_patched = weakref.WeakSet()         # engines with an EnginePatch (wait() at exit)
+
+
+def patch(engine, **options) -> None:
+    """Route this engine's checkpoints through gockpt (see the module docstring for options).
+
+    Raises :class:`gockpt.ConfigError` for a configuration gockpt cannot checkpoint exactly."""
+    if getattr(engine, "_gockpt", None) is not None:
+        return
+    engine._gockpt = EnginePatch(engine, _options(engine, options))
+    _patched.add(engine)
+    if not _installed:  # per engine: wrap the bound methods of this instance only
+        for name, wrapper in _WRAPPERS.items():
+            setattr(engine, name, functools.partial(wrapper, getattr(engine, name), engine))
+
+
+def install(**options) -> None:
+    """Patch ``deepspeed.DeepSpeedEngine`` itself: every engine built afterwards (and before,
+    at its next call) checkpoints through gockpt with ``options``."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    global _install_options
+    _install_options = options
+    if _installed:
+        return
+    for name, wrapper in _WRAPPERS.items():
+        original = getattr(DeepSpeedEngine, name)
+        _installed[name] = original
+
+        def method(self, *args, _w=wrapper, _o=original, **kwargs):
+            if getattr(self, "_gockpt", None) is None:
+                patch(self, **_install_options)
+            return _w(functools.partial(_o, self), self, *args, **kwargs)
+        functools.update_wrapper(method, original)
+        setattr(DeepSpeedEngine, name, method)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (engines already patched keep their state until :func:`wait`)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    for name, original in _installed.items():
+        setattr(DeepSpeedEngine, name, original)
+    _installed.clear()
+
+
+def wait(engine=None) -> None:
+    """Block until every checkpoint ``engine`` (default: every patched engine) started is
+    durable, and re-raise a background error.  Runs at interpreter exit too."""
+    for e in [engine] if engine is not None else list(_patched):
+        p = getattr(e, "_gockpt", None)
+        if p is not None:
+            p.close()
+
+
+_install_options: dict = {}
+
+
+def _options(engine, options: dict) -> dict:
+    """Options from the config's ``gockpt`` section and the arguments, checked now."""
+    section = dict(getattr(getattr(engine, "_config", None), "_param_dict", {}).get("gockpt", {}))
+    merged = {**section, **options}
+    fallback = bool(merged.pop("fallback", False))
+    merged.setdefault("mode", DEFAULT_MODE)
+    if merged.get("directory") is not None:
+        raise ConfigError("gockpt_ds: the directory is the save_dir of engine.save_checkpoint()")
+    if engine.zero_optimization_stage() == 3:
+        raise ConfigError("gockpt_ds: ZeRO stage 3 is not supported (parameters partitioned "
+                          "across ranks); use stage 0, 1 or 2, or DeepSpeed's own checkpoints")
+    if merged["mode"] not in COPY_MODES:
+        why = (f"gockpt_ds: mode {merged['mode']!r} replays DeepSpeed's optimizer on the CPU, "
+               "and that replay is not built yet (it would not be bitwise)")
+        if not fallback:
+            raise ConfigError(f"{why}; use mode='async-o' (the default), 'async' or 'sync', or "
+                              "pass fallback=True to get async-o with a warning")
+        warnings.warn(f"{why}: using async-o", stacklevel=3)
+        merged["mode"] = DEFAULT_MODE
+    Config(directory=".", **merged)  # every other option checked here, not at the first save
+    return merged
+
+
+# ---------------------------------------------------------------------- the wrapped methods
+# Each gets the original bound method first, then the engine, then the caller's arguments.
+
+def _forward(original, engine, *args, **kwargs):
+    engine._gockpt.before_forward()
+    return original(*args, **kwargs)
+
+
+def _backward(original, engine, *args, **kwargs):
+    engine._gockpt.before_backward()
+    return original(*args, **kwargs)
+
+
+def _step(original, engine, *args, **kwargs):
+    real = engine._gockpt.before_step()
+    out = original(*args, **kwargs)
+    engine._gockpt.after_step(real)
+    return out
+
+
+def _save_checkpoint(original, engine, save_dir, tag=None, client_state={}, save_latest=True,
+                     exclude_frozen_parameters=False):
+    if exclude_frozen_parameters:
+        raise ConfigError("gockpt_ds: exclude_frozen_parameters is not supported (gockpt "
+                          "checkpoints hold every parameter)")
+    return engine._gockpt.save(save_dir, tag, client_state, save_latest)
+
+
+def _load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True,
+                     load_optimizer_states=True, load_lr_scheduler_states=True,
+                     load_module_only=False, custom_load_fn=None):
+    if not holds_gockpt_checkpoint(load_dir, tag):  # a native checkpoint: DeepSpeed's own
+        engine._gockpt.close()
+        return original(load_dir, tag=tag, load_module_strict=load_module_strict,
+                        load_optimizer_states=load_optimizer_states,
+                        load_lr_scheduler_states=load_lr_scheduler_states,
+                        load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+    if custom_load_fn is not None or not load_module_strict:
+        raise ConfigError("gockpt_ds: custom_load_fn and load_module_strict=False are not "
+                          "supported for gockpt checkpoints")
+    return engine._gockpt.load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only)
+
+
+_WRAPPERS = {"forward": _forward, "backward": _backward, "step": _step,
+             "save_checkpoint": _save_checkpoint, "load_checkpoint": _load_checkpoint}
+
+atexit.register(wait)

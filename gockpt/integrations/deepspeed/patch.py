@@ -1,0 +1,143 @@
+"""One patched engine: the gockpt hooks around ``forward``/``backward``/``step`` and the
+gockpt ``save_checkpoint``/``load_checkpoint``.
+
+The step boundary (where a checkpoint may start or reach version F) is the end of a real
+optimizer step, but DeepSpeed users call ``engine.save_checkpoint`` only when they want one.  So
+the boundary is left *pending* after ``step()`` and recorded by whichever comes first: the
+user's ``save_checkpoint`` (which starts a checkpoint there), the next ``forward``/``backward``,
+``wait()``, or the end of the process -- always before anything can change the state again.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+from ... import storage
+from ...checkpointer import Checkpointer
+from ...errors import CheckpointNotFoundError, ConfigError
+from ...loading import load
+from ...storage.commit import is_committed
+from ...storage.format import LATEST_FILE
+from .state import EngineState, base_optimizer, engine_record, restore_engine, warm_cpu_adam
+
+
+class EnginePatch:
+    """gockpt's state for one engine (``engine._gockpt``)."""
+
+    def __init__(self, engine, options: dict):
+        self.engine = engine
+        self.options = options
+        self.ck: Optional[Checkpointer] = None
+        self.state: Optional[EngineState] = None
+        self.pending = False        # a step ended; its boundary is not recorded yet
+        self.in_backward = False    # backward_begin called for the step under way
+        self.warned_latest = False
+
+    # ------------------------------------------------------------------ the loop
+
+    def before_forward(self) -> None:
+        self.flush()
+
+    def before_backward(self) -> None:
+        self.flush()
+        if self.ck is not None and not self.in_backward:
+            self.ck.backward_begin()  # first micro-batch of this step
+        self.in_backward = True
+
+    def before_step(self) -> bool:
+        """Returns whether this ``step()`` is a real optimizer step (accumulation boundary)."""
+        real = bool(self.engine.is_gradient_accumulation_boundary())
+        if real and self.ck is not None and self.in_backward:
+            self.ck.update_begin()
+        return real
+
+    def after_step(self, real: bool) -> None:
+        if real:
+            self.in_backward = False
+            self.pending = self.ck is not None
+
+    def flush(self) -> None:
+        """Record a pending step boundary."""
+        if self.pending:
+            self.pending = False
+            self.ck.save_checkpoint(self.engine.global_steps)
+
+    # ------------------------------------------------------------------ save / load / wait
+
+    def save(self, save_dir, tag, client_state, save_latest) -> bool:
+        if self.in_backward:
+            raise ConfigError("engine.save_checkpoint() was called between backward() and "
+                              "step(); call it after engine.step()")
+        if not save_latest and not self.warned_latest:
+            warnings.warn("gockpt: save_latest=False is ignored: naming the checkpoint in "
+                          "'latest' is how gockpt commits it", stacklevel=3)
+            self.warned_latest = True
+        directory = os.path.abspath(os.fspath(save_dir))
+        if self.ck is not None and self.ck.config.directory != directory:
+            self.close()
+        fresh = self.ck is None
+        if fresh:
+            self.state = EngineState(self.engine)
+            self.ck = Checkpointer(self.state, base_optimizer(self.engine), directory,
+                                   scheduler=self.engine.lr_scheduler, **self.options)
+        elif not self.pending:
+            raise ConfigError("engine.save_checkpoint() must follow engine.step(): a second "
+                              "save at the same step, or a save before the first step")
+        self.pending = False
+        engine = self.engine
+        handle = self.ck.save_checkpoint(
+            engine.global_steps, lambda: engine_record(engine, client_state), force=True,
+            name=None if tag is None else str(tag))
+        return handle is not None
+
+    def load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+             load_module_only):
+        self.close()  # finish what is in flight: loading replaces the state under it
+        engine = self.engine
+        state = EngineState(engine)
+        with_optimizer = load_optimizer_states and not load_module_only
+        restored = load(os.fspath(load_dir), state, base_optimizer(engine) if with_optimizer
+                        else None, tag=tag,
+                        scheduler=engine.lr_scheduler if load_lr_scheduler_states
+                        and not load_module_only else None)
+        if not with_optimizer and hasattr(engine.optimizer, "refresh_fp32_params"):
+            engine.optimizer.refresh_fp32_params()  # DeepSpeed's semantics: fp32 from weights
+        record = restored.extra_state
+        if not load_module_only:
+            restore_engine(engine, record)
+        if with_optimizer:
+            warm_cpu_adam(base_optimizer(engine))
+        return restored.path, record["client_state"]
+
+    def close(self) -> None:
+        """Record a pending boundary, finish every checkpoint (durable), re-raise errors."""
+        if self.ck is None:
+            return
+        ck, self.ck = self.ck, None
+        try:
+            if self.pending:
+                self.pending = False
+                ck.save_checkpoint(self.engine.global_steps)
+        finally:
+            self.in_backward = False
+            ck.close()
+
+
+def holds_gockpt_checkpoint(load_dir, tag) -> bool:
+    """Whether ``tag`` (or what ``latest`` names) in ``load_dir`` is a gockpt checkpoint."""
+    root = os.fspath(load_dir)
+    if tag is None:
+        try:
+            with open(os.path.join(root, LATEST_FILE), encoding="utf-8") as f:
+                tag = f.read().strip()
+        except OSError:
+            tag = None
+    if tag is not None:
+        return is_committed(os.path.join(root, str(tag)))
+    try:
+        storage.resolve(root)  # no 'latest': any committed gockpt checkpoint
+        return True
+    except CheckpointNotFoundError:
+        return False

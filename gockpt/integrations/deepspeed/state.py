@@ -1,0 +1,108 @@
+"""What of a DeepSpeed engine a checkpoint holds, and putting it back.
+
+The tensors: the base optimizer's fp32 master partitions (this rank's part under ZeRO) and the
+module's weights and buffers, gathered in one :class:`EngineState` module so that the ordinary
+Checkpointer plans, copies and verifies them; the base optimizer's moments and step come with
+it.  The rest -- engine counters, loss-scaler settings, ``client_state`` -- is small state taken
+at version F (:func:`engine_record`) and put back by :func:`restore_engine`.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+
+import torch
+
+log = logging.getLogger("gockpt")
+
+COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+# Where the optimizer wrappers keep their loss scaling (ZeRO 1/2 and BF16_Optimizer:
+# loss_scaler; FP16_Optimizer: loss_scale_config).
+SCALERS = ("loss_scaler", "loss_scale_config")
+
+
+def base_optimizer(engine) -> torch.optim.Optimizer:
+    """The optimizer that owns the fp32 master weights (DeepSpeed's wrapper holds it)."""
+    wrapper = engine.optimizer
+    base = getattr(wrapper, "optimizer", wrapper)
+    if not isinstance(base, torch.optim.Optimizer):
+        raise TypeError(f"the engine's optimizer {type(wrapper).__name__} wraps no "
+                        "torch.optim.Optimizer")
+    return base
+
+
+class EngineState(torch.nn.Module):
+    """The engine's training tensors as one module: ``master_g{group}_p{index}`` are the base
+    optimizer's parameters (fp32 master, this rank's partition), ``module.*`` the model."""
+
+    def __init__(self, engine):
+        super().__init__()
+        for gi, group in enumerate(base_optimizer(engine).param_groups):
+            for pi, p in enumerate(group["params"]):
+                # The very tensor objects the optimizer updates (not nn.Parameter copies): the
+                # Checkpointer maps optimizer state to names through them.
+                self._parameters[f"master_g{gi}_p{pi}"] = p
+        self.module = engine.module
+
+
+def engine_record(engine, client_state) -> dict:
+    """The engine's small per-step state at version F (called at F's boundary)."""
+    wrapper = engine.optimizer
+    return {
+        "counters": {name: int(getattr(engine, name)) for name in COUNTERS},
+        "scalers": {name: _numbers_of(getattr(wrapper, name)) for name in SCALERS
+                    if getattr(wrapper, name, None) is not None},
+        "client_state": client_state() if callable(client_state) else client_state,
+    }
+
+
+def restore_engine(engine, record: dict) -> None:
+    """Put back what :func:`engine_record` took."""
+    for name, value in record["counters"].items():
+        setattr(engine, name, value)
+    for name, values in record["scalers"].items():
+        scaler = getattr(engine.optimizer, name, None)
+        if scaler is None:
+            raise ValueError(f"the checkpoint holds {name} but the engine's optimizer "
+                             f"{type(engine.optimizer).__name__} has none")
+        for key, value in values.items():
+            setattr(scaler, key, value)
+
+
+def _numbers_of(obj) -> dict:
+    """The plain number attributes of a loss scaler (its whole state)."""
+    out = {}
+    for key, value in vars(obj).items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, (bool, numbers.Number)):
+            out[key] = value if isinstance(value, bool) else (
+                int(value) if isinstance(value, numbers.Integral) else float(value))
+    return out
+
+
+def warm_cpu_adam(base: torch.optim.Optimizer) -> int:
+    """Bring DeepSpeed's CPU Adam to the live run's arithmetic state after a load.
+
+    Its op keeps ``beta1^t``/``beta2^t`` as float32 running products in a process-wide object
+    and recomputes them with ``pow`` only on a jump of t; the product and ``pow`` differ from
+    t ~ 6, so a fresh process would continue with other bias corrections.  Stepping the op on a
+    one-element scratch tensor through t = 1..T (the live run's history from its first step,
+    betas constant) rebuilds the same product.  Returns the number of scratch steps."""
+    op = getattr(base, "multi_tensor_adam", None)
+    steps = [st.get("step") for st in base.state.values()]
+    if op is None or not steps or base.param_groups[0]["params"][0].device.type != "cpu":
+        return 0
+    t = int(max(int(s) for s in steps))
+    group = base.param_groups[0]
+    beta1, beta2 = group["betas"]
+    scratch = [[torch.zeros(1)] for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
+    flag = getattr(base, "_dummy_overflow_buf", torch.zeros(1, dtype=torch.int))
+    mode = int(getattr(base, "adam_w_mode", 1))
+    for step in range(1, t + 1):
+        op(2048 * 32, flag, scratch, group["lr"], beta1, beta2, group["eps"], step, mode,
+           int(group.get("bias_correction", True)), group["weight_decay"])
+    if t > 1000:
+        log.info("gockpt: DeepSpeed CPU Adam brought to step %d (%d scratch steps)", t, t)
+    return t

@@ -1,0 +1,112 @@
+"""One rank of tests/integrations/test_deepspeed.py (started by tests/dist_ranks.py): trains a
+tiny model with a DeepSpeed engine on the CPU accelerator and writes what the test compares.
+
+    deepspeed_worker.py OUT SCENARIO       SCENARIO: JSON {"run": ..., "stage": ..., ...}
+
+runs: "plain" (no gockpt), "patched" (gockpt, no checkpoint), "save" (gockpt, one checkpoint
+at step "save_at"; the live state at that step is dumped), "resume" (a fresh engine loads the
+checkpoint and trains on), "native-save" / "native-load" (DeepSpeed's own checkpoints, loaded
+through the patched engine).  Each rank writes OUT/<run>-rank<r>.pt: losses and states.
+"""
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+
+
+def build(sc):
+    import deepspeed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.GELU(),
+                                torch.nn.Linear(48, 40), torch.nn.GELU(), torch.nn.Linear(40, 4))
+    cfg = {"train_micro_batch_size_per_gpu": 4,
+           "gradient_accumulation_steps": sc.get("gas", 1),
+           "gradient_clipping": sc.get("clip", 0.05),
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5,
+                                                         "warmup_max_lr": 3e-3}},
+           "zero_optimization": {"stage": sc["stage"]}, "bf16": {"enabled": True},
+           "steps_per_print": 10 ** 9}
+    if sc.get("gockpt_section"):
+        cfg["gockpt"] = sc["gockpt_section"]
+    if sc.get("fp32_accumulation"):
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=cfg)
+    return engine
+
+
+def batch(step, micro, rank):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    x = torch.randn(4, 16, generator=g)
+    return x.bfloat16(), torch.randn(4, 4, generator=g)
+
+
+def train(engine, sc, first, last, out, at=None):
+    """Engine steps first..last (1-based); ``at(step)`` after each."""
+    rank = torch.distributed.get_rank()
+    for step in range(first, last + 1):
+        for micro in range(sc.get("gas", 1)):
+            x, y = batch(step, micro, rank)
+            loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+            engine.backward(loss)
+            engine.step()
+            out["losses"].append(loss.item())
+        if at is not None:
+            at(step)
+
+
+def live_state(engine):
+    from gockpt.integrations.deepspeed.state import EngineState, base_optimizer
+    base = base_optimizer(engine)
+    opt = {f"{i}/{k}": (v.clone() if torch.is_tensor(v) else torch.tensor(float(v)))
+           for i, st in enumerate(base.state.values()) for k, v in st.items()}
+    return {"tensors": {k: v.clone() for k, v in EngineState(engine).state_dict().items()},
+            "optimizer": opt, "counters": [engine.global_steps, engine.global_samples,
+                                           engine.skipped_steps]}
+
+
+def main():
+    out_dir, sc = sys.argv[1], json.loads(sys.argv[2])
+    from gockpt.integrations import deepspeed as gockpt_ds
+    run, rank = sc["run"], int(os.environ["RANK"])
+    ck_dir = os.path.join(out_dir, "ckpt")
+    if run in ("patched", "save", "resume", "native-load"):
+        gockpt_ds.install(**sc.get("options", {}))
+    engine = build(sc)
+    out = {"losses": []}
+    if run == "save":
+        def at(step):
+            if step == sc["save_at"]:
+                engine.save_checkpoint(ck_dir, client_state={"data_pos": step, "rank": rank})
+                out["live"] = live_state(engine)
+        train(engine, sc, 1, sc["steps"], out, at)
+        if not sc.get("exit_without_wait"):
+            gockpt_ds.wait(engine)
+    elif run in ("resume", "native-load"):
+        path, client = engine.load_checkpoint(ck_dir)
+        out["client"] = client
+        out["loaded"] = live_state(engine)
+        first = client["data_pos"] + 1
+        train(engine, sc, first, sc["steps"], out)
+    elif run == "native-save":
+        def at(step):
+            if step == sc["save_at"]:
+                engine.save_checkpoint(ck_dir, client_state={"data_pos": step, "rank": rank})
+                out["live"] = live_state(engine)
+        train(engine, sc, 1, sc["steps"], out, at)
+    else:
+        train(engine, sc, 1, sc["steps"], out)
+    out["final"] = live_state(engine)
+    torch.save(out, os.path.join(out_dir, f"{run}-rank{rank}.pt"))
+    print(f"rank {rank}: ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""gockpt.integrations.deepspeed: engine.save_checkpoint / load_checkpoint through gockpt.
+
+Each case trains a tiny model with DeepSpeed's CPU accelerator in fresh processes (1 or 2 gloo
+ranks, tests/deepspeed_worker.py): uninterrupted, patched with a checkpoint at step 18, and
+resumed from it.  Step 18 is chosen on purpose: from t = 19 DeepSpeed's CPU Adam running
+product beta2^t differs from pow(beta2, t), so a resume that does not rebuild the op's state
+would drift (see gockpt/integrations/deepspeed/state.py: warm_cpu_adam).
+"""
+
+import json
+import os
+import types
+import warnings
+
+import pytest
+import torch
+
+from dist_ranks import run_ranks
+from gockpt.errors import ConfigError
+
+pytest.importorskip("deepspeed")  # installed by the README's setup: this never skips in CI
+
+from gockpt.integrations import deepspeed as gockpt_ds  # noqa: E402
+from gockpt.integrations.deepspeed.patch import holds_gockpt_checkpoint  # noqa: E402
+from gockpt.integrations.deepspeed.state import _numbers_of, restore_engine  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "deepspeed_worker.py")
+SAVE_AT, STEPS = 18, 21
+
+
+def runs(tmp_path, world, **scenario):
+    def one(run, **more):
+        run_ranks(tmp_path, json.dumps(dict(scenario, run=run, **more)), world=world,
+                  worker=WORKER, timeout=600)
+        return [torch.load(tmp_path / f"{run}-rank{r}.pt") for r in range(world)]
+    return one
+
+
+def assert_states_equal(a, b, what):
+    assert a["tensors"].keys() == b["tensors"].keys() and a["optimizer"].keys() == b["optimizer"].keys()
+    for part in ("tensors", "optimizer"):
+        for name, t in a[part].items():
+            assert t.dtype == b[part][name].dtype and torch.equal(t.view(-1).view(torch.uint8),
+                                                                  b[part][name].view(-1).view(torch.uint8)), \
+                f"{what}: {part} {name} differs"
+    assert a["counters"] == b["counters"], what
+
+
+@pytest.mark.parametrize("stage,world,extra", [
+    (0, 1, {}),
+    (1, 2, {}),
+    (2, 2, {}),
+    (1, 1, {"fp32_accumulation": True}),            # BF16_Optimizer
+    (2, 1, {"gas": 2, "gockpt_section": {"keep_last": 2}}),
+])
+def test_checkpoint_is_the_state_at_f_and_resumes_bitwise(tmp_path, stage, world, extra):
+    one = runs(tmp_path, world, stage=stage, steps=STEPS, save_at=SAVE_AT, **extra)
+    plain, saved, resumed = one("plain"), one("save"), one("resume")
+    for r in range(world):
+        # No interference: the patched run with its checkpoint trains exactly like the plain one.
+        assert saved[r]["losses"] == plain[r]["losses"]
+        assert_states_equal(saved[r]["final"], plain[r]["final"], f"rank {r}: patched vs plain")
+        # The checkpoint is the live state at F (fp32 master, moments, step, weights, counters).
+        assert_states_equal(resumed[r]["loaded"], saved[r]["live"], f"rank {r}: loaded vs live")
+        assert resumed[r]["client"] == {"data_pos": SAVE_AT, "rank": r}
+        # Resumed in fresh processes, training goes on bit for bit.
+        gas = extra.get("gas", 1)
+        assert resumed[r]["losses"] == plain[r]["losses"][SAVE_AT * gas:]
+        assert_states_equal(resumed[r]["final"], plain[r]["final"], f"rank {r}: resumed vs plain")
+    assert open(tmp_path / "ckpt" / "latest").read().strip() == "step-000000018"
+
+
+def test_native_checkpoints_still_load_through_the_patched_engine(tmp_path):
+    one = runs(tmp_path, 1, stage=1, steps=8, save_at=4)
+    saved = one("native-save")
+    loaded = one("native-load")
+    assert not holds_gockpt_checkpoint(tmp_path / "ckpt", None)
+    assert_states_equal(loaded[0]["loaded"], saved[0]["live"], "native load")
+    assert loaded[0]["client"]["data_pos"] == 4
+
+
+def test_a_save_right_before_the_script_ends_is_committed_at_exit(tmp_path):
+    import gockpt
+    runs(tmp_path, 1, stage=1, steps=3, save_at=3, exit_without_wait=True)("save")
+    assert holds_gockpt_checkpoint(tmp_path / "ckpt", None)
+    assert gockpt.verify(str(tmp_path / "ckpt")).ok
+
+
+# ---------------------------------------------------------------------- options, refusals
+
+def fake_engine(stage=1, section=None):
+    e = types.SimpleNamespace(zero_optimization_stage=lambda: stage)
+    e._config = types.SimpleNamespace(_param_dict={} if section is None else {"gockpt": section})
+    return e
+
+
+def test_options_default_to_async_o_and_come_from_the_config_section():
+    assert gockpt_ds._options(fake_engine(), {})["mode"] == "async-o"
+    opts = gockpt_ds._options(fake_engine(section={"keep_last": 3, "mode": "async"}),
+                              {"mode": "sync"})
+    assert opts == {"keep_last": 3, "mode": "sync"}  # arguments win over the section
+
+
+@pytest.mark.parametrize("engine,options,match", [
+    (fake_engine(stage=3), {}, "ZeRO stage 3"),
+    (fake_engine(), {"mode": "gockpt-o"}, "not built yet"),
+    (fake_engine(section={"mode": "gockpt"}), {}, "not built yet"),
+    (fake_engine(), {"block_bytes": -1}, "block_bytes"),
+    (fake_engine(), {"directory": "/tmp/x"}, "save_dir"),
+])
+def test_what_cannot_be_checkpointed_exactly_is_refused_at_patch_time(engine, options, match):
+    with pytest.raises(ConfigError, match=match):
+        gockpt_ds._options(engine, options)
+
+
+def test_fallback_replaces_a_replay_mode_by_async_o_with_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opts = gockpt_ds._options(fake_engine(), {"mode": "gockpt-o", "fallback": True})
+    assert opts["mode"] == "async-o" and len(caught) == 1
+    assert "not built yet" in str(caught[0].message)
+
+
+def test_loss_scaler_numbers_round_trip():
+    scaler = types.SimpleNamespace(cur_scale=65536.0, cur_iter=7, dynamic=True,
+                                   last_overflow_iter=-1, name="dyn", t=torch.tensor(2.0))
+    numbers = _numbers_of(scaler)
+    assert numbers == {"cur_scale": 65536.0, "cur_iter": 7, "dynamic": True,
+                       "last_overflow_iter": -1, "t": 2.0}
+    target = types.SimpleNamespace(cur_scale=1.0, cur_iter=0, dynamic=False, last_overflow_iter=3)
+    engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(loss_scaler=target),
+                                   global_steps=0)
+    restore_engine(engine, {"counters": {"global_steps": 9},
+                            "scalers": {"loss_scaler": {"cur_scale": 8.0, "cur_iter": 7}}})
+    assert engine.global_steps == 9 and target.cur_scale == 8.0 and target.cur_iter == 7
+    with pytest.raises(ValueError, match="loss_scale_config"):
+        restore_engine(engine, {"counters": {}, "scalers": {"loss_scale_config": {}}})
+
+
+def test_holds_gockpt_checkpoint_reads_latest_or_the_tag(tmp_path):
+    assert not holds_gockpt_checkpoint(tmp_path, None)
+    (tmp_path / "global_step4").mkdir()
+    (tmp_path / "latest").write_text("global_step4")
+    assert not holds_gockpt_checkpoint(tmp_path, None)           # DeepSpeed's own
+    (tmp_path / "step-000000009").mkdir()
+    (tmp_path / "step-000000009" / "manifest.json").write_text("{}")
+    assert holds_gockpt_checkpoint(tmp_path, "step-000000009")
+    assert not holds_gockpt_checkpoint(tmp_path, None)           # latest names the native one
+    (tmp_path / "latest").write_text("step-000000009")
+    assert holds_gockpt_checkpoint(tmp_path, None)
