@@ -73,9 +73,11 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("export", help="write consolidated weights other tools load without gockpt")
     s.add_argument("path", metavar="PATH")
-    s.add_argument("--to", required=True, choices=("safetensors", "torch"),
+    s.add_argument("--to", required=True, choices=("safetensors", "torch", "fp32"),
                    help="safetensors: the model's state_dict (tied parameters as copies); "
-                        "torch: torch.save({'model', 'optimizer', 'step'[, 'scheduler']})")
+                        "torch: torch.save({'model', 'optimizer', 'step'[, 'scheduler']}); "
+                        "fp32: the consolidated fp32 master weights of a DeepSpeed checkpoint "
+                        "(every rank's part; safetensors)")
     s.add_argument("out", metavar="OUT")
     s.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     s.add_argument("--rank", type=int, metavar="R",

@@ -11,6 +11,7 @@ from .. import storage
 from ..storage.commit import replace_file
 from ..storage.manifest import Manifest
 from ..storage.verify import read_parts
+from .export_fp32 import consolidated_fp32
 from .common import (BadCheckpoint, UsageError, human, no_rank_for_single, one_line,
                      read_manifest, resolve_checkpoint, select_part, warn)
 
@@ -21,12 +22,14 @@ def cmd_export(args) -> int:
         raise UsageError(f"{args.out}: is a directory; give the output file name")
     if os.path.exists(args.out) and not args.force:
         raise UsageError(f"{args.out}: exists; pass --force to overwrite it")
-    if args.to == "safetensors":
+    if args.to in ("safetensors", "fp32"):
         try:
             import safetensors.torch  # noqa: F401
         except ImportError:
             raise UsageError("--to safetensors needs the safetensors package "
                              "(pip install safetensors)") from None
+    if args.to == "fp32":
+        return _export_fp32(args)
     path, data, part = _source(args)
     m = Manifest.from_json(path, data)
     tensors = storage.read_tensors(path, m, verify=True)
@@ -48,6 +51,31 @@ def cmd_export(args) -> int:
           f"({len(written)} model tensors, {human(nbytes)})")
     for n in notes:
         print(f"note: {n}")
+    return 0
+
+
+def _export_fp32(args) -> int:
+    """Every rank's fp32 fragments, put together (gockpt.integrations.deepspeed checkpoints)."""
+    path, _run, warns = resolve_checkpoint(args.path)
+    warn(warns)
+    data = read_manifest(path)
+    parts = read_parts(path, data)
+    if parts is None:
+        sources = [(path, data)]
+    else:
+        bad = [f"{q.name}: {q.error or '; '.join(q.problems)}" for q in parts
+               if q.data is None or q.problems]
+        if bad:
+            raise BadCheckpoint(f"{path}: --to fp32 needs every rank's part: {'; '.join(bad)}")
+        sources = [(q.path, q.data) for q in parts]
+    sd = consolidated_fp32(sources)
+    step = Manifest.from_json(*sources[0]).step
+    meta = {"format": "pt", "gockpt_step": str(step), "gockpt_source": os.path.abspath(path),
+            "gockpt_dtype": "fp32 master weights"}
+    written, _, _ = _save_safetensors(args.out, sd, {}, meta)
+    nbytes = sum(t.numel() * t.element_size() for t in written.values())
+    print(f"wrote {args.out}: fp32 master weights of step {step} from {os.path.abspath(path)} "
+          f"({len(sources)} part(s), {len(written)} parameters, {human(nbytes)})")
     return 0
 
 

@@ -151,3 +151,11 @@ def test_ranks_export_selects_the_rank(ranks_dir, tmp_path, capsys):
     rc, out, err = run(capsys, "export", ranks_dir, "--to", "torch", str(tmp_path / "x.pt"),
                        "--rank", "2")
     assert rc == 2 and "ranks 0..1" in err and not os.path.exists(tmp_path / "x.pt")
+
+
+def test_export_fp32_of_a_checkpoint_not_written_through_deepspeed(run_dir, tmp_path, capsys):
+    # (the DeepSpeed checkpoints' fp32 export: tests/integrations/test_deepspeed.py)
+    out_file = tmp_path / "w.safetensors"
+    rc, out, err = run(capsys, "export", run_dir, "--to", "fp32", str(out_file))
+    assert rc == 1 and "gockpt.integrations.deepspeed" in err and "--to safetensors" in err
+    assert not out_file.exists()

@@ -69,6 +69,23 @@ def test_checkpoint_is_the_state_at_f_and_resumes_bitwise(tmp_path, stage, world
         assert resumed[r]["losses"] == plain[r]["losses"][SAVE_AT * gas:]
         assert_states_equal(resumed[r]["final"], plain[r]["final"], f"rank {r}: resumed vs plain")
     assert open(tmp_path / "ckpt" / "latest").read().strip() == "step-000000018"
+    assert_fp32_export_matches(tmp_path, saved[0]["live"])
+
+
+def assert_fp32_export_matches(tmp_path, live):
+    """``gockpt export --to fp32``: every parameter whole, in fp32, and (DeepSpeed's weights
+    being the bf16 rounding of the master) rounding to the module's weights at F."""
+    from gockpt.cli import main
+    from safetensors.torch import load_file
+    out = tmp_path / "fp32.safetensors"
+    assert main(["export", str(tmp_path / "ckpt"), "--to", "fp32", str(out)]) == 0
+    fp32 = load_file(str(out))
+    weights = {k[len("module."):]: v for k, v in live["tensors"].items()
+               if k.startswith("module.")}
+    assert fp32.keys() == weights.keys()
+    for name, t in fp32.items():
+        assert t.dtype == torch.float32 and t.shape == weights[name].shape
+        assert torch.equal(t.to(weights[name].dtype), weights[name]), name
 
 
 def test_native_checkpoints_still_load_through_the_patched_engine(tmp_path):

@@ -20,7 +20,8 @@ from ...errors import CheckpointNotFoundError, ConfigError
 from ...loading import load
 from ...storage.commit import is_committed
 from ...storage.format import LATEST_FILE
-from .state import EngineState, base_optimizer, engine_record, restore_engine, warm_cpu_adam
+from .state import (EngineState, base_optimizer, engine_record, fp32_layout, restore_engine,
+                    warm_cpu_adam)
 
 
 class EnginePatch:
@@ -31,6 +32,7 @@ class EnginePatch:
         self.options = options
         self.ck: Optional[Checkpointer] = None
         self.state: Optional[EngineState] = None
+        self.layout: Optional[dict] = None  # fp32_layout, taken once
         self.pending = False        # a step ended; its boundary is not recorded yet
         self.in_backward = False    # backward_begin called for the step under way
         self.warned_latest = False
@@ -80,15 +82,16 @@ class EnginePatch:
         fresh = self.ck is None
         if fresh:
             self.state = EngineState(self.engine)
+            self.layout = fp32_layout(self.engine)
             self.ck = Checkpointer(self.state, base_optimizer(self.engine), directory,
                                    scheduler=self.engine.lr_scheduler, **self.options)
         elif not self.pending:
             raise ConfigError("engine.save_checkpoint() must follow engine.step(): a second "
                               "save at the same step, or a save before the first step")
         self.pending = False
-        engine = self.engine
+        engine, layout = self.engine, self.layout
         handle = self.ck.save_checkpoint(
-            engine.global_steps, lambda: engine_record(engine, client_state), force=True,
+            engine.global_steps, lambda: engine_record(engine, client_state, layout), force=True,
             name=None if tag is None else str(tag))
         return handle is not None
 

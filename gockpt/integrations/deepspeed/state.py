@@ -46,10 +46,35 @@ class EngineState(torch.nn.Module):
         self.module = engine.module
 
 
-def engine_record(engine, client_state) -> dict:
+def fp32_layout(engine) -> dict:
+    """Where each module parameter's fp32 master lives on this rank:
+    ``{name: [group, start in master_g{group}_p0, start in the parameter, numel, shape]}``
+    (one fragment per rank under ZeRO; what ``gockpt export --to fp32`` reassembles)."""
+    wrapper, names = engine.optimizer, {id(p): n for n, p in engine.module.named_parameters()}
+    out = {}
+    groups = getattr(wrapper, "bit16_groups", None) or getattr(wrapper, "bf16_groups", None)
+    if groups is not None:  # ZeRO 1/2, BF16_Optimizer: DeepSpeed's own fragment mapping
+        for gi, group in enumerate(groups):
+            for p in group:
+                hp = getattr(p, "_hp_mapping", None)
+                if hp is not None:
+                    out[names[id(p)]] = [gi, hp.hp_fragment_address.start,
+                                         hp.lp_fragment_address.start,
+                                         hp.hp_fragment_address.numel, list(p.shape)]
+        return out
+    for gi, group in enumerate(getattr(wrapper, "fp16_groups", [])):  # stage 0: flat, in order
+        offset = 0
+        for p in group:
+            out[names[id(p)]] = [gi, offset, 0, p.numel(), list(p.shape)]
+            offset += p.numel()
+    return out
+
+
+def engine_record(engine, client_state, layout: dict) -> dict:
     """The engine's small per-step state at version F (called at F's boundary)."""
     wrapper = engine.optimizer
     return {
+        "fp32_layout": layout,
         "counters": {name: int(getattr(engine, name)) for name in COUNTERS},
         "scalers": {name: _numbers_of(getattr(wrapper, name)) for name in SCALERS
                     if getattr(wrapper, name, None) is not None},
