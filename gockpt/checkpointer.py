@@ -40,8 +40,7 @@ from .replay.adapters import adapter_for
 from .replay.replayer import Replayer
 from .pipeline import Pipeline
 from .schedule import Schedule
-from .storage.commit import cleanup_temporaries, ensure_writable
-from .storage.format import check_name
+from .storage.commit import check_new_name, cleanup_temporaries, ensure_writable
 from .storage.lock import lock_for_ranks
 from .storage.persist import Persister
 from .storage.ranks import Ranks
@@ -168,7 +167,7 @@ class Checkpointer:
         """
         self.loop.check_open()
         if name is not None:
-            _check_new_name(self.config.directory, name)
+            check_new_name(self.config.directory, name)
         if isinstance(step, bool) or not isinstance(step, int):
             raise ConfigError(f"step must be an int, got {step!r}")
         loop = self.loop
@@ -407,16 +406,6 @@ class Checkpointer:
         self.loop.job_failed(job)
         if self.ranks.several and not job.stream.entered and not job.dropped:
             self.persister.queue_persist(job)  # it still votes, so that the other ranks do not wait
-
-
-def _check_new_name(directory: str, name: str) -> None:
-    try:
-        check_name(name, "checkpoint name")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if os.path.lexists(os.path.join(directory, name)):
-        raise ConfigError(f"a checkpoint named {name!r} exists in {directory!r} already; pick "
-                          "another name (checkpoints are never overwritten)")
 
 
 def _checkpoint_path(directory: str, step: int) -> str:

@@ -81,28 +81,19 @@ def main():
         gockpt_ds.install(**sc.get("options", {}))
     engine = build(sc)
     out = {"losses": []}
-    if run == "save":
-        def at(step):
-            if step == sc["save_at"]:
-                engine.save_checkpoint(ck_dir, client_state={"data_pos": step, "rank": rank})
-                out["live"] = live_state(engine)
-        train(engine, sc, 1, sc["steps"], out, at)
-        if not sc.get("exit_without_wait"):
-            gockpt_ds.wait(engine)
-    elif run in ("resume", "native-load"):
+    if run in ("resume", "native-load"):
         path, client = engine.load_checkpoint(ck_dir)
         out["client"] = client
         out["loaded"] = live_state(engine)
-        first = client["data_pos"] + 1
-        train(engine, sc, first, sc["steps"], out)
-    elif run == "native-save":
-        def at(step):
-            if step == sc["save_at"]:
+        train(engine, sc, client["data_pos"] + 1, sc["steps"], out)
+    else:
+        def at(step):  # "save" through gockpt, "native-save" DeepSpeed's own
+            if run in ("save", "native-save") and step == sc["save_at"]:
                 engine.save_checkpoint(ck_dir, client_state={"data_pos": step, "rank": rank})
                 out["live"] = live_state(engine)
         train(engine, sc, 1, sc["steps"], out, at)
-    else:
-        train(engine, sc, 1, sc["steps"], out)
+        if run == "save" and not sc.get("exit_without_wait"):
+            gockpt_ds.wait(engine)
     out["final"] = live_state(engine)
     torch.save(out, os.path.join(out_dir, f"{run}-rank{rank}.pt"))
     print(f"rank {rank}: ok")

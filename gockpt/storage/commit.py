@@ -15,7 +15,7 @@ import shutil
 import warnings
 from typing import Callable, Optional
 
-from ..errors import CheckpointNotFoundError, StorageError
+from ..errors import CheckpointNotFoundError, ConfigError, StorageError
 from .format import LATEST_FILE, MANIFEST_FILE, TMP_PREFIX, TMP_RE, check_name, fsync_dir, write_all
 
 log = logging.getLogger("gockpt")
@@ -79,6 +79,17 @@ def replace_file(path: str, write: Callable[[str], None]) -> None:
 def write_latest(root: str, name: str) -> None:
     """Atomically make ``<root>/latest`` contain ``name``."""
     replace_file(os.path.join(root, LATEST_FILE), lambda tmp: write_file(tmp, name.encode("utf-8")))
+
+
+def check_new_name(root: str, name: str) -> None:
+    """Raise ConfigError unless ``name`` is a valid name no entry of ``root`` has yet."""
+    try:
+        check_name(name, "checkpoint name")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if os.path.lexists(os.path.join(root, name)):
+        raise ConfigError(f"a checkpoint named {name!r} exists in {root!r} already; pick "
+                          "another name (checkpoints are never overwritten)")
 
 
 def is_committed(path: str) -> bool:

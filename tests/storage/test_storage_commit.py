@@ -140,3 +140,14 @@ def test_cleanup_temporaries(tmp_path):
     assert not stale_dir.exists() and not stale_file.exists()
     assert cleanup_temporaries(str(tmp_path)) == []
     assert cleanup_temporaries(str(tmp_path / "none")) == []
+
+
+def test_check_new_name_refuses_bad_and_existing_names(tmp_path):
+    from gockpt.errors import ConfigError
+    from gockpt.storage.commit import check_new_name
+    check_new_name(str(tmp_path), "global_step3")
+    (tmp_path / "global_step3").mkdir()
+    for bad, why in (("global_step3", "exists"), ("../x", "checkpoint name"),
+                     ("latest", "checkpoint name"), (".hidden", "checkpoint name")):
+        with pytest.raises(ConfigError, match=why):
+            check_new_name(str(tmp_path), bad)
