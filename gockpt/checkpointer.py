@@ -276,12 +276,12 @@ class Checkpointer:
         k = self.ranks.agree_max(self.schedule.choose_k(
             self.plan.state_bytes(2), self.plan.optimized_bytes() if self.policy.replays else 0,
             self.engine.bandwidth()))
-        groups = self.plan.groups(k)
+        groups, tables = self.plan.groups(k), self.plan.group_tables(k)
         k = len(groups)
         job = Job(step, k, self.loop.boundary, groups, self.config.mode,
                   os.path.join(self.config.directory, name) if name is not None else
                   _checkpoint_path(self.config.directory, step + k - 1), host=self.host,
-                  plan=self.plan)
+                  plan=self.plan, tables=tables)
         job.on_fail = self._on_job_failed
         job.named = name is not None
         if not self.ranks.several and self.policy.streams:

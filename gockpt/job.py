@@ -83,7 +83,9 @@ class CaptureBook:
     groups: List[List[Block]]
     """Group j (1-based) is copied during step j of the window."""
     captured: List[Block] = field(default_factory=list)
-    """Blocks whose copy has landed, in capture order."""
+    """Blocks whose copy has landed, in capture order (:meth:`captured_table`: as a table)."""
+    landed: List[int] = field(default_factory=list)
+    """Groups whose copy has landed, in order (the blocks at F are not a group)."""
     tickets: Dict[int, object] = field(default_factory=dict)
     """Transfer ticket of each group's state copies."""
     grad_tickets: List = field(default_factory=list)
@@ -116,6 +118,16 @@ class CaptureBook:
             self._tables[j] = BlockTable(self.groups[j - 1])
         return self._tables[j]
 
+    def captured_table(self):
+        """``captured`` as a BlockTable, derived from the groups' tables (no loop per block)
+        and kept until another group lands."""
+        from .capture.segments import BlockTable
+        key = ("captured", len(self.captured))
+        if key not in self._tables:
+            at_f = [t for j, t in self._tables.items() if j == "at_f"]
+            self._tables[key] = BlockTable.concat([self.table(j) for j in self.landed] + at_f)
+        return self._tables[key]
+
 
 @dataclass
 class StreamBook:
@@ -136,7 +148,7 @@ class Job:
     """Book-keeping of one checkpoint (created and driven by the Checkpointer)."""
 
     def __init__(self, start_step: int, k: int, start_boundary: int, groups, mode: str,
-                 path: str, host=None, plan=None):
+                 path: str, host=None, plan=None, tables=None):
         self.k = k
         self.start_boundary = start_boundary
         self.f_boundary = start_boundary + k - 1
@@ -150,6 +162,8 @@ class Job:
         self.plan = plan
         """The plan this checkpoint was started with (a re-plan affects later ones only)."""
         self.capture = CaptureBook(groups)
+        if tables is not None:  # the plan's (built once per K): group j is tables[j - 1]
+            self.capture._tables = {j + 1: t for j, t in enumerate(tables)}
         self.stream = StreamBook()
         self.accounts_closed = threading.Event()
         """Set once no hook will charge blocked time to this job any more: its metrics are

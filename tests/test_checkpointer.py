@@ -291,3 +291,50 @@ def test_a_checkpoint_due_while_the_previous_persists(tmp_path, monkeypatch, pol
     assert [r["final_step"] for r in records] == ([2] if policy == "skip" else [2, 3])
     if policy == "wait":
         assert records[1]["blocked_by_hook_s"]["save_checkpoint_busy_wait"] > 0
+
+
+def _python_calls_in_hooks(tmp_path, block_bytes: int) -> int:
+    """Python calls made by gockpt's own code inside the hooks (and the optimizer-step hooks)
+    during a steady-state checkpoint of gockpt-o K=2 (the second one: the first allocates)."""
+    import sys
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(1 << 16)) for _ in range(3)]
+    model = torch.nn.ParameterList(params)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=2,
+                             block_bytes=block_bytes)
+    calls, counting = [0], [False]
+
+    def profile(frame, event, arg):
+        if event in ("call", "c_call") and "/gockpt/" in frame.f_code.co_filename:
+            calls[0] += 1
+
+    def hook(fn, *args, **kwargs):
+        if counting[0]:
+            sys.setprofile(profile)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sys.setprofile(None)
+
+    ck.save_checkpoint(0)
+    for step in range(8):
+        counting[0] = step >= 4  # the checkpoint forced at boundary 5, and its window
+        hook(ck.backward_begin)
+        sum((p * p).sum() for p in params).backward()
+        hook(ck.update_begin)
+        hook(opt.step)
+        opt.zero_grad()
+        hook(ck.save_checkpoint, step + 1, force=step + 1 in (2, 5))
+    ck.close()
+    return calls[0]
+
+
+def test_hook_work_does_not_grow_with_the_number_of_blocks(tmp_path):
+    # 12 blocks against 768 (3 parameters of 256 KiB in 64 KiB or 1 KiB blocks): the hooks do
+    # array work per group, so the Python calls they make stay the same; a loop over blocks
+    # would add hundreds.
+    few = _python_calls_in_hooks(tmp_path / "few", 1 << 16)
+    many = _python_calls_in_hooks(tmp_path / "many", 1 << 10)
+    assert few > 100  # the profile saw the hooks
+    assert many - few < 50, (few, many)

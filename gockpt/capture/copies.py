@@ -73,12 +73,13 @@ class Capture:
     def copy_at_f(self, job: Job) -> list:
         """At the boundary of F: copy the blocks planned to be copied directly at F, now
         (before anything of the next step can write them); returns them."""
-        blocks = job.plan.blocks_at_f()
-        if blocks:
-            ticket, _ = self._copy(job, BlockTable(blocks), GRADIENT)
+        table = job.plan.at_f_table()
+        if len(table):
+            ticket, _ = self._copy(job, table, GRADIENT)
             ticket.wait()
-            job.capture.captured.extend(blocks)
-        return blocks
+            job.capture.captured.extend(table.blocks)
+            job.capture._tables["at_f"] = table
+        return table.blocks
 
     def _copy(self, job: Job, table: BlockTable, priority: int):
         """Queue the copies of every tensor of ``table``'s blocks (the parameter and its
@@ -158,10 +159,9 @@ class Capture:
         of every block captured so far -- the blocks the replay brings to F -- to be compared
         with the replayed host copy. They run under the next forward/backward like a copy, and
         a write during it is found by :meth:`land_group`, as for the last group."""
-        captured = job.capture.captured
-        if not captured:
+        if not job.capture.captured:
             return
-        table = BlockTable(captured)
+        table = job.capture.captured_table()
         roles = (None,) + tuple(k for k in job.host.roles() if k in self.adapter.state_keys)
         live, read, copies = self._live_bases(job, table.slots, roles)
         if copies:  # laid out unlike the parameter: verified by the sampled self-check
@@ -223,6 +223,7 @@ class Capture:
                 "the checkpoint is not committed and these tensors are copied at the step "
                 "boundary from now on")
         book.captured.extend(book.groups[j - 1])
+        book.landed.append(j)
 
     def copy_rest(self, job: Job) -> None:
         """Copy every block not yet captured now, blocking (sync/async, or close())."""
@@ -233,6 +234,8 @@ class Capture:
         for j in range(1, job.k + 1):
             book.tickets[j].wait()
         book.captured = [b for g in book.groups for b in g]
+        book.landed = list(range(1, job.k + 1))
+        book._tables.pop("at_f", None)
         job.captured()
 
     def freeze_small(self, job: Job, step: int, extra_state) -> None:
@@ -289,7 +292,8 @@ class Capture:
                                   f"replay needs dense {s.param.dtype} gradients")
             grads[si] = g
         steps = self.adapter.step_counts(grads, self._states(job))
-        table = BlockTable([b for b in job.capture.captured if b.slot in grads])
+        table = job.capture.captured_table()
+        table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))
         bufs = grad_pool.acquire()
         arena = grad_pool.arena(bufs, torch.float32)
         grad_base = arena.bases(len(plan.slots))

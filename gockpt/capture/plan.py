@@ -70,10 +70,21 @@ class Plan:
     aliases: Dict[str, str]  # extra state_dict names of tied parameters -> canonical name
     fingerprint: tuple = ()  # the optimizer's parameters when planned (see fingerprint())
     block_elems: int = 1     # elements per block (the last block of a slot is shorter)
+    _windows: dict = field(default_factory=dict, repr=False)
+    """k -> (groups, their BlockTables), "at_f" -> the blocks copied at F: computed once,
+    dropped when copy_at_f changes which slots are copied at F."""
 
     def blocks_at_f(self) -> List[Block]:
         """The blocks copied directly at the boundary of F."""
-        return [b for b in self.blocks if self.slots[b.slot].at_f]
+        return self.at_f_table().blocks
+
+    def at_f_table(self):
+        """:meth:`blocks_at_f` as a BlockTable (built once, until copy_at_f changes it)."""
+        if "at_f" not in self._windows:
+            from .segments import BlockTable
+            self._windows["at_f"] = BlockTable(
+                [b for b in self.blocks if self.slots[b.slot].at_f])
+        return self._windows["at_f"]
 
     def copy_at_f(self, names) -> List[str]:
         """From now on, copy the slots named ``names`` directly at F; returns those that were
@@ -83,6 +94,8 @@ class Plan:
             if s.name in names and not s.at_f:
                 s.at_f = True
                 changed.append(s.name)
+        if changed:
+            self._windows.clear()
         return changed
 
     def optimized_bytes(self) -> int:
@@ -96,7 +109,21 @@ class Plan:
 
     def groups(self, k: int) -> List[List[Block]]:
         """Split the blocks into ``k`` capture groups of about equal bytes, in storage order
-        (group j is copied during the j-th step of the checkpoint)."""
+        (group j is copied during the j-th step of the checkpoint).  Computed once per K."""
+        return self._window(k)[0]
+
+    def group_tables(self, k: int) -> list:
+        """The groups of :meth:`groups` as ``BlockTable``s (built once per K)."""
+        return self._window(k)[1]
+
+    def _window(self, k: int) -> tuple:
+        if k not in self._windows:
+            from .segments import BlockTable  # segments imports Block from here
+            groups = self._split(k)
+            self._windows[k] = (groups, [BlockTable(g) for g in groups])
+        return self._windows[k]
+
+    def _split(self, k: int) -> List[List[Block]]:
         blocks = [b for b in self.blocks if not self.slots[b.slot].at_f]
         k = max(1, min(k, len(blocks))) if blocks else 1
         weights = [b.numel * 3 for b in blocks]  # the parameter and its two moments

@@ -7,7 +7,7 @@ per-slot base address into one address per block.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -16,22 +16,46 @@ from .plan import Block
 
 
 class BlockTable:
-    """``blocks`` as columns: ``slot``, ``start`` (element offset in the slot), ``numel``."""
+    """``blocks`` as columns: ``slot``, ``start`` (element offset in the slot), ``numel``.
 
-    def __init__(self, blocks: Sequence[Block]):
-        self.blocks: List[Block] = list(blocks)
-        n = len(self.blocks)
-        self.slot = np.fromiter((b.slot for b in self.blocks), np.int64, n)
-        self.start = np.fromiter((b.start for b in self.blocks), np.int64, n)
-        self.numel = np.fromiter((b.numel for b in self.blocks), np.int64, n)
+    Built once per list of blocks (a plan caches its groups' tables); :meth:`where` and
+    :meth:`concat` derive tables with array operations, and the ``Block`` objects of a derived
+    table are made only if something asks for them (the background stages, not the hooks)."""
+
+    def __init__(self, blocks: Optional[Sequence[Block]] = None, *, columns=None):
+        if columns is None:
+            self._blocks: Optional[List[Block]] = list(blocks)
+            n = len(self._blocks)
+            columns = (np.fromiter((b.slot for b in self._blocks), np.int64, n),
+                       np.fromiter((b.start for b in self._blocks), np.int64, n),
+                       np.fromiter((b.numel for b in self._blocks), np.int64, n))
+        else:
+            self._blocks = None
+        self.slot, self.start, self.numel = columns
         self.slots = np.unique(self.slot)  # the distinct slots, sorted
 
+    @property
+    def blocks(self) -> List[Block]:
+        if self._blocks is None:
+            self._blocks = [Block(s, b, b + n) for s, b, n in
+                            zip(self.slot.tolist(), self.start.tolist(), self.numel.tolist())]
+        return self._blocks
+
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.slot)
 
     def where(self, mask: np.ndarray) -> "BlockTable":
         """The blocks whose row of ``mask`` is true."""
-        return BlockTable([b for b, keep in zip(self.blocks, mask) if keep])
+        mask = np.asarray(mask, dtype=bool)
+        return BlockTable(columns=(self.slot[mask], self.start[mask], self.numel[mask]))
+
+    @staticmethod
+    def concat(tables: Sequence["BlockTable"]) -> "BlockTable":
+        """The blocks of ``tables``, one after the other."""
+        if not tables:
+            return BlockTable([])
+        return BlockTable(columns=tuple(np.concatenate([getattr(t, c) for t in tables])
+                                        for c in ("slot", "start", "numel")))
 
 
 def addresses(table: BlockTable, base: np.ndarray, itemsize: np.ndarray) -> np.ndarray:

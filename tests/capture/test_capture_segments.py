@@ -27,3 +27,14 @@ def test_addresses_of_blocks_from_per_slot_bases():
     assert got.tolist() == [tensors[0][4:].data_ptr(), tensors[1][3:].data_ptr(),
                             tensors[2].data_ptr()]
     assert slot_array(4, {1: 7, 3: 9}).tolist() == [0, 7, 0, 9]
+
+
+def test_derived_tables_match_tables_built_from_blocks():
+    a = BlockTable([Block(0, 0, 4), Block(2, 8, 10)])
+    b = BlockTable([Block(1, 4, 12)])
+    both = BlockTable.concat([a, b])
+    assert both.blocks == a.blocks + b.blocks and len(both) == 3
+    assert list(both.slots) == [0, 1, 2]
+    picked = both.where(np.array([True, False, True]))
+    assert picked.blocks == [Block(0, 0, 4), Block(1, 4, 12)]
+    assert list(picked.numel) == [4, 8] and len(BlockTable.concat([])) == 0
