@@ -58,9 +58,11 @@ struct IsaFns {
   void (*cuda_pointwise)(float*, float*, float*, const float*, int64_t, const CudaScalars&);
   void (*cuda_fused)(float*, float*, float*, const float*, int64_t, int64_t,
                      const CudaScalars&);
+  void (*ds_cpu)(float*, float*, float*, const float*, int64_t, const DsScalars&, bool);
 };
 
-#define GOCKPT_ISA_FNS(NS) {NS::adam_single, NS::adam_fused, NS::cuda_pointwise, NS::cuda_fused}
+#define GOCKPT_ISA_FNS(NS) \
+  {NS::adam_single, NS::adam_fused, NS::cuda_pointwise, NS::cuda_fused, NS::ds_cpu}
 
 IsaFns fns_for(Isa isa) {
   switch (isa) {
@@ -339,6 +341,35 @@ AdamScalars make_scalars(const ReplayArgs& a) {
   return s;
 }
 
+bool is_deepspeed(Impl impl) {
+  return impl == Impl::DsCpu1 || impl == Impl::DsCpu8 || impl == Impl::DsCpu16;
+}
+
+DsScalars make_ds_scalars(const ReplayArgs& a) {
+  // The op takes float hyperparameters; IncrementStep keeps beta^t in float (running product,
+  // or std::pow(float, size_t) -- a double pow -- rounded to float on a jump of t).
+  const float lr = static_cast<float>(a.lr), b1 = static_cast<float>(a.beta1);
+  const float b2 = static_cast<float>(a.beta2), wd = static_cast<float>(a.weight_decay);
+  const auto steps = static_cast<double>(static_cast<uint64_t>(a.step));
+  const float b1t = a.beta1_power > 0 ? static_cast<float>(a.beta1_power)
+                                      : static_cast<float>(std::pow(static_cast<double>(b1), steps));
+  const float b2t = a.beta2_power > 0 ? static_cast<float>(a.beta2_power)
+                                      : static_cast<float>(std::pow(static_cast<double>(b2), steps));
+  DsScalars s{};
+  s.b1 = b1;
+  s.b2 = b2;
+  s.c1 = 1.0f - b1;
+  s.c2 = 1.0f - b2;
+  s.bc2 = 1.0f / std::sqrt(1.0f - b2t);
+  s.eps = static_cast<float>(a.eps);
+  s.step_size = -lr / (1.0f - b1t);
+  s.w_decay = -lr * wd;
+  s.wd = wd;
+  s.l2 = !a.decoupled && wd > 0.0f;
+  s.decay_on = a.decoupled && wd > 0.0f;
+  return s;
+}
+
 bool is_cuda(Impl impl) {
   return impl == Impl::CudaForloop || impl == Impl::CudaForeach || impl == Impl::CudaFused;
 }
@@ -414,13 +445,15 @@ struct Prepared {
   IsaFns f;
   AdamScalars s;
   CudaScalars cs;
+  DsScalars ds;
   int64_t tile;
 };
 
 Prepared prepare(const ReplayArgs& a) {
-  const bool cuda = is_cuda(a.impl);
-  return {a.impl, fns_for(resolved_isa()), cuda ? AdamScalars{} : make_scalars(a),
-          cuda ? make_cuda_scalars(a) : CudaScalars{}, g_tile};
+  const bool cuda = is_cuda(a.impl), ds = is_deepspeed(a.impl);
+  return {a.impl, fns_for(resolved_isa()), cuda || ds ? AdamScalars{} : make_scalars(a),
+          cuda ? make_cuda_scalars(a) : CudaScalars{}, ds ? make_ds_scalars(a) : DsScalars{},
+          g_tile};
 }
 
 bool uses_mkl(Impl impl) { return impl == Impl::Single || impl == Impl::Foreach; }
@@ -434,10 +467,18 @@ bool uses_mkl(Impl impl) { return impl == Impl::Single || impl == Impl::Foreach;
 // roundings as their vector bodies, so no element depends on its position or on torch's
 // thread count.
 // Returns the local index (in a slice of n elements at `offset`) where the scalar tail starts.
+// DeepSpeed's CPU op: its SIMD loops cover the largest multiple of the vector width (in
+// elements) of the tensor it is called on; the rest runs its scalar remainder.
 int64_t fused_tail_local(Impl impl, int64_t offset, int64_t full_numel, int64_t n) {
-  if (impl != Impl::Fused) return n;
-  constexpr int64_t kScalarTail = 8;
-  const int64_t tail_global = full_numel - full_numel % kScalarTail;
+  int64_t width;
+  switch (impl) {
+    case Impl::Fused: width = 8; break;
+    case Impl::DsCpu1: width = 1; break;  // no SIMD: every element is the "remainder"
+    case Impl::DsCpu8: width = 8; break;
+    case Impl::DsCpu16: width = 16; break;
+    default: return n;
+  }
+  const int64_t tail_global = impl == Impl::DsCpu1 ? 0 : full_numel - full_numel % width;
   return std::max<int64_t>(0, std::min<int64_t>(n, tail_global - offset));
 }
 
@@ -457,6 +498,14 @@ struct RangeKernel {
         const int64_t mid = std::max(b, std::min(e, tail_local));
         if (mid > b) k.f.fused(p + b, m + b, v + b, g + b, mid - b, k.s, false);
         if (e > mid) k.f.fused(p + mid, m + mid, v + mid, g + mid, e - mid, k.s, true);
+        break;
+      }
+      case Impl::DsCpu1:
+      case Impl::DsCpu8:
+      case Impl::DsCpu16: {
+        const int64_t mid = std::max(b, std::min(e, tail_local));
+        if (mid > b) k.f.ds_cpu(p + b, m + b, v + b, g + b, mid - b, k.ds, false);
+        if (e > mid) k.f.ds_cpu(p + mid, m + mid, v + mid, g + mid, e - mid, k.ds, true);
         break;
       }
       case Impl::CudaForloop:

@@ -9,7 +9,10 @@ namespace gockpt {
 
 // CPU torch implementations (Single, Foreach, Fused) and the CUDA torch ones
 // (docs/arithmetics.md).
-enum class Impl { Single = 0, Foreach = 1, Fused = 2, CudaForloop = 3, CudaForeach = 4, CudaFused = 5 };
+// DsCpu{1,8,16}: DeepSpeed's CPU Adam op (cpu_adam.h) built scalar, AVX256 or AVX512 (its
+// vector width decides which elements take the scalar remainder's contraction).
+enum class Impl { Single = 0, Foreach = 1, Fused = 2, CudaForloop = 3, CudaForeach = 4, CudaFused = 5,
+                  DsCpu1 = 6, DsCpu8 = 7, DsCpu16 = 8 };
 enum class Isa { Auto = 0, Generic = 1, Avx2 = 2, Avx512 = 3 };
 
 struct ReplayArgs {
@@ -20,9 +23,14 @@ struct ReplayArgs {
   int64_t full_numel = 0;
   int threads = 0;        // replay threads, 0 = hardware concurrency
   double grad_scale = 0;  // CudaFused only: GradScaler scale the kernel divides by (0 = none)
+  // DsCpu only: the op's float32 running products beta1^t, beta2^t (0: pow(beta, step), as
+  // the op computes them when t jumps)
+  double beta1_power = 0, beta2_power = 0;
 };
 
 bool is_cuda(Impl impl);
+bool is_deepspeed(Impl impl);
+DsScalars make_ds_scalars(const ReplayArgs& a);
 AdamScalars make_scalars(const ReplayArgs& a);
 CudaScalars make_cuda_scalars(const ReplayArgs& a);
 // Throws std::invalid_argument for settings a profile has no proof for (docs/arithmetics.md).

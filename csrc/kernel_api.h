@@ -43,6 +43,19 @@ struct CudaScalars {
   bool scaled;     // fused with grad_scale
 };
 
+// Scalars of DeepSpeed's CPU Adam op (cpu_adam.h: Step_AVX and Step_1), all float as it has them.
+struct DsScalars {
+  float b1, b2;      // f(beta1), f(beta2)
+  float c1, c2;      // 1 - b1, 1 - b2 (float)
+  float bc2;         // 1 / sqrtf(1 - beta2^t) (1 without bias correction)
+  float eps;         // f(eps)
+  float step_size;   // -lr / (1 - beta1^t)
+  float w_decay;     // -lr * wd: AdamW's param += w_decay * param
+  float wd;          // f(weight_decay): Adam's grad += param * wd
+  bool l2;           // Adam (adam_w_mode False) with weight_decay > 0
+  bool decay_on;     // AdamW with weight_decay > 0
+};
+
 // sqrt as torch computes it (MKL vmsSqrt or IEEE), out-of-place, n <= kMaxSqrtTile.
 using SqrtFn = void (*)(const float* in, float* out, int64_t n);
 
@@ -65,6 +78,9 @@ constexpr int64_t kMaxSqrtTile = 16384;
   /* CUDA torch fused kernel; `index` = global index of p[0] (its 4-wide vector lane)    */   \
   void cuda_fused(float* p, float* m, float* v, const float* g, int64_t n, int64_t index,   \
                   const CudaScalars& s);                                                    \
+  /* DeepSpeed's CPU Adam op: its SIMD body, or (tail) its scalar remainder's contraction */   \
+  void ds_cpu(float* p, float* m, float* v, const float* g, int64_t n, const DsScalars& s,  \
+              bool tail);                                                                   \
   }
 
 GOCKPT_DECLARE_ISA(generic)

@@ -309,6 +309,37 @@ inline void cuda_fused_s(float* p, float* m, float* v, const float* g, int64_t n
   else cuda_fused_t<false, false, SCALED>(p, m, v, g, n, index, s);
 }
 
+// DeepSpeed's CPU Adam (ops/csrc/includes/cpu_adam.h, Step_AVX / Step_1, DeepSpeed 0.19.8):
+// the SIMD body's explicit fmas; the scalar remainder as GCC contracted it (the moments fuse
+// the other product).  Measured bit for bit against the op (tests/replay).
+template <bool L2, bool DECAY, bool TAIL>
+inline void ds_cpu_t(float* __restrict p, float* __restrict m, float* __restrict v,
+                     const float* __restrict g, int64_t n, const DsScalars& s) {
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = g[i];
+    float pi = p[i];
+    if (L2) gi = __builtin_fmaf(pi, s.wd, gi);
+    const float mn = TAIL ? __builtin_fmaf(m[i], s.b1, gi * s.c1)
+                          : __builtin_fmaf(gi, s.c1, m[i] * s.b1);
+    const float gg = gi * gi;
+    const float vn = TAIL ? __builtin_fmaf(v[i], s.b2, gg * s.c2)
+                          : __builtin_fmaf(gg, s.c2, v[i] * s.b2);
+    m[i] = mn;
+    v[i] = vn;
+    const float u = mn / __builtin_fmaf(__builtin_sqrtf(vn), s.bc2, s.eps);
+    if (DECAY) pi = __builtin_fmaf(pi, s.w_decay, pi);
+    p[i] = __builtin_fmaf(u, s.step_size, pi);
+  }
+}
+
+template <bool TAIL>
+inline void ds_cpu_r(float* p, float* m, float* v, const float* g, int64_t n,
+                     const DsScalars& s) {
+  if (s.l2) ds_cpu_t<true, false, TAIL>(p, m, v, g, n, s);
+  else if (s.decay_on) ds_cpu_t<false, true, TAIL>(p, m, v, g, n, s);
+  else ds_cpu_t<false, false, TAIL>(p, m, v, g, n, s);
+}
+
 template <bool RECIP>
 inline void cuda_pointwise_r(float* p, float* m, float* v, const float* g, int64_t n,
                              const CudaScalars& s) {
@@ -318,6 +349,12 @@ inline void cuda_pointwise_r(float* p, float* m, float* v, const float* g, int64
 }
 
 }  // namespace
+
+void ds_cpu(float* p, float* m, float* v, const float* g, int64_t n, const DsScalars& s,
+            bool tail) {
+  if (tail) ds_cpu_r<true>(p, m, v, g, n, s);
+  else ds_cpu_r<false>(p, m, v, g, n, s);
+}
 
 void adam_single(float* p, float* m, float* v, const float* g, int64_t n, const AdamScalars& s,
                  SqrtFn sqrt_fn, int64_t tile) {

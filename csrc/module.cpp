@@ -46,7 +46,9 @@ Impl parse_impl(const std::string& s) {
   return parse_name<Impl>(s, {{"single", Impl::Single}, {"foreach", Impl::Foreach},
                               {"fused", Impl::Fused}, {"cuda-forloop", Impl::CudaForloop},
                               {"cuda-foreach", Impl::CudaForeach},
-                              {"cuda-fused", Impl::CudaFused}}, "impl");
+                              {"cuda-fused", Impl::CudaFused}, {"deepspeed-cpu-w1", Impl::DsCpu1},
+                              {"deepspeed-cpu-w8", Impl::DsCpu8},
+                              {"deepspeed-cpu-w16", Impl::DsCpu16}}, "impl");
 }
 
 Isa parse_isa(const std::string& s) {
@@ -63,10 +65,12 @@ PYBIND11_MODULE(_C, mod) {
       "adam_replay",
       [](uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t g, int64_t n, const std::string& impl,
          bool decoupled, double lr, double beta1, double beta2, double eps, double weight_decay,
-         double step, int64_t offset, int64_t full_numel, int threads, double grad_scale) {
+         double step, int64_t offset, int64_t full_numel, int threads, double grad_scale,
+         double beta1_power, double beta2_power) {
         // field order of ReplayArgs (aggregate initialisation)
         const ReplayArgs a{parse_impl(impl), decoupled, lr, beta1, beta2, eps, weight_decay,
-                           step, offset, full_numel, threads, grad_scale};
+                           step, offset, full_numel, threads, grad_scale, beta1_power,
+                           beta2_power};
         if (n < 0 || offset < 0 || offset + n > full_numel)
           throw std::invalid_argument("slice [offset, offset+n) must lie inside [0, full_numel)");
         py::gil_scoped_release release;
@@ -76,9 +80,11 @@ PYBIND11_MODULE(_C, mod) {
       py::arg("impl"), py::arg("decoupled"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
       py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("offset"),
       py::arg("full_numel"), py::arg("threads"), py::arg("grad_scale") = 0.0,
+      py::arg("beta1_power") = 0.0, py::arg("beta2_power") = 0.0,
       "Replay one Adam(W) step in place on raw float32 buffers (addresses as ints); impl is a "
-      "CPU torch implementation (single|foreach|fused) or a CUDA one (cuda-forloop|"
-      "cuda-foreach|cuda-fused, docs/arithmetics.md).");
+      "CPU torch implementation (single|foreach|fused), a CUDA one (cuda-forloop|"
+      "cuda-foreach|cuda-fused) or DeepSpeed's CPU op (deepspeed-cpu-w{1,8,16}: its SIMD "
+      "width; beta{1,2}_power: its running products, 0 = pow), docs/arithmetics.md.");
 
   mod.def("init_vml_sqrt", &init_vml_sqrt, py::arg("lib_path"),
           "Resolve MKL vmsSqrt from an already-loaded library; returns sqrt_backend().");
@@ -293,7 +299,8 @@ void bind_replay_batch(py::module_& m) {
          const std::vector<double>& lr, const std::vector<double>& beta1,
          const std::vector<double>& beta2, const std::vector<double>& eps,
          const std::vector<double>& weight_decay, const std::vector<double>& step,
-         const std::vector<double>& grad_scale, int threads) {
+         const std::vector<double>& grad_scale, int threads,
+         const std::vector<double>& beta1_power, const std::vector<double>& beta2_power) {
         const int64_t n = common_length({{"p", &p}, {"m", &mm}, {"v", &v}, {"g", &g},
                                          {"numel", &numel}, {"offset", &offset},
                                          {"full_numel", &full_numel}, {"arg", &arg}});
@@ -303,11 +310,16 @@ void bind_replay_batch(py::module_& m) {
           if (len != na)
             throw std::invalid_argument("the args table's lists must all have " +
                                         std::to_string(na) + " entries (as impls)");
+        for (size_t len : {beta1_power.size(), beta2_power.size()})
+          if (len != 0 && len != na)
+            throw std::invalid_argument("beta1_power/beta2_power: empty, or one per entry");
         std::vector<ReplayArgs> table;
         table.reserve(na);
         for (size_t k = 0; k < na; ++k)  // field order of ReplayArgs
           table.push_back({parse_impl(impls[k]), decoupled[k], lr[k], beta1[k], beta2[k], eps[k],
-                           weight_decay[k], step[k], 0, 0, 0, grad_scale[k]});
+                           weight_decay[k], step[k], 0, 0, 0, grad_scale[k],
+                           beta1_power.empty() ? 0.0 : beta1_power[k],
+                           beta2_power.empty() ? 0.0 : beta2_power[k]});
         const ReplaySegments segs{p.data(),      mm.data(),     v.data(),          g.data(),
                                   numel.data(),  offset.data(), full_numel.data(), arg.data(), n};
         py::gil_scoped_release release;
@@ -317,6 +329,8 @@ void bind_replay_batch(py::module_& m) {
       py::arg("full_numel"), py::arg("arg"), py::arg("impls"), py::arg("decoupled"),
       py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
       py::arg("weight_decay"), py::arg("step"), py::arg("grad_scale"), py::arg("threads"),
+      py::arg("beta1_power") = std::vector<double>{},
+      py::arg("beta2_power") = std::vector<double>{},
       "One Adam(W) step on many float32 slices (addresses as int64), segment i with entry "
       "arg[i] of the args table (impls, decoupled, ..., grad_scale); bit-identical to "
       "adam_replay per segment.");

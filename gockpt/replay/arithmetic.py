@@ -23,6 +23,9 @@ __all__ = ["adam_replay", "replay_batch", "replay_step", "replay_arithmetics", "
 
 IMPLS = ("single", "foreach", "fused")
 CUDA_IMPLS = ("cuda-forloop", "cuda-foreach", "cuda-fused")  # torch's CUDA kernels (replay_step)
+# DeepSpeed's CPU Adam op built without SIMD, with AVX256 or with AVX512 (its vector width)
+DEEPSPEED_IMPLS = ("deepspeed-cpu-w1", "deepspeed-cpu-w8", "deepspeed-cpu-w16")
+_ALL_IMPLS = IMPLS + CUDA_IMPLS + DEEPSPEED_IMPLS
 
 # Profile name "<device>/<source>/<optimizer>/<impl>" -> (kernel impl, decoupled weight decay).
 _PROFILES = {
@@ -30,6 +33,8 @@ _PROFILES = {
        for opt in ("Adam", "AdamW") for impl in IMPLS},
     **{f"cuda/torch/{opt}/{impl}": (f"cuda-{impl}", opt == "AdamW")
        for opt in ("Adam", "AdamW") for impl in ("forloop", "foreach", "fused")},
+    **{f"cpu/deepspeed/FusedAdam/adam_w_mode={mode}": ("deepspeed-cpu", mode)
+       for mode in (True, False)},
 }
 # Recorded but not reproducible: refused with the reason (docs/arithmetics.md).
 _UNPROVEN = {
@@ -117,13 +122,31 @@ def _check_threads(threads: Optional[int]) -> int:
     return threads
 
 
+def deepspeed_simd_width() -> int:
+    """The vector width (float32 lanes) DeepSpeed compiles its CPU Adam op with on this
+    machine (its builder's rule: AVX512 if the CPU has it, else AVX256 if AVX2, else none)."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return 1
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return 1
+    if any(fl.startswith("avx512") for fl in flags):
+        return 16
+    return 8 if "avx2" in flags else 1
+
+
 def _run(tensors, n, impl, decoupled, hp, step, offset, full_numel, threads,
-         grad_scale=0.0) -> None:
+         grad_scale=0.0, beta_powers=(0.0, 0.0)) -> None:
     """The C++ kernel call shared by adam_replay and replay_step (ValueError on refusal)."""
     p, m, v, g = (t.data_ptr() for t in tensors)
     _C.adam_replay(p, m, v, g, n, impl, bool(decoupled), float(hp["lr"]), float(hp["beta1"]),
                    float(hp["beta2"]), float(hp["eps"]), float(hp["weight_decay"]), step,
-                   offset, full_numel, int(threads), float(grad_scale))
+                   offset, full_numel, int(threads), float(grad_scale),
+                   float(beta_powers[0]), float(beta_powers[1]))
 
 
 def adam_replay(param, exp_avg, exp_avg_sq, grad, *, impl: str, decoupled: bool, lr: float,
@@ -143,8 +166,8 @@ def adam_replay(param, exp_avg, exp_avg_sq, grad, *, impl: str, decoupled: bool,
     ``impl``: one of ``IMPLS`` (torch's CPU kernels) or ``CUDA_IMPLS`` (torch's CUDA kernels,
     see ``replay_step``; ``grad_scale`` only with ``"cuda-fused"``).
     """
-    if impl not in IMPLS + CUDA_IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS + CUDA_IMPLS}, got {impl!r}")
+    if impl not in _ALL_IMPLS:
+        raise ValueError(f"impl must be one of {_ALL_IMPLS}, got {impl!r}")
     n = _check_buffers(param, exp_avg, exp_avg_sq, grad)
     if full_numel is None:
         full_numel = n + int(offset)
@@ -176,8 +199,8 @@ def _args_table(impls, decoupled, lr, beta1, beta2, eps, weight_decay, step, gra
                              f"unsupported)")
         floats[name] = col if name == "decoupled" else [float(x) for x in col]
     for k, impl in enumerate(impls):
-        if impl not in IMPLS + CUDA_IMPLS:
-            raise ValueError(f"args entry {k}: impl must be one of {IMPLS + CUDA_IMPLS}, "
+        if impl not in _ALL_IMPLS:
+            raise ValueError(f"args entry {k}: impl must be one of {_ALL_IMPLS}, "
                              f"got {impl!r}")
         if not floats["step"][k] >= 1:
             raise ValueError(f"args entry {k}: step must be >= 1 (the count after increment), "
@@ -207,7 +230,8 @@ def replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls: Sequence[str
                  decoupled: Sequence[bool], lr: Sequence[float], beta1: Sequence[float],
                  beta2: Sequence[float], eps: Sequence[float], weight_decay: Sequence[float],
                  step: Sequence[float], grad_scale: Optional[Sequence[float]] = None,
-                 threads: Optional[int] = None, check_overlap: bool = True) -> None:
+                 threads: Optional[int] = None, check_overlap: bool = True,
+                 beta_powers: Optional[Sequence[Sequence[float]]] = None) -> None:
     """Replay one Adam/AdamW update on many slices in one call, bit for bit as ``adam_replay``
     on each slice alone (the arguments mirror ``_C.adam_replay_batch``).
 
@@ -220,7 +244,8 @@ def replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls: Sequence[str
     The args table, lists of one length: ``impls`` (``IMPLS`` or ``CUDA_IMPLS``), ``decoupled``
     (AdamW), ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` (Python floats), ``step``
     (the count of this update, after the increment, >= 1) and ``grad_scale`` (None: none;
-    per entry 0 = none, else "cuda-fused" only).
+    per entry 0 = none, else "cuda-fused" only); ``beta_powers`` (None, or per entry the
+    (beta1^t, beta2^t) a ``DEEPSPEED_IMPLS`` entry uses, (0, 0) = pow).
     The written ranges (p, m, v of all segments) must not overlap each other or any grad range;
     grad ranges may overlap each other.  ``check_overlap=False`` skips checking that (a sort of
     3n addresses, about twice the replay's own time for 2,000 tiny segments) for a caller whose
@@ -250,7 +275,9 @@ def replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls: Sequence[str
         _check_disjoint(p, m, v, g, 4 * numel)
     _C.adam_replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls, t["decoupled"],
                          t["lr"], t["beta1"], t["beta2"], t["eps"], t["weight_decay"],
-                         t["step"], t["grad_scale"], _check_threads(threads))
+                         t["step"], t["grad_scale"], _check_threads(threads),
+                         [] if beta_powers is None else [float(b[0]) for b in beta_powers],
+                         [] if beta_powers is None else [float(b[1]) for b in beta_powers])
 
 
 def replay_arithmetics() -> list:
@@ -259,8 +286,10 @@ def replay_arithmetics() -> list:
     ``"<device>/<source>/<optimizer>/<impl>"``: ``cpu/torch/{Adam,AdamW}/{single,foreach,fused}``
     (torch's CPU kernels, checked against torch itself) and
     ``cuda/torch/{Adam,AdamW}/{forloop,foreach,fused}`` (torch >= 2.11 CUDA kernels, proven on
-    golden vectors recorded on an NVIDIA H100).  Profiles recorded but not reproducible (DeepSpeed
-    FusedAdam on CUDA) are not listed and are refused.
+    golden vectors recorded on an NVIDIA H100), and
+    ``cpu/deepspeed/FusedAdam/adam_w_mode={True,False}`` (DeepSpeed's CPU Adam op, checked against
+    the op itself).  Profiles recorded but not reproducible (DeepSpeed FusedAdam on CUDA) are not
+    listed and are refused.
     """
     return sorted(_PROFILES)
 
@@ -276,7 +305,8 @@ def _profile(arithmetic: str):
 
 
 def replay_step(arithmetic: str, param, exp_avg, exp_avg_sq, grad, *, lr: float, betas,
-                eps: float, weight_decay: float, step, grad_scale: Optional[float] = None) -> None:
+                eps: float, weight_decay: float, step, grad_scale: Optional[float] = None,
+                beta_powers=None, simd_width: Optional[int] = None) -> None:
     """Apply one Adam/AdamW update in place, bit for bit as the named optimizer computes it.
 
     ``arithmetic``: a name from ``replay_arithmetics()``, e.g. ``"cuda/torch/AdamW/fused"``,
@@ -290,10 +320,23 @@ def replay_step(arithmetic: str, param, exp_avg, exp_avg_sq, grad, *, lr: float,
     ``step``: the step count of this update, after the optimizer's increment (1 on the first).
     ``grad_scale``: the GradScaler scale the CUDA fused kernel unscales by itself (``grad`` is then
     the scaled gradient, as the kernel receives it); refused by every other arithmetic.
+    DeepSpeed's CPU op (``cpu/deepspeed/FusedAdam/adam_w_mode=...``, also what
+    ``DeepSpeedCPUAdam`` runs) keeps ``beta1^t``, ``beta2^t`` as float32 running products in
+    the process: ``beta_powers`` gives them (default: ``pow(beta, step)`` rounded to float, what
+    the op uses when t jumps); ``simd_width`` is the float32 lanes the op was built with
+    (default: :func:`deepspeed_simd_width`), which decides the elements of its scalar tail.
     Raises ValueError for an unknown or unproven arithmetic, bad tensors, or a setting the profile
     has no proof for (docs/arithmetics.md says which).
     """
     impl, decoupled = _profile(arithmetic)
+    if impl == "deepspeed-cpu":
+        width = deepspeed_simd_width() if simd_width is None else int(simd_width)
+        if width not in (1, 8, 16):
+            raise ValueError(f"simd_width must be 1, 8 or 16, got {simd_width!r}")
+        impl = f"deepspeed-cpu-w{width}"
+    elif beta_powers is not None or simd_width is not None:
+        raise ValueError(f"beta_powers and simd_width are taken by DeepSpeed's CPU arithmetic "
+                         f"only, not by {arithmetic!r}")
     if grad_scale is not None and impl != "cuda-fused":
         raise ValueError(f"grad_scale is taken only by the CUDA fused arithmetics, not by "
                          f"{arithmetic!r}")
@@ -303,5 +346,8 @@ def replay_step(arithmetic: str, param, exp_avg, exp_avg_sq, grad, *, lr: float,
     beta1, beta2 = betas
     hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     step = _check_scalars(step, **hp)
+    powers = (0.0, 0.0) if beta_powers is None else tuple(float(b) for b in beta_powers)
+    if not all(0 <= b <= 1 for b in powers):
+        raise ValueError(f"beta_powers must be two floats in (0, 1], got {beta_powers!r}")
     _run((param, exp_avg, exp_avg_sq, grad), n, impl, decoupled, hp, step, 0, n,
-         os.cpu_count() or 1, grad_scale or 0.0)
+         os.cpu_count() or 1, grad_scale or 0.0, powers)

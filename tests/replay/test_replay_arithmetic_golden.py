@@ -150,6 +150,7 @@ def test_replay_arithmetics_lists_every_profile():
                 for dev, impls in (("cpu", ("single", "foreach", "fused")),
                                    ("cuda", ("forloop", "foreach", "fused")))
                 for impl in impls}
+    expected |= {f"cpu/deepspeed/FusedAdam/adam_w_mode={m}" for m in (True, False)}
     assert names == sorted(expected)
     assert {profile_of(c) for c in TORCH_CASES} <= set(names)
 
