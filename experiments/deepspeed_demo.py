@@ -30,6 +30,9 @@ os.environ.update({k: v for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT
 warnings.filterwarnings("ignore")
 
 
+MODE = "gockpt-o"  # the state copied over K steps, the optimizer steps between replayed
+
+
 def make_engine(dim: int, layers: int):
     import deepspeed
     torch.manual_seed(0)
@@ -39,7 +42,7 @@ def make_engine(dim: int, layers: int):
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
               "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
-              "gockpt": {"mode": "async-o"},          # gockpt options (optional)
+              "gockpt": {"mode": MODE},               # gockpt options (optional)
               "steps_per_print": 10 ** 9}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
@@ -60,23 +63,27 @@ def demo(args, work: str) -> bool:
     reference = make_engine(args.dim, args.layers)          # uninterrupted, no gockpt
     ref_losses = [train_step(reference, s, args.dim) for s in range(1, args.steps + 1)]
 
-    gockpt_ds.install()                                                      # gockpt
+    gockpt_ds.install(overlap_steps=3, block_bytes=4096)  # gockpt (K=3: the model is tiny)
     engine = make_engine(args.dim, args.layers)
-    for step in range(1, args.save_at + 1):
+    for step in range(1, args.save_at + 3):
         train_step(engine, step, args.dim)
-    engine.save_checkpoint(work, client_state={"next_step": args.save_at + 1})   # at once
+        if step == args.save_at:
+            # Returns at once. The checkpoint holds step F = save_at + K - 1, reached two
+            # steps later: client_state is a callable, called at F.
+            engine.save_checkpoint(work, client_state=lambda: {"next": engine.global_steps + 1})
     gockpt_ds.wait(engine)       # only because we resume right away; exit waits by itself
-    print(f"checkpoint of step {args.save_at} committed: {os.listdir(work)}")
+    print(f"checkpoint started at step {args.save_at}, committed: "
+          f"{sorted(n for n in os.listdir(work) if n.startswith('step-'))}")
 
     fresh = make_engine(args.dim, args.layers)
     path, client = fresh.load_checkpoint(work)                   # the unchanged DeepSpeed call
     loaded_at = fresh.global_steps
-    resumed = [train_step(fresh, s, args.dim) for s in range(client["next_step"], args.steps + 1)]
-    same = resumed == ref_losses[args.save_at:]
+    resumed = [train_step(fresh, s, args.dim) for s in range(client["next"], args.steps + 1)]
+    same = resumed == ref_losses[client["next"] - 1:]
     print(f"resumed from {os.path.basename(path)} (global_steps {loaded_at}): "
           f"{len(resumed)} losses {'bitwise equal to' if same else 'DIFFERENT from'} the "
           "uninterrupted run")
-    return same
+    return same and len(resumed) > 0
 
 
 def bench(args, work: str) -> None:

@@ -89,13 +89,16 @@ class Checkpointer:
             raise ConfigError("with several ranks every rank must start the same checkpoints: "
                               "use a fixed interval (or force) and on_busy='wait'")
         self.plan = build_plan(model, optimizer, self.config.block_bytes)
-        self.adapter = adapter_for(optimizer) if self.policy.replays else None
         ensure_writable(self.config.directory)
         self.lock = lock_for_ranks(self.config.directory, self.ranks)
+        self.adapter = None
         try:
+            self.adapter = adapter_for(optimizer) if self.policy.replays else None
             self._build(model, optimizer, scheduler)
         except BaseException:
             self.lock.release()
+            if self.adapter is not None:
+                self.adapter.close()
             raise
 
     def _build(self, model, optimizer, scheduler) -> None:
@@ -237,6 +240,8 @@ class Checkpointer:
             self.lock.release()
             for hook in self._hooks:
                 hook.remove()
+            if self.adapter is not None:
+                self.adapter.close()
         self.loop.raise_pending()
 
     def __enter__(self):
@@ -300,6 +305,7 @@ class Checkpointer:
         plan = build_plan(self.model, self.optimizer, self.config.block_bytes)
         plan.copy_at_f(adapted)
         if self.policy.replays:
+            self.adapter.close()
             self.adapter = self.capture.adapter = self.replayer.adapter = \
                 adapter_for(self.optimizer)
         if device_for([s.param for s in plan.slots]).kind != self.device.kind:

@@ -89,8 +89,13 @@ def main():
     else:
         def at(step):  # "save" through gockpt, "native-save" DeepSpeed's own
             if run in ("save", "native-save") and step == sc["save_at"]:
-                engine.save_checkpoint(ck_dir, client_state={"data_pos": step, "rank": rank})
+                # gockpt calls a callable at F; DeepSpeed's own save takes a dict
+                engine.save_checkpoint(ck_dir, client_state=client if run == "save" else client())
+            if step == sc.get("final_at", sc["save_at"]):  # F (K - 1 steps later in gockpt-o)
                 out["live"] = live_state(engine)
+
+        def client():
+            return {"data_pos": engine.global_steps, "rank": rank}
         train(engine, sc, 1, sc["steps"], out, at)
         if run == "save" and not sc.get("exit_without_wait"):
             gockpt_ds.wait(engine)

@@ -120,6 +120,9 @@ class AdamAdapter:
             out.update(zip(have, (counts.reshape(-1) + 1.0).tolist()))
         return out
 
+    def close(self) -> None:
+        """Nothing to undo (the DeepSpeed adapter removes its step hook here)."""
+
     def skipped_by_scaler(self) -> bool:
         """A fused step with GradScaler's found_inf set returns before touching any state."""
         found_inf = getattr(self.optimizer, "found_inf", None)
@@ -154,7 +157,8 @@ class AdamAdapter:
             [sc.lr for sc, _ in args], [sc.beta1 for sc, _ in args],
             [sc.beta2 for sc, _ in args], [sc.eps for sc, _ in args],
             [sc.weight_decay for sc, _ in args], [step for _, step in args],
-            threads=threads, check_overlap=False)
+            threads=threads, check_overlap=False,
+            beta_powers=[(sc.beta1_power, sc.beta2_power) for sc, _ in args])
 
 
 def _device_of(optimizer) -> torch.device:
@@ -170,6 +174,9 @@ def _device_name(device: torch.device) -> str:
     return "this machine's CPU"
 
 
-def adapter_for(optimizer: torch.optim.Optimizer) -> AdamAdapter:
+def adapter_for(optimizer: torch.optim.Optimizer):
     """The replay adapter for ``optimizer``; raises UnsupportedOptimizerError if none is exact."""
+    from .deepspeed_adapter import DeepSpeedCpuAdamAdapter, is_deepspeed_fused_adam
+    if is_deepspeed_fused_adam(optimizer):
+        return DeepSpeedCpuAdamAdapter(optimizer, _refuse)
     return AdamAdapter(optimizer)

@@ -24,8 +24,10 @@ class GroupScalars:
     beta2: float
     eps: float
     weight_decay: float
-    impl: str          # "single" | "foreach" | "fused"
+    impl: str          # a kernel of gockpt.replay.arithmetic (e.g. "single", "deepspeed-cpu-w8")
     decoupled: bool    # AdamW-style weight decay
+    beta1_power: float = 0.0  # DeepSpeed's CPU op: its running beta1^t, beta2^t (0: unused)
+    beta2_power: float = 0.0
 
 
 @dataclass

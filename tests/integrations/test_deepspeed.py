@@ -47,15 +47,23 @@ def assert_states_equal(a, b, what):
     assert a["counters"] == b["counters"], what
 
 
+GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # F = SAVE_AT + 2
+
+
 @pytest.mark.parametrize("stage,world,extra", [
     (0, 1, {}),
     (1, 2, {}),
     (2, 2, {}),
     (1, 1, {"fp32_accumulation": True}),            # BF16_Optimizer
     (2, 1, {"gas": 2, "gockpt_section": {"keep_last": 2}}),
+    (0, 1, {"options": GOCKPT_O}),                  # the replay of DeepSpeed's CPU Adam
+    (1, 2, {"options": GOCKPT_O}),
+    (2, 1, {"options": GOCKPT_O, "gas": 2}),
 ])
 def test_checkpoint_is_the_state_at_f_and_resumes_bitwise(tmp_path, stage, world, extra):
-    one = runs(tmp_path, world, stage=stage, steps=STEPS, save_at=SAVE_AT, **extra)
+    final = SAVE_AT + extra.get("options", {}).get("overlap_steps", 1) - 1
+    one = runs(tmp_path, world, stage=stage, steps=STEPS, save_at=SAVE_AT, final_at=final,
+               **extra)
     plain, saved, resumed = one("plain"), one("save"), one("resume")
     for r in range(world):
         # No interference: the patched run with its checkpoint trains exactly like the plain one.
@@ -63,12 +71,12 @@ def test_checkpoint_is_the_state_at_f_and_resumes_bitwise(tmp_path, stage, world
         assert_states_equal(saved[r]["final"], plain[r]["final"], f"rank {r}: patched vs plain")
         # The checkpoint is the live state at F (fp32 master, moments, step, weights, counters).
         assert_states_equal(resumed[r]["loaded"], saved[r]["live"], f"rank {r}: loaded vs live")
-        assert resumed[r]["client"] == {"data_pos": SAVE_AT, "rank": r}
+        assert resumed[r]["client"] == {"data_pos": final, "rank": r}
         # Resumed in fresh processes, training goes on bit for bit.
         gas = extra.get("gas", 1)
-        assert resumed[r]["losses"] == plain[r]["losses"][SAVE_AT * gas:]
+        assert resumed[r]["losses"] == plain[r]["losses"][final * gas:]
         assert_states_equal(resumed[r]["final"], plain[r]["final"], f"rank {r}: resumed vs plain")
-    assert open(tmp_path / "ckpt" / "latest").read().strip() == "step-000000018"
+    assert open(tmp_path / "ckpt" / "latest").read().strip() == f"step-{final:09d}"
     assert_fp32_export_matches(tmp_path, saved[0]["live"])
 
 
@@ -121,8 +129,8 @@ def test_options_default_to_async_o_and_come_from_the_config_section():
 
 @pytest.mark.parametrize("engine,options,match", [
     (fake_engine(stage=3), {}, "ZeRO stage 3"),
-    (fake_engine(), {"mode": "gockpt-o"}, "not built yet"),
-    (fake_engine(section={"mode": "gockpt"}), {}, "not built yet"),
+    (fake_engine(), {"mode": "gockpt-o"}, "cannot replay"),
+    (fake_engine(section={"mode": "gockpt"}), {}, "cannot replay"),
     (fake_engine(), {"block_bytes": -1}, "block_bytes"),
     (fake_engine(), {"directory": "/tmp/x"}, "save_dir"),
 ])
@@ -136,7 +144,7 @@ def test_fallback_replaces_a_replay_mode_by_async_o_with_one_warning():
         warnings.simplefilter("always")
         opts = gockpt_ds._options(fake_engine(), {"mode": "gockpt-o", "fallback": True})
     assert opts["mode"] == "async-o" and len(caught) == 1
-    assert "not built yet" in str(caught[0].message)
+    assert "cannot replay" in str(caught[0].message)
 
 
 def test_loss_scaler_numbers_round_trip():

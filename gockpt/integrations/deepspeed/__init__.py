@@ -19,9 +19,11 @@ Options (keyword arguments of :func:`patch`/:func:`install`, or a ``"gockpt": {.
 the DeepSpeed config; arguments win) are :class:`gockpt.Config` fields: ``mode`` (default
 ``"async-o"``), ``block_bytes``, ``keep_last``, ``on_busy``, ``max_host_bytes``, ...; the
 directory is the ``save_dir`` of each call.  Modes ``sync``, ``async`` and ``async-o`` copy
-the state; the replay modes (``gockpt``, ``gockpt-o``) need a bitwise replay of DeepSpeed's
-optimizers, which is not built yet: they are refused, or with ``fallback=True`` replaced by
-``async-o`` with one warning.  ZeRO stage 3 is refused.
+the state; the replay modes (``gockpt``, ``gockpt-o``: the state copied over K steps, the fp32
+gradients of the steps between replayed on the CPU) need a bitwise replay of the base
+optimizer: DeepSpeed's ``FusedAdam`` on the CPU (its CPU Adam op) or torch's Adam/AdamW; any
+other (DeepSpeed's CUDA ``FusedAdam``: built with fast math) is refused, or with
+``fallback=True`` replaced by ``async-o`` with one warning.  ZeRO stage 3 is refused.
 """
 
 from __future__ import annotations
@@ -108,16 +110,30 @@ def _options(engine, options: dict) -> dict:
     if engine.zero_optimization_stage() == 3:
         raise ConfigError("gockpt_ds: ZeRO stage 3 is not supported (parameters partitioned "
                           "across ranks); use stage 0, 1 or 2, or DeepSpeed's own checkpoints")
-    if merged["mode"] not in COPY_MODES:
-        why = (f"gockpt_ds: mode {merged['mode']!r} replays DeepSpeed's optimizer on the CPU, "
-               "and that replay is not built yet (it would not be bitwise)")
+    why = None if merged["mode"] in COPY_MODES else _replay_refusal(engine)
+    if why is not None:
+        why = f"gockpt_ds: mode {merged['mode']!r} cannot replay this engine's optimizer: {why}"
         if not fallback:
-            raise ConfigError(f"{why}; use mode='async-o' (the default), 'async' or 'sync', or "
+            raise ConfigError(f"{why}. Use mode='async-o' (the default), 'async' or 'sync', or "
                               "pass fallback=True to get async-o with a warning")
-        warnings.warn(f"{why}: using async-o", stacklevel=3)
+        warnings.warn(f"{why}; using async-o", stacklevel=3)
         merged["mode"] = DEFAULT_MODE
     Config(directory=".", **merged)  # every other option checked here, not at the first save
     return merged
+
+
+def _replay_refusal(engine):
+    """Why the base optimizer has no bitwise replay (None: it has one)."""
+    from ...errors import UnsupportedOptimizerError
+    from ...replay.adapters import adapter_for
+    from .state import base_optimizer
+    try:
+        adapter_for(base_optimizer(engine)).close()
+    except UnsupportedOptimizerError as exc:
+        return str(exc)
+    except (AttributeError, TypeError) as exc:
+        return f"the engine has no optimizer gockpt can use ({exc})"
+    return None
 
 
 # ---------------------------------------------------------------------- the wrapped methods

@@ -33,6 +33,7 @@ class EnginePatch:
         self.ck: Optional[Checkpointer] = None
         self.state: Optional[EngineState] = None
         self.layout: Optional[dict] = None  # fp32_layout, taken once
+        self.record = None  # the small state of the checkpoint in flight, called at its F
         self.pending = False        # a step ended; its boundary is not recorded yet
         self.in_backward = False    # backward_begin called for the step under way
         self.warned_latest = False
@@ -64,7 +65,8 @@ class EnginePatch:
         """Record a pending step boundary."""
         if self.pending:
             self.pending = False
-            self.ck.save_checkpoint(self.engine.global_steps)
+            # the Checkpointer calls extra_state at the boundary of F, whichever that is
+            self.ck.save_checkpoint(self.engine.global_steps, self.record)
 
     # ------------------------------------------------------------------ save / load / wait
 
@@ -90,9 +92,9 @@ class EnginePatch:
                               "save at the same step, or a save before the first step")
         self.pending = False
         engine, layout = self.engine, self.layout
-        handle = self.ck.save_checkpoint(
-            engine.global_steps, lambda: engine_record(engine, client_state, layout), force=True,
-            name=None if tag is None else str(tag))
+        self.record = lambda: engine_record(engine, client_state, layout)
+        handle = self.ck.save_checkpoint(engine.global_steps, self.record, force=True,
+                                         name=None if tag is None else str(tag))
         return handle is not None
 
     def load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
@@ -122,7 +124,7 @@ class EnginePatch:
         try:
             if self.pending:
                 self.pending = False
-                ck.save_checkpoint(self.engine.global_steps)
+                ck.save_checkpoint(self.engine.global_steps, self.record)
         finally:
             self.in_backward = False
             ck.close()
