@@ -122,11 +122,13 @@ class CaptureBook:
         """``captured`` as a BlockTable, derived from the groups' tables (no loop per block)
         and kept until another group lands."""
         from .capture.segments import BlockTable
-        key = ("captured", len(self.captured))
-        if key not in self._tables:
-            at_f = [t for j, t in self._tables.items() if j == "at_f"]
-            self._tables[key] = BlockTable.concat([self.table(j) for j in self.landed] + at_f)
-        return self._tables[key]
+        key = len(self.captured)
+        cached = self._tables.get("captured")
+        if cached is None or cached[0] != key:
+            at_f = [self._tables["at_f"]] if "at_f" in self._tables else []
+            cached = self._tables["captured"] = (
+                key, BlockTable.concat([self.table(j) for j in self.landed] + at_f))
+        return cached[1]
 
 
 @dataclass

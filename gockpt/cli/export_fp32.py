@@ -18,7 +18,7 @@ from .common import BadCheckpoint
 def consolidated_fp32(sources) -> dict:
     """``sources``: (path, manifest data) of every rank's part, in rank order.  Returns
     ``{parameter name: fp32 tensor}`` in the model's order."""
-    out, covered = {}, {}
+    out, covered, shapes = {}, {}, {}
     for path, data in sources:
         m = Manifest.from_json(path, data)
         small = storage.read_tensors(path, m, [n for n in m.tensors if is_small_tensor(n)],
@@ -37,10 +37,9 @@ def consolidated_fp32(sources) -> dict:
             full = out.setdefault(name, torch.zeros(math.prod(shape), dtype=torch.float32))
             full[lp_start:lp_start + numel] = masters[key][hp_start:hp_start + numel]
             covered[name] = covered.get(name, 0) + numel
-            out[name + "\0shape"] = shape
+            shapes[name] = shape
     result = {}
-    for name in [n for n in out if not n.endswith("\0shape")]:
-        shape = out[name + "\0shape"]
+    for name, shape in shapes.items():
         if covered[name] != math.prod(shape):
             raise BadCheckpoint(f"parameter {name!r}: the parts cover {covered[name]} of its "
                                 f"{math.prod(shape)} elements; pass the checkpoint of every rank")
