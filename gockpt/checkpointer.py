@@ -28,7 +28,7 @@ import torch
 from . import storage
 from .capture.copies import Capture
 from .capture.device import device_for
-from .capture.plan import build_plan, check_layouts, fingerprint
+from .capture.plan import build_plan, check_layouts, fingerprint, stepped_groups
 from .capture.staging import GradPool, HostCopy, planned_host_bytes
 from .capture.transfer import CopyEngine
 from .config import Config
@@ -355,7 +355,8 @@ class Checkpointer:
             return
         if job is None or not job.capturing or job.error is not None:
             return
-        if fingerprint(self.optimizer) != job.plan.fingerprint:
+        groups = stepped_groups(job.plan.fingerprint, self.optimizer)
+        if groups is None:
             job.capture.replan = True
             job.fail(ConsistencyError(
                 "the optimizer's parameters changed during the checkpoint (add_param_group, or a "
@@ -365,7 +366,7 @@ class Checkpointer:
             return
         j = job.window_step(self.loop.boundary)
         if j < job.k:  # the update of window step K produces F + 1: not needed
-            ticket = self.pipeline.record_gradients(job, j, self.grad_pool)
+            ticket = self.pipeline.record_gradients(job, j, groups, self.grad_pool)
             if ticket is not None:
                 self._grad_tickets.append(ticket)
 

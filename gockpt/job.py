@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 import os
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -89,8 +89,8 @@ class CaptureBook:
     tickets: Dict[int, object] = field(default_factory=dict)
     """Transfer ticket of each group's state copies."""
     grad_tickets: List = field(default_factory=list)
-    recorded: Set[int] = field(default_factory=set)
-    """Window steps whose gradients were recorded."""
+    recorded: Set[Tuple[int, int]] = field(default_factory=set)
+    """(window step, planned param group) whose gradients were recorded."""
     small: object = None
     """The small state frozen at F (a gockpt.storage.manifest.SmallSection)."""
     small_tensors: Dict[str, torch.Tensor] = field(default_factory=dict)

@@ -91,14 +91,14 @@ class Pipeline:
             job.captured()
             self.finish_capture(job)
 
-    def record_gradients(self, job: Job, j: int, grad_pool):
-        """Optimizer step pre-hook of window step ``j`` < K: copy the consumed gradients and
-        queue their replay. Returns the copies' ticket to wait for after the update (gockpt-o),
-        or None."""
+    def record_gradients(self, job: Job, j: int, groups, grad_pool):
+        """Optimizer step pre-hook of window step ``j`` < K, stepping the planned param
+        groups ``groups``: copy the consumed gradients and queue their replay. Returns the
+        copies' ticket to wait for after the update (gockpt-o), or None."""
         ticket = None
         try:
-            record = self.capture.gradients(job, j, grad_pool, snapshot=self.policy.grad_wait
-                                            == GRADS_AT_BACKWARD)
+            record = self.capture.gradients(job, j, groups, grad_pool,
+                                            snapshot=self.policy.grad_wait == GRADS_AT_BACKWARD)
             if record is not None:
                 if self.policy.grad_wait == GRADS_IN_STEP:
                     record.ticket.wait()

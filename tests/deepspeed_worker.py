@@ -37,8 +37,12 @@ def build(sc):
         cfg["gockpt"] = sc["gockpt_section"]
     if sc.get("fp32_accumulation"):
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=cfg)
+    params = model.parameters()
+    if sc.get("two_groups"):  # the usual decay / no-decay split: DeepSpeed steps group by group
+        params = [{"params": [p for p in model.parameters() if p.dim() > 1]},
+                  {"params": [p for p in model.parameters() if p.dim() == 1],
+                   "weight_decay": 0.0}]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
     return engine
 
 

@@ -70,11 +70,24 @@ def seed_all(seed):
     random.seed(seed)
 
 
+def step_group_by_group(opt):
+    """``opt.step()`` the way DeepSpeed's ZeRO 1/2 call their base optimizer: once per param
+    group, with ``param_groups`` narrowed to that group for the call."""
+    groups = opt.param_groups
+    try:
+        for g in groups:
+            opt.param_groups = [g]
+            opt.step()
+    finally:
+        opt.param_groups = groups
+
+
 def train_steps(model, opt, sched, start, stop, ck=None, *, scaler=None, inf_steps=(),
-                on_boundary=None, force=(), extra=None, names=None):
+                on_boundary=None, force=(), extra=None, names=None, group_by_group=False):
     """Run steps [start, stop); returns the losses. ``force``: steps (as passed to
     save_checkpoint) at which to force a checkpoint; ``on_boundary(step, handle)`` runs after
-    each save_checkpoint. ``names``: {step: name} of checkpoints to force with that name."""
+    each save_checkpoint. ``names``: {step: name} of checkpoints to force with that name.
+    ``group_by_group``: step the optimizer as :func:`step_group_by_group` does."""
     losses = []
     model.train()
     for step in range(start, stop):
@@ -103,6 +116,8 @@ def train_steps(model, opt, sched, start, stop, ck=None, *, scaler=None, inf_ste
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
+        elif group_by_group:
+            step_group_by_group(opt)
         else:
             opt.step()
         if sched is not None:

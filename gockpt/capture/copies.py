@@ -264,10 +264,12 @@ class Capture:
             raise ConfigError(f"cannot store the state of step {step}: {exc}") from exc
         job.capture.small, job.capture.small_tensors = small, tensors
 
-    def gradients(self, job: Job, j: int, grad_pool: GradPool,
+    def gradients(self, job: Job, j: int, groups, grad_pool: GradPool,
                   snapshot: bool = False) -> Optional[StepRecord]:
-        """Queue the copies of this step's gradients for the blocks captured so far; the
-        record to replay, or None when GradScaler skips the step (nothing changes).
+        """Queue the copies of this step's gradients for the blocks captured so far of the
+        planned param groups ``groups`` (the optimizer's ``param_groups`` now, in order: all
+        of them, or the one DeepSpeed's ZeRO steps at a time); the record to replay, or None
+        when GradScaler skips the step (nothing changes).
 
         With ``snapshot`` the gradients are first copied on the device (at device memory
         speed, before the update may start) and the slow device-to-host copy reads that
@@ -277,15 +279,16 @@ class Capture:
         why = self.adapter.unsupported_step()
         if why:
             raise ConfigError(f"this optimizer step cannot be replayed: {why}")
-        if j in job.capture.recorded:
+        stepped = {(j, gi) for gi in groups}
+        if stepped & job.capture.recorded:
             raise HookOrderError("optimizer.step() ran twice in one training step; gockpt "
                                  "supports one optimizer step per save_checkpoint() boundary")
-        job.capture.recorded.add(j)
+        job.capture.recorded |= stepped
         plan = job.plan
         grads = {}
         for si, s in enumerate(plan.slots):
             g = s.param.grad
-            if s.static or g is None:
+            if s.static or g is None or s.group not in groups:
                 continue
             if g.is_sparse or g.dtype != s.param.dtype:
                 raise ConfigError(f"the gradient of {s.name!r} is sparse or {g.dtype}; the "
@@ -302,7 +305,8 @@ class Capture:
             ticket = self._snapshot_gradients(job, table, grads, grad_base)
         else:
             ticket = self._copy_gradients(job, table, grads, bufs, grad_pool, grad_base)
-        record = StepRecord(j, self.adapter.scalars(), steps, table, bufs, grad_base, ticket,
+        scalars = {groups[i]: sc for i, sc in self.adapter.scalars().items()}
+        record = StepRecord(j, scalars, steps, table, bufs, grad_base, ticket,
                             lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
                             final=j == job.k - 1, snapshot=snapshot)
         job.metrics.grad_bytes += ticket.nbytes

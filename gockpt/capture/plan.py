@@ -182,6 +182,23 @@ def fingerprint(optimizer: torch.optim.Optimizer) -> tuple:
     return tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
 
 
+def stepped_groups(planned: tuple, optimizer: torch.optim.Optimizer) -> Optional[Tuple[int, ...]]:
+    """The planned index of each param group ``optimizer`` is about to step: every group, or a
+    subset when the caller narrows ``param_groups`` for the call (DeepSpeed's ZeRO 1/2 step
+    the base optimizer group by group); None when the groups are not the planned ones (the
+    plan is stale).  ``planned`` is the :func:`fingerprint` taken at planning."""
+    now = fingerprint(optimizer)
+    if now == planned:
+        return tuple(range(len(planned)))
+    out: List[int] = []
+    for params in now:
+        index = next((i for i, q in enumerate(planned) if q == params and i not in out), None)
+        if index is None:
+            return None
+        out.append(index)
+    return tuple(out)
+
+
 def check_layouts(slots: List[Slot]) -> None:
     """Raise LayoutChangedError if a parameter's strides differ from those planned."""
     for s in slots:

@@ -11,7 +11,7 @@ import torch
 
 from gockpt.capture.copies import Capture
 from gockpt.capture.device import HostDevice
-from gockpt.capture.plan import build_plan, flat
+from gockpt.capture.plan import build_plan, flat, stepped_groups
 from gockpt.capture.staging import GradPool, HostCopy
 from gockpt.capture.transfer import CopyEngine
 from gockpt.errors import ConfigError, HookOrderError
@@ -49,6 +49,11 @@ def rig():
 def new_job(rig, k):
     rig.capture.declare_state_keys(rig.host)
     return Job(5, k, 5, rig.plan.groups(k), "gockpt", "unused", host=rig.host, plan=rig.plan)
+
+
+def every_group(rig):
+    """The planned index of every param group (an ordinary optimizer.step())."""
+    return tuple(range(len(rig.opt.param_groups)))
 
 
 def slot_index(rig, name):
@@ -264,7 +269,7 @@ def test_gradients_records_only_captured_blocks_whose_param_has_a_grad(rig):
         rig.capture.land_group(job, j)
     one_backward(rig, 2)  # even step: aux gets no gradient; frozen never does
     pool = CountingPool(rig.plan, HostDevice())
-    record = rig.capture.gradients(job, 1, pool)
+    record = rig.capture.gradients(job, 1, every_group(rig), pool)
     record.ticket.wait()
     with_grad = {si for si, s in enumerate(rig.plan.slots)
                  if not s.static and s.param.grad is not None}
@@ -281,17 +286,50 @@ def test_gradients_records_only_captured_blocks_whose_param_has_a_grad(rig):
     assert record.step_index == 1 and not record.final
     assert record.scalars == rig.adapter.scalars()
     assert record.nbytes == sum(b.numel * 4 for b in expected) == job.metrics.grad_bytes
-    assert job.capture.recorded == {1} and job.capture.grad_tickets == [record.ticket]
+    assert job.capture.recorded == {(1, gi) for gi in every_group(rig)} and job.capture.grad_tickets == [record.ticket]
     assert pool.acquired == 1
     record.release()
     assert pool.acquire() is not None and pool.acquire() is not None  # both sets free again
+
+
+def test_gradients_of_a_step_taken_group_by_group_are_recorded_per_group(rig):
+    # DeepSpeed's ZeRO 1/2 step the base optimizer once per param group, narrowing
+    # param_groups to that group for the call: each call records its group's blocks only,
+    # with that group's scalars under its planned index.
+    optimizer_step(rig)
+    job = new_job(rig, 3)
+    rig.capture.copy_rest(job)
+    one_backward(rig, 1)
+    pool = GradPool(rig.plan, HostDevice())
+    groups, records = rig.opt.param_groups, []
+    try:
+        for gi in (1, 0):
+            rig.opt.param_groups = [groups[gi]]
+            assert stepped_groups(rig.plan.fingerprint, rig.opt) == (gi,)
+            records.append(rig.capture.gradients(job, 1, (gi,), pool))
+            records[-1].ticket.wait()
+        with pytest.raises(HookOrderError, match="twice in one training step"):
+            rig.capture.gradients(job, 1, (0,), pool)  # group 0 again in the same step
+    finally:
+        rig.opt.param_groups = groups
+    full = rig.adapter.scalars()
+    for gi, record in zip((1, 0), records):
+        assert record.scalars == {gi: full[gi]}
+        assert record.blocks and {rig.plan.slots[b.slot].group for b in record.blocks} == {gi}
+    assert job.capture.recorded == {(1, 0), (1, 1)}
+    assert stepped_groups(rig.plan.fingerprint, rig.opt) == every_group(rig)
+    rig.opt.param_groups = [{**groups[0], "params": groups[0]["params"][:1]}]
+    try:  # not a planned group: the plan is stale
+        assert stepped_groups(rig.plan.fingerprint, rig.opt) is None
+    finally:
+        rig.opt.param_groups = groups
 
 
 def test_gradients_of_window_step_k_minus_1_produce_version_F(rig):
     job = new_job(rig, 2)
     rig.capture.copy_rest(job)
     one_backward(rig, 1)
-    record = rig.capture.gradients(job, 1, GradPool(rig.plan, HostDevice()))
+    record = rig.capture.gradients(job, 1, every_group(rig), GradPool(rig.plan, HostDevice()))
     record.ticket.wait()
     assert record.final
 
@@ -302,9 +340,9 @@ def test_gradients_refuse_a_second_step_in_one_boundary(rig):
     rig.capture.land_group(job, 1)
     one_backward(rig, 1)
     pool = GradPool(rig.plan, HostDevice())
-    rig.capture.gradients(job, 1, pool).ticket.wait()
+    rig.capture.gradients(job, 1, every_group(rig), pool).ticket.wait()
     with pytest.raises(HookOrderError, match="twice in one training step"):
-        rig.capture.gradients(job, 1, pool)
+        rig.capture.gradients(job, 1, every_group(rig), pool)
 
 
 def test_gradients_skip_a_step_skipped_by_grad_scaler(rig):
@@ -314,10 +352,10 @@ def test_gradients_skip_a_step_skipped_by_grad_scaler(rig):
     one_backward(rig, 1)
     rig.opt.found_inf = torch.ones(())  # what GradScaler sets when the step is skipped
     pool = CountingPool(rig.plan, HostDevice())
-    assert rig.capture.gradients(job, 1, pool) is None
+    assert rig.capture.gradients(job, 1, every_group(rig), pool) is None
     assert job.capture.recorded == set() and pool.acquired == 0
     rig.opt.found_inf = torch.zeros(())
-    assert rig.capture.gradients(job, 1, pool) is not None  # the next, real step is recorded
+    assert rig.capture.gradients(job, 1, every_group(rig), pool) is not None  # the next, real step is recorded
 
 
 def test_gradients_refuse_a_fused_step_that_unscales_itself(rig):
@@ -325,7 +363,7 @@ def test_gradients_refuse_a_fused_step_that_unscales_itself(rig):
     one_backward(rig, 1)
     rig.opt.grad_scale = torch.ones(())
     with pytest.raises(ConfigError, match="unscale_"):
-        rig.capture.gradients(job, 1, GradPool(rig.plan, HostDevice()))
+        rig.capture.gradients(job, 1, every_group(rig), GradPool(rig.plan, HostDevice()))
 
 
 def test_a_gradient_laid_out_unlike_its_parameter_is_read_in_the_parameters_order(rig):
@@ -336,7 +374,7 @@ def test_a_gradient_laid_out_unlike_its_parameter_is_read_in_the_parameters_orde
     g = rig.model.hidden.weight.grad
     rig.model.hidden.weight.grad = g.t().contiguous().t()  # same values, transposed layout
     assert not rig.model.hidden.weight.grad.is_contiguous()
-    record = rig.capture.gradients(job, 1, GradPool(rig.plan, HostDevice()))
+    record = rig.capture.gradients(job, 1, every_group(rig), GradPool(rig.plan, HostDevice()))
     record.ticket.wait()
     si = slot_index(rig, "hidden.weight")
     if si in record.grads:  # its blocks were in group 1

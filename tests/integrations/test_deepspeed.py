@@ -59,6 +59,8 @@ GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # F = 
     (0, 1, {"options": GOCKPT_O}),                  # the replay of DeepSpeed's CPU Adam
     (1, 2, {"options": GOCKPT_O}),
     (2, 1, {"options": GOCKPT_O, "gas": 2}),
+    (1, 1, {"options": GOCKPT_O, "two_groups": True}),  # the base optimizer steps per group
+    (0, 1, {"options": GOCKPT_O, "two_groups": True}),
 ])
 def test_checkpoint_is_the_state_at_f_and_resumes_bitwise(tmp_path, stage, world, extra):
     final = SAVE_AT + extra.get("options", {}).get("overlap_steps", 1) - 1
