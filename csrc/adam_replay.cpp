@@ -447,13 +447,15 @@ struct Prepared {
   CudaScalars cs;
   DsScalars ds;
   int64_t tile;
+  bool grad_bf16;  // the gradient is bfloat16, consumed as float(g) * grad_mul
+  float grad_mul;
 };
 
 Prepared prepare(const ReplayArgs& a) {
   const bool cuda = is_cuda(a.impl), ds = is_deepspeed(a.impl);
   return {a.impl, fns_for(resolved_isa()), cuda || ds ? AdamScalars{} : make_scalars(a),
           cuda ? make_cuda_scalars(a) : CudaScalars{}, ds ? make_ds_scalars(a) : DsScalars{},
-          g_tile};
+          g_tile, a.grad_bf16, static_cast<float>(a.grad_mul)};
 }
 
 bool uses_mkl(Impl impl) { return impl == Impl::Single || impl == Impl::Foreach; }
@@ -552,6 +554,36 @@ struct BatchJob {
   const BatchPlan& plan;
 };
 
+// Elements of a bfloat16 gradient decoded at a time (on the stack, L1-sized).
+constexpr int64_t kDecodeChunk = 2048;
+
+// The consumed float32 gradient of a bfloat16 transport: float(g) * mul, one rounding.
+void decode_bf16(const uint16_t* g, float* out, int64_t n, float mul) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(g[i]) << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    out[i] = x * mul;
+  }
+}
+
+// Piece [b, e) of segment i with a bfloat16 gradient: decoded chunk by chunk, each chunk run
+// as a slice of its own (every element's arithmetic depends on its global index only).
+void run_bf16_piece(const ReplaySegments& s, const Prepared& k, int64_t i, int64_t b,
+                    int64_t e) {
+  alignas(64) float buf[kDecodeChunk];
+  float *p = addr<float>(s.p[i]), *m = addr<float>(s.m[i]), *v = addr<float>(s.v[i]);
+  const uint16_t* g = addr<const uint16_t>(s.g[i]);
+  for (int64_t c = b; c < e; c += kDecodeChunk) {
+    const int64_t n = std::min(e, c + kDecodeChunk) - c;
+    decode_bf16(g + c, buf, n, k.grad_mul);
+    const int64_t at = s.offset[i] + c;
+    const RangeKernel body{p + c, m + c, v + c, buf, k, at,
+                           fused_tail_local(k.impl, at, s.full_numel[i], s.numel[i] - c)};
+    body(0, n);
+  }
+}
+
 void run_batch_task(void* ctx, int64_t t) {
   const BatchJob& j = *static_cast<const BatchJob*>(ctx);
   const ReplaySegments& s = j.s;
@@ -559,6 +591,10 @@ void run_batch_task(void* ctx, int64_t t) {
     const Piece& pc = j.plan.pieces[q];
     const int64_t i = pc.seg;
     const Prepared& k = j.prep[s.arg[i]];
+    if (k.grad_bf16) {
+      run_bf16_piece(s, k, i, pc.b, pc.e);
+      continue;
+    }
     const RangeKernel body{addr<float>(s.p[i]), addr<float>(s.m[i]), addr<float>(s.v[i]),
                            addr<const float>(s.g[i]), k, s.offset[i],
                            fused_tail_local(k.impl, s.offset[i], s.full_numel[i], s.numel[i])};

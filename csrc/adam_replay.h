@@ -26,6 +26,11 @@ struct ReplayArgs {
   // DsCpu only: the op's float32 running products beta1^t, beta2^t (0: pow(beta, step), as
   // the op computes them when t jumps)
   double beta1_power = 0, beta2_power = 0;
+  // The gradient as transported (adam_replay_batch only): bfloat16, the consumed float32
+  // gradient being float(g) * float(grad_mul) -- one float rounding, as the training's own
+  // unscale/clip multiply computed it (grad_mul 1: float(g) exactly).
+  bool grad_bf16 = false;
+  double grad_mul = 1.0;
 };
 
 bool is_cuda(Impl impl);
@@ -38,7 +43,8 @@ void check_proven(const ReplayArgs& a);
 void adam_replay(float* p, float* m, float* v, const float* g, int64_t n, const ReplayArgs& a);
 
 // A batch of slices, struct of arrays of n entries (addresses as int64): segment i is the
-// numel[i] floats at p[i] (param), m[i] (exp_avg), v[i] (exp_avg_sq), g[i] (grad), elements
+// numel[i] floats at p[i] (param), m[i] (exp_avg), v[i] (exp_avg_sq), g[i] (grad: float32, or
+// bfloat16 where its args entry says grad_bf16), elements
 // [offset[i], offset[i] + numel[i]) of a parameter of full_numel[i] elements, replayed with
 // entry arg[i] of the args table.
 struct ReplaySegments {

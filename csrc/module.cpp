@@ -300,7 +300,8 @@ void bind_replay_batch(py::module_& m) {
          const std::vector<double>& beta2, const std::vector<double>& eps,
          const std::vector<double>& weight_decay, const std::vector<double>& step,
          const std::vector<double>& grad_scale, int threads,
-         const std::vector<double>& beta1_power, const std::vector<double>& beta2_power) {
+         const std::vector<double>& beta1_power, const std::vector<double>& beta2_power,
+         bool grad_bf16, const std::vector<double>& grad_mul) {
         const int64_t n = common_length({{"p", &p}, {"m", &mm}, {"v", &v}, {"g", &g},
                                          {"numel", &numel}, {"offset", &offset},
                                          {"full_numel", &full_numel}, {"arg", &arg}});
@@ -310,16 +311,18 @@ void bind_replay_batch(py::module_& m) {
           if (len != na)
             throw std::invalid_argument("the args table's lists must all have " +
                                         std::to_string(na) + " entries (as impls)");
-        for (size_t len : {beta1_power.size(), beta2_power.size()})
+        for (size_t len : {beta1_power.size(), beta2_power.size(), grad_mul.size()})
           if (len != 0 && len != na)
-            throw std::invalid_argument("beta1_power/beta2_power: empty, or one per entry");
+            throw std::invalid_argument(
+                "beta1_power/beta2_power/grad_mul: empty, or one per entry");
         std::vector<ReplayArgs> table;
         table.reserve(na);
         for (size_t k = 0; k < na; ++k)  // field order of ReplayArgs
           table.push_back({parse_impl(impls[k]), decoupled[k], lr[k], beta1[k], beta2[k], eps[k],
                            weight_decay[k], step[k], 0, 0, 0, grad_scale[k],
                            beta1_power.empty() ? 0.0 : beta1_power[k],
-                           beta2_power.empty() ? 0.0 : beta2_power[k]});
+                           beta2_power.empty() ? 0.0 : beta2_power[k], grad_bf16,
+                           grad_mul.empty() ? 1.0 : grad_mul[k]});
         const ReplaySegments segs{p.data(),      mm.data(),     v.data(),          g.data(),
                                   numel.data(),  offset.data(), full_numel.data(), arg.data(), n};
         py::gil_scoped_release release;
@@ -330,10 +333,12 @@ void bind_replay_batch(py::module_& m) {
       py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
       py::arg("weight_decay"), py::arg("step"), py::arg("grad_scale"), py::arg("threads"),
       py::arg("beta1_power") = std::vector<double>{},
-      py::arg("beta2_power") = std::vector<double>{},
+      py::arg("beta2_power") = std::vector<double>{}, py::arg("grad_bf16") = false,
+      py::arg("grad_mul") = std::vector<double>{},
       "One Adam(W) step on many float32 slices (addresses as int64), segment i with entry "
       "arg[i] of the args table (impls, decoupled, ..., grad_scale); bit-identical to "
-      "adam_replay per segment.");
+      "adam_replay per segment.  grad_bf16: every g[i] is bfloat16, consumed as "
+      "float(g) * float(grad_mul[arg[i]]).");
 }
 
 void bind_digest(py::module_& m) {

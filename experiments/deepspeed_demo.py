@@ -115,6 +115,13 @@ def bench(args, work: str) -> None:
           f"every {args.every} steps, {args.steps} steps")
     print(f"blocked per checkpoint: native {results['native'] * 1e3:.1f} ms, gockpt "
           f"{results['gockpt'] * 1e3:.1f} ms ({results['gockpt'] / results['native']:.3f}x)")
+    import gockpt
+    recs = [r for r in gockpt.metrics.read(os.path.join(work, "gockpt")) if r["grad_steps"]]
+    if recs:  # the replay modes: what the gradients of the steps in between cost the link
+        per_step = statistics.median(r["grad_bytes_per_step"] for r in recs)
+        print(f"replayed gradients crossed as {'/'.join(sorted({r['grad_transport'] for r in recs}))}"
+              f": {per_step / 1e6:.1f} MB per step ({per_step / (params * 4):.2f} of fp32's "
+              f"{params * 4 / 1e6:.1f} MB)")
 
 
 def main(argv=None) -> int:

@@ -31,6 +31,7 @@ from .capture.device import device_for
 from .capture.plan import build_plan, check_layouts, fingerprint, stepped_groups
 from .capture.staging import GradPool, HostCopy, planned_host_bytes
 from .capture.transfer import CopyEngine
+from .capture.transport import Bf16Transport
 from .config import Config
 from .errors import (ConfigError, ConsistencyError, GockptError,
                      HookOrderError)
@@ -113,7 +114,9 @@ class Checkpointer:
         self.host: Optional[HostCopy] = None          # allocated at the first checkpoint
         self.grad_pool: Optional[GradPool] = None
         self.replayer = Replayer(self.adapter, self.config.replay_threads) if self.adapter else None
-        self.capture = Capture(model, optimizer, scheduler, self.engine, self.adapter)
+        transport = Bf16Transport(self.config.grad_multiplier) \
+            if self.config.grad_transport == "bf16" and self.adapter is not None else None
+        self.capture = Capture(model, optimizer, scheduler, self.engine, self.adapter, transport)
         self.schedule = Schedule(self.config)
         self.persister = Persister(self.config, self.plan, self.ranks, type(optimizer).__name__,
                                    step_time=self.schedule.median_step_time,

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Union
 from .errors import ConfigError
 from .modes import MODES, POLICIES, ModePolicy
 
-
+GRAD_TRANSPORTS = ("fp32", "bf16")
 
 @dataclass
 class Config:
@@ -76,6 +76,20 @@ class Config:
     replay_threads: Optional[int] = None
     """Threads of the C++ replay kernel; ``None``: the number of CPU cores."""
 
+    grad_transport: str = "fp32"
+    """How the replay modes carry the gradients they replay across the link: ``fp32`` (the
+    consumed gradient as it is) or ``bf16`` (2 bytes per element: a bfloat16 image of the
+    consumed gradient divided by ``grad_multiplier``, plus that one float32 scalar). bf16 is
+    for training whose consumed gradients are bf16 values times one scale (bf16 gradients,
+    unscaled or clipped by one coefficient, as DeepSpeed's ZeRO 1/2 in bf16). Each step's
+    images are checked on the device to give back every gradient bit for bit; a step where
+    they do not is carried in fp32. ``metrics.grad_transport`` says what was used."""
+
+    grad_multiplier: Optional[Callable] = None
+    """With ``grad_transport="bf16"``: a zero-argument callable returning the float32 scalar
+    (a one-element tensor, or None for 1) the gradients of the step about to run were last
+    multiplied by (e.g. the clipping coefficient); called in the optimizer's step pre-hook."""
+
     emulate_link_gbps: Optional[float] = None
     """Training on the CPU only: perform the device-to-host copies at this rate (GB/s, 1e9
     bytes/s) as if through a PCIe-like link, with completion by events -- the GPU device
@@ -130,6 +144,12 @@ class Config:
                 or not self.emulate_link_gbps > 0):
             raise ConfigError(f"emulate_link_gbps must be None or a rate > 0 in GB/s, got "
                               f"{self.emulate_link_gbps!r}")
+        if self.grad_transport not in GRAD_TRANSPORTS:
+            raise ConfigError(f"grad_transport must be one of {', '.join(GRAD_TRANSPORTS)}; "
+                              f"got {self.grad_transport!r}")
+        if self.grad_multiplier is not None and not callable(self.grad_multiplier):
+            raise ConfigError(f"grad_multiplier must be None or a callable, got "
+                              f"{self.grad_multiplier!r}")
         if self.storage_writer is not None and not callable(self.storage_writer):
             raise ConfigError(f"storage_writer must be a callable (root, name) -> writer, got "
                               f"{self.storage_writer!r}")

@@ -18,6 +18,9 @@ class CheckpointMetrics:
     overlap_steps: int
     state_bytes: int = 0
     grad_bytes: int = 0
+    grad_transport: str = ""      # how the replayed gradients crossed: fp32, bf16, bf16+fp32
+    grad_steps: int = 0           # training steps whose gradients crossed for the replay
+    grad_bytes_per_step: int = 0
     blocked_s: float = 0.0
     blocked_by_hook_s: Dict[str, float] = field(default_factory=dict)
     copy_s: float = 0.0
@@ -36,6 +39,16 @@ class CheckpointMetrics:
     def add_blocked(self, hook: str, seconds: float) -> None:
         self.blocked_s += seconds
         self.blocked_by_hook_s[hook] = self.blocked_by_hook_s.get(hook, 0.0) + seconds
+
+    def add_grad_step(self, transport: str, nbytes: int, new_step: bool = True) -> None:
+        """Gradients of one optimizer step crossed the link in ``transport`` (fp32 or bf16);
+        ``new_step`` False: another param group of a step already counted (DeepSpeed's ZeRO
+        step the optimizer group by group)."""
+        used = set(self.grad_transport.split("+")) - {""} | {transport}
+        self.grad_transport = "+".join(sorted(used, key=("bf16", "fp32").index))
+        self.grad_bytes += nbytes
+        self.grad_steps += new_step
+        self.grad_bytes_per_step = self.grad_bytes // max(1, self.grad_steps)
 
     def to_dict(self) -> dict:
         return asdict(self)

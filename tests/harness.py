@@ -83,11 +83,13 @@ def step_group_by_group(opt):
 
 
 def train_steps(model, opt, sched, start, stop, ck=None, *, scaler=None, inf_steps=(),
-                on_boundary=None, force=(), extra=None, names=None, group_by_group=False):
+                on_boundary=None, force=(), extra=None, names=None, group_by_group=False,
+                clip=None):
     """Run steps [start, stop); returns the losses. ``force``: steps (as passed to
     save_checkpoint) at which to force a checkpoint; ``on_boundary(step, handle)`` runs after
     each save_checkpoint. ``names``: {step: name} of checkpoints to force with that name.
-    ``group_by_group``: step the optimizer as :func:`step_group_by_group` does."""
+    ``group_by_group``: step the optimizer as :func:`step_group_by_group` does.  ``clip(model)``
+    replaces the default gradient clipping."""
     losses = []
     model.train()
     for step in range(start, stop):
@@ -110,7 +112,10 @@ def train_steps(model, opt, sched, start, stop, ck=None, *, scaler=None, inf_ste
             scaler.unscale_(opt)
         else:
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if clip is not None:
+            clip(model)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         if ck is not None:
             ck.update_begin()
         if scaler is not None:

@@ -19,7 +19,7 @@ MODES_K = [("sync", None), ("async", None), ("async-o", None)] + \
 
 def run_and_snapshot(tmp_path, mode, k, *, impl="single", optim="adamw", scaler=None,
                      inf_steps=(), force=(4, 15), steps=24, block_bytes=512,
-                     group_by_group=False, **options):
+                     group_by_group=False, clip=None, **options):
     """Train with checkpoints forced at ``force``; snapshot the live state at every F."""
     H.seed_all(0)
     model, opt, sched = H.build(optim=optim, impl=impl)
@@ -38,7 +38,8 @@ def run_and_snapshot(tmp_path, mode, k, *, impl="single", optim="adamw", scaler=
                 pending.remove(h)
 
     H.train_steps(model, opt, sched, 0, steps, ck, scaler=scaler, inf_steps=inf_steps,
-                  on_boundary=on_boundary, force=set(force), group_by_group=group_by_group)
+                  on_boundary=on_boundary, force=set(force), group_by_group=group_by_group,
+                  clip=clip)
     ck.close()
     return snaps, handles
 
@@ -74,6 +75,49 @@ def test_an_optimizer_stepped_group_by_group_is_checkpointed_at_F(tmp_path, mode
     for h in handles:
         restored, state = load_snapshot(tmp_path, os.path.basename(h.path))
         H.assert_same(snaps[h.final_step], state)
+
+
+class Bf16Clip:
+    """Gradients as DeepSpeed's ZeRO 1/2 in bf16 hand them to the optimizer: bf16 values made
+    float32, then multiplied by one clipping coefficient (the grad_multiplier)."""
+
+    def __init__(self):
+        self.coef = None
+
+    def __call__(self, model):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for g in grads:
+            g.copy_(g.bfloat16().float())
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        self.coef = torch.clamp(0.5 / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(self.coef)
+
+
+@pytest.mark.parametrize("mode,k,bf16_grads", [("gockpt-o", 3, True), ("gockpt", 2, True),
+                                                ("gockpt-o", 3, False)])
+def test_bf16_gradient_transport(tmp_path, mode, k, bf16_grads):
+    # bf16 values times one coefficient cross as 2-byte images + the coefficient; anything
+    # else is found not exact on the device and crosses in fp32: bitwise either way.
+    clip = Bf16Clip()
+    snaps, handles = run_and_snapshot(tmp_path, mode, k, grad_transport="bf16",
+                                      grad_multiplier=lambda: clip.coef,
+                                      clip=clip if bf16_grads else None)
+    for h in handles:
+        restored, state = load_snapshot(tmp_path, os.path.basename(h.path))
+        H.assert_same(snaps[h.final_step], state)
+    metrics = [m for m in gockpt.metrics.read(str(tmp_path)) if m["mode"] == mode]
+    assert len(metrics) == 2
+    for m in metrics:
+        assert m["grad_transport"] == ("bf16" if bf16_grads else "fp32")
+        assert m["grad_steps"] == k - 1 and m["grad_bytes"] > 0
+        assert m["grad_bytes_per_step"] == m["grad_bytes"] // (k - 1)
+    if bf16_grads:  # the same run in fp32 carries twice the bytes
+        clip = Bf16Clip()
+        run_and_snapshot(tmp_path / "fp32", mode, k, clip=clip)
+        fp32 = gockpt.metrics.read(str(tmp_path / "fp32"))
+        assert [m["grad_bytes"] for m in fp32] == [2 * m["grad_bytes"] for m in metrics]
+        assert [m["grad_transport"] for m in fp32] == ["fp32", "fp32"]
 
 
 @pytest.mark.parametrize("optim", ["adamw", "adam"])

@@ -49,7 +49,7 @@ class FakeCapture:
         self.log.append(("freeze", step, extra_state))
         self._maybe_fail("freeze")
 
-    def gradients(self, job, j, pool, snapshot=False):
+    def gradients(self, job, j, groups, pool, snapshot=False):
         self.log.append(("gradients", j))
         return FakeRecord(self.log, j)
 
@@ -164,7 +164,7 @@ def test_async_copies_everything_at_begin_and_persists_in_the_background():
 @pytest.mark.parametrize("mode,waits_in_step", [("gockpt", True), ("gockpt-o", False)])
 def test_record_gradients_where_the_mode_waits(mode, waits_in_step):
     pipe, job, log = make(mode=mode, k=3)
-    ticket = pipe.record_gradients(job, 1, grad_pool=None)
+    ticket = pipe.record_gradients(job, 1, (0,), grad_pool=None)
     if waits_in_step:
         assert ticket is None and log == [("gradients", 1), ("grad wait",), ("replay", 1)]
     else:

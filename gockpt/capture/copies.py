@@ -28,6 +28,7 @@ from . import smallstate
 from .plan import flat
 from .segments import BlockTable
 from .staging import GradPool, HostCopy
+from .transport import Bf16Transport
 from .transfer import GRADIENT, STATE, CopyEngine
 
 
@@ -35,9 +36,11 @@ class Capture:
     """Copies of one model/optimizer pair into a job's host copy."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler, engine: CopyEngine, adapter: Optional[AdamAdapter]):
+                 scheduler, engine: CopyEngine, adapter: Optional[AdamAdapter],
+                 transport: Optional[Bf16Transport] = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.engine, self.adapter = engine, adapter
+        self.transport = transport  # None: gradients cross in fp32
         self._zero_buf: Optional[torch.Tensor] = None
         self._snapshot = None  # (plan, the device-side gradient snapshot, its D2H ticket)
 
@@ -280,6 +283,7 @@ class Capture:
         if why:
             raise ConfigError(f"this optimizer step cannot be replayed: {why}")
         stepped = {(j, gi) for gi in groups}
+        new_step = all(r[0] != j for r in job.capture.recorded)
         if stepped & job.capture.recorded:
             raise HookOrderError("optimizer.step() ran twice in one training step; gockpt "
                                  "supports one optimizer step per save_checkpoint() boundary")
@@ -297,19 +301,27 @@ class Capture:
         steps = self.adapter.step_counts(grads, self._states(job))
         table = job.capture.captured_table()
         table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))
+        # bf16: images made on the device now, so the copy reads them and not .grad (a
+        # snapshot); fp32 when the transport is off or this step's images are not exact
+        encoded = self.transport.encode({si: grads[si] for si in table.slots.tolist()}) \
+            if self.transport is not None else None
+        dtype, mul = (torch.bfloat16, encoded[1]) if encoded else (torch.float32, 1.0)
         bufs = grad_pool.acquire()
-        arena = grad_pool.arena(bufs, torch.float32)
-        grad_base = arena.bases(len(plan.slots))
-        snapshot = snapshot and not self.engine.device.asynchronous_copies
-        if snapshot:
+        grad_base = grad_pool.arena(bufs, dtype).bases(len(plan.slots))
+        snapshot = encoded is not None or (snapshot and not self.engine.device.asynchronous_copies)
+        if encoded is not None:
+            ticket = self._copy_gradients(job, table, encoded[0], bufs, grad_pool, grad_base)
+            ticket._keep_alive = (getattr(ticket, "_keep_alive", None), encoded[0])  # read
+        elif snapshot:
             ticket = self._snapshot_gradients(job, table, grads, grad_base)
         else:
             ticket = self._copy_gradients(job, table, grads, bufs, grad_pool, grad_base)
         scalars = {groups[i]: sc for i, sc in self.adapter.scalars().items()}
         record = StepRecord(j, scalars, steps, table, bufs, grad_base, ticket,
                             lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
-                            final=j == job.k - 1, snapshot=snapshot)
-        job.metrics.grad_bytes += ticket.nbytes
+                            final=j == job.k - 1, snapshot=snapshot, grad_dtype=dtype,
+                            grad_mul=mul)
+        job.metrics.add_grad_step("bf16" if encoded else "fp32", ticket.nbytes, new_step)
         job.capture.grad_tickets.append(ticket)
         return record
 
@@ -356,7 +368,7 @@ class Capture:
                       flat(grads[b.slot], plan.slots[b.slot].dims)[b.start:b.end])
                      for b in table.blocks]
             return self.engine.submit(pairs, GRADIENT)
-        item = 4  # float32: the replay modes refuse other dtypes
+        item = next(iter(grads.values())).element_size() if grads else 4  # fp32 or bf16 images
         ticket = self.engine.submit_segments(grad_base[table.slot] + table.start * item,
                                              live[table.slot] + table.start * item,
                                              table.numel * item, GRADIENT)

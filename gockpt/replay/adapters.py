@@ -151,14 +151,17 @@ class AdamAdapter:
         args = [(record.scalars[g], step) for g, step in combos]
         p, m, v = (host.bases(key)[0][t.slot] + t.start * 4
                    for key in (None, "exp_avg", "exp_avg_sq"))
+        bf16 = record.grad_dtype == torch.bfloat16
+        g = record.grad_base[t.slot] + t.start * record.grad_dtype.itemsize
         arithmetic.replay_batch(
-            p, m, v, record.grad_base[t.slot] + t.start * 4, t.numel, t.start, full[t.slot],
+            p, m, v, g, t.numel, t.start, full[t.slot],
             slot_arg[t.slot], [sc.impl for sc, _ in args], [sc.decoupled for sc, _ in args],
             [sc.lr for sc, _ in args], [sc.beta1 for sc, _ in args],
             [sc.beta2 for sc, _ in args], [sc.eps for sc, _ in args],
             [sc.weight_decay for sc, _ in args], [step for _, step in args],
             threads=threads, check_overlap=False,
-            beta_powers=[(sc.beta1_power, sc.beta2_power) for sc, _ in args])
+            beta_powers=[(sc.beta1_power, sc.beta2_power) for sc, _ in args],
+            grad_dtype=record.grad_dtype, grad_mul=[record.grad_mul] * len(args) if bf16 else None)
 
 
 def _device_of(optimizer) -> torch.device:

@@ -209,9 +209,10 @@ def _args_table(impls, decoupled, lr, beta1, beta2, eps, weight_decay, step, gra
     return impls, floats
 
 
-def _check_disjoint(p, m, v, g, nbytes) -> None:
+def _check_disjoint(p, m, v, g, nbytes, grad_item: int = 4) -> None:
     """The bytes a batch writes (param, exp_avg, exp_avg_sq of every segment) must not overlap
-    each other or any grad it reads: results would depend on the threads' order."""
+    each other or any grad it reads (``grad_item`` bytes per element): results would depend on
+    the threads' order."""
     live = nbytes > 0
     lo = np.concatenate([p[live], m[live], v[live]])
     order = np.argsort(lo)
@@ -221,7 +222,7 @@ def _check_disjoint(p, m, v, g, nbytes) -> None:
     # Written ranges are sorted and disjoint: only the last one starting before a grad range's
     # end can reach into it.
     g_lo = g[live]
-    k = np.searchsorted(lo, g_lo + nbytes[live], side="left") - 1
+    k = np.searchsorted(lo, g_lo + nbytes[live] // 4 * grad_item, side="left") - 1
     if ((k >= 0) & (hi[np.maximum(k, 0)] > g_lo)).any():
         raise ValueError("a grad range overlaps a param, exp_avg or exp_avg_sq range")
 
@@ -231,7 +232,9 @@ def replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls: Sequence[str
                  beta2: Sequence[float], eps: Sequence[float], weight_decay: Sequence[float],
                  step: Sequence[float], grad_scale: Optional[Sequence[float]] = None,
                  threads: Optional[int] = None, check_overlap: bool = True,
-                 beta_powers: Optional[Sequence[Sequence[float]]] = None) -> None:
+                 beta_powers: Optional[Sequence[Sequence[float]]] = None,
+                 grad_dtype: torch.dtype = torch.float32,
+                 grad_mul: Optional[Sequence[float]] = None) -> None:
     """Replay one Adam/AdamW update on many slices in one call, bit for bit as ``adam_replay``
     on each slice alone (the arguments mirror ``_C.adam_replay_batch``).
 
@@ -246,6 +249,9 @@ def replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls: Sequence[str
     (the count of this update, after the increment, >= 1) and ``grad_scale`` (None: none;
     per entry 0 = none, else "cuda-fused" only); ``beta_powers`` (None, or per entry the
     (beta1^t, beta2^t) a ``DEEPSPEED_IMPLS`` entry uses, (0, 0) = pow).
+    ``grad_dtype`` ``torch.bfloat16``: every ``g[i]`` is bfloat16 (a bf16 gradient transport)
+    and the update consumes ``float(g) * float32(grad_mul[arg[i]])`` (one float rounding, the
+    training's own unscale/clip multiply; ``grad_mul`` None: 1, i.e. ``float(g)`` exactly).
     The written ranges (p, m, v of all segments) must not overlap each other or any grad range;
     grad ranges may overlap each other.  ``check_overlap=False`` skips checking that (a sort of
     3n addresses, about twice the replay's own time for 2,000 tiny segments) for a caller whose
@@ -267,17 +273,28 @@ def replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls: Sequence[str
         raise ValueError(f"segment {i}: slice [{offset[i]}, {offset[i] + numel[i]}) of a "
                          f"parameter of {full_numel[i]} elements with args entry {arg[i]} "
                          f"(table of {len(impls)})")
-    addrs = np.stack([p, m, v, g])[:, numel > 0]
-    if ((addrs == 0) | (addrs & 3 != 0)).any():
-        raise ValueError("every address of a non-empty segment must be non-zero and 4-byte "
-                         "aligned (float32)")
+    if grad_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype}")
+    grad_item = grad_dtype.itemsize
+    if grad_mul is not None:
+        grad_mul = [float(x) for x in grad_mul]
+        if grad_dtype != torch.bfloat16 or len(grad_mul) != len(impls):
+            raise ValueError("grad_mul: one float per args entry, with a bfloat16 grad_dtype")
+        if any(float(np.float32(x)) != x for x in grad_mul):
+            raise ValueError("grad_mul: each must be a float32 value (the multiplier's bits)")
+    addrs = np.stack([p, m, v])[:, numel > 0]
+    if ((addrs == 0) | (addrs & 3 != 0)).any() or \
+            ((g[numel > 0] == 0) | (g[numel > 0] % grad_item != 0)).any():
+        raise ValueError("every address of a non-empty segment must be non-zero and aligned "
+                         "to its element (float32; the gradient's dtype)")
     if check_overlap:
-        _check_disjoint(p, m, v, g, 4 * numel)
+        _check_disjoint(p, m, v, g, 4 * numel, grad_item)
     _C.adam_replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls, t["decoupled"],
                          t["lr"], t["beta1"], t["beta2"], t["eps"], t["weight_decay"],
                          t["step"], t["grad_scale"], _check_threads(threads),
                          [] if beta_powers is None else [float(b[0]) for b in beta_powers],
-                         [] if beta_powers is None else [float(b[1]) for b in beta_powers])
+                         [] if beta_powers is None else [float(b[1]) for b in beta_powers],
+                         grad_dtype == torch.bfloat16, grad_mul or [])
 
 
 def replay_arithmetics() -> list:

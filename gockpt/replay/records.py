@@ -45,6 +45,8 @@ class StepRecord:
     nbytes: int = 0
     final: bool = False                  # the update that produces version F
     snapshot: bool = False               # copied from a device-side snapshot of the gradients
+    grad_dtype: torch.dtype = torch.float32  # bfloat16: a bf16 transport (capture/transport.py)
+    grad_mul: float = 1.0                # bf16: the consumed gradient is float(g) * grad_mul
 
     @property
     def blocks(self) -> List[Block]:

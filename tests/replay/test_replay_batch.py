@@ -244,3 +244,57 @@ def test_cpp_checks_without_the_wrapper():
     short[2] = []
     with pytest.raises(ValueError, match="args table"):
         _C.adam_replay_batch(*args, *short, 1)
+
+
+# A bf16 gradient transport: the update consumes float(g) * grad_mul (one float rounding).
+BF16_TABLE = TABLE + [dict(impl="deepspeed-cpu-w16", decoupled=True, lr=1e-3, beta1=0.9,
+                           beta2=0.999, eps=1e-8, weight_decay=0.1, step=12)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bf16_gradient_replays_as_its_float32_product(threads):
+    rng = np.random.default_rng(10 + threads)
+    ref = _mixed(rng, tiny=400)
+    ps = Params([5000, 2049], [len(BF16_TABLE) - 1, 2], rng)  # chunks of 2048 + tails
+    ps.cut(0, [0, 7, 2100, 4999, 5000])
+    ps.cut(1, [0, 2049])
+    base = len(ref.tensors)
+    ref.tensors += ps.tensors
+    ref.entries = list(ref.entries) + ps.entries
+    ref.segs = ref.segs + [(pi + base, o, n) for pi, o, n in ps.segs]
+    mul = [float(np.float32(x)) for x in rng.uniform(0.01, 3.0, len(BF16_TABLE))]
+    mul[0] = 1.0  # no clipping, no loss scale: float(g) exactly
+    bf16 = []
+    for pi, ts in enumerate(ref.tensors):
+        g = ts[3].bfloat16()
+        if g.numel() > 8:  # zeros, inf, NaN, subnormals, and products that underflow
+            g[:8] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e-39, -3e-40,
+                                  1e-38, 2.5], dtype=torch.bfloat16)
+        bf16.append(g)
+        ts[3].copy_(g.float() * torch.tensor(mul[ref.entries[pi]], dtype=torch.float32))
+    got = ref.clone()
+    table = _table_lists(BF16_TABLE)
+    arithmetic.replay_batch(**ref.arrays(), **table, threads=threads)
+    arrays = got.arrays()
+    arrays["g"] = np.array([bf16[pi].data_ptr() + 2 * off for pi, off, _ in got.segs],
+                           dtype=np.int64)
+    arithmetic.replay_batch(**arrays, **table, threads=threads, grad_dtype=torch.bfloat16,
+                            grad_mul=mul)
+    got.assert_equal(ref)
+    assert any(torch.isnan(t[0]).any() for t in ref.tensors)  # the specials reached the update
+
+
+def test_bf16_gradient_arguments_are_checked():
+    ps = Params([16], [0], np.random.default_rng(0))
+    ps.cut(0, [0, 16])
+    arrays, table = ps.arrays(), _table_lists(TABLE)
+    with pytest.raises(ValueError, match="grad_mul"):  # a multiplier needs a bf16 gradient
+        arithmetic.replay_batch(**arrays, **table, grad_mul=[1.0] * len(TABLE))
+    with pytest.raises(ValueError, match="float32 value"):
+        arithmetic.replay_batch(**arrays, **table, grad_dtype=torch.bfloat16,
+                                grad_mul=[0.1] * len(TABLE))
+    with pytest.raises(ValueError, match="grad_dtype"):
+        arithmetic.replay_batch(**arrays, **table, grad_dtype=torch.float16)
+    arrays["g"] = arrays["g"] + 1  # not aligned to a bf16 element
+    with pytest.raises(ValueError, match="aligned"):
+        arithmetic.replay_batch(**arrays, **table, grad_dtype=torch.bfloat16)

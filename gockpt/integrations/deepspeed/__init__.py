@@ -24,6 +24,9 @@ gradients of the steps between replayed on the CPU) need a bitwise replay of the
 optimizer: DeepSpeed's ``FusedAdam`` on the CPU (its CPU Adam op) or torch's Adam/AdamW; any
 other (DeepSpeed's CUDA ``FusedAdam``: built with fast math) is refused, or with
 ``fallback=True`` replaced by ``async-o`` with one warning.  ZeRO stage 3 is refused.
+With ZeRO 1/2 in bf16 the replayed gradients cross as bf16 plus the one coefficient DeepSpeed
+unscaled/clipped them by (``grad_transport="bf16"``, checked exact on the device every step;
+``grad_transport="fp32"`` turns it off); elsewhere in fp32.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import weakref
 
 from ...config import Config
 from ...errors import ConfigError
-from .patch import EnginePatch, holds_gockpt_checkpoint
+from .patch import EnginePatch, holds_gockpt_checkpoint, zero_bf16
 
 DEFAULT_MODE = "async-o"
 COPY_MODES = ("sync", "async", "async-o")
@@ -111,6 +114,8 @@ def _options(engine, options: dict) -> dict:
         raise ConfigError("gockpt_ds: ZeRO stage 3 is not supported (parameters partitioned "
                           "across ranks); use stage 0, 1 or 2, or DeepSpeed's own checkpoints")
     why = None if merged["mode"] in COPY_MODES else _replay_refusal(engine)
+    if why is None and merged["mode"] not in COPY_MODES and zero_bf16(engine):
+        merged.setdefault("grad_transport", "bf16")  # 2 bytes per element, exact
     if why is not None:
         why = f"gockpt_ds: mode {merged['mode']!r} cannot replay this engine's optimizer: {why}"
         if not fallback:

@@ -14,6 +14,8 @@ import os
 import warnings
 from typing import Optional
 
+import torch
+
 from ... import storage
 from ...checkpointer import Checkpointer
 from ...errors import CheckpointNotFoundError, ConfigError
@@ -37,6 +39,9 @@ class EnginePatch:
         self.pending = False        # a step ended; its boundary is not recorded yet
         self.in_backward = False    # backward_begin called for the step under way
         self.warned_latest = False
+        self.multiplier = None  # what DeepSpeed last multiplied the gradients by (bf16 transport)
+        if options.get("grad_transport") == "bf16" and watch_unscale(engine.optimizer, self):
+            options["grad_multiplier"] = lambda: self.multiplier
 
     # ------------------------------------------------------------------ the loop
 
@@ -128,6 +133,36 @@ class EnginePatch:
         finally:
             self.in_backward = False
             ck.close()
+
+
+def zero_bf16(engine) -> bool:
+    """Whether the engine hands its base optimizer bf16 gradients made fp32 and multiplied by
+    one unscale/clip coefficient (ZeRO 1/2 in bf16 without offload): the bf16 transport's case."""
+    wrapper = engine.optimizer
+    return (type(wrapper).__name__ == "DeepSpeedZeroOptimizer" and engine.bfloat16_enabled()
+            and not getattr(wrapper, "cpu_offload", False)
+            and hasattr(wrapper, "unscale_and_clip_grads"))
+
+
+def watch_unscale(wrapper, patch: EnginePatch) -> bool:
+    """Wrap ZeRO's ``unscale_and_clip_grads`` (called per param group right before the base
+    optimizer's step) so that ``patch.multiplier`` is the float32 scalar it multiplied the
+    gradients by: the same call on a one-element 1.0 gives it bit for bit, whatever DeepSpeed's
+    formula.  False when the wrapper has no such method."""
+    original = getattr(wrapper, "unscale_and_clip_grads", None)
+    if original is None or type(wrapper).__name__ != "DeepSpeedZeroOptimizer":
+        return False
+
+    def unscale_and_clip_grads(grad_groups_flat, total_norm, *args, **kwargs):
+        out = original(grad_groups_flat, total_norm, *args, **kwargs)
+        first = grad_groups_flat[0]
+        device = (first[0] if isinstance(first, list) else first).device
+        probe = torch.ones(1, dtype=torch.float32, device=device)
+        original([probe], total_norm, *args, **kwargs)
+        patch.multiplier = probe
+        return out
+    wrapper.unscale_and_clip_grads = unscale_and_clip_grads
+    return True
 
 
 def holds_gockpt_checkpoint(load_dir, tag) -> bool:

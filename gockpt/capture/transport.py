@@ -1,0 +1,54 @@
+"""How the replay modes carry gradients across the link (``Config.grad_transport``).
+
+``fp32`` copies the consumed gradient as it is.  ``bf16`` copies a bfloat16 *image* of it and
+one float32 multiplier per step: the replay consumes ``float(image) * multiplier``, one float
+rounding, which is bit for bit the gradient the optimizer consumed wherever that gradient was
+computed the same way -- bf16 gradients made float32 and multiplied once by an unscale/clip
+coefficient (DeepSpeed's ZeRO 1/2 in bf16).  Whether it is, is checked on the device every
+step (a pass at device memory speed, against the link's 2 bytes saved per element); a step
+whose images do not give back every bit goes in fp32 instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+log = logging.getLogger("gockpt")
+
+
+class Bf16Transport:
+    """Encodes one step's consumed gradients as bfloat16 images and one multiplier."""
+
+    name = "bf16"
+
+    def __init__(self, multiplier: Optional[Callable[[], Optional[torch.Tensor]]] = None):
+        self.multiplier = multiplier
+        self.fallbacks = 0  # steps carried in fp32 because the images were not exact
+
+    def encode(self, grads: Dict[int, torch.Tensor]
+               ) -> Optional[Tuple[Dict[int, torch.Tensor], float]]:
+        """(slot -> bfloat16 image, the float32 multiplier as a Python float), or None when
+        some gradient is not ``float(image) * multiplier`` bit for bit (carry it in fp32)."""
+        if not grads:
+            return {}, 1.0
+        mul = self.multiplier() if self.multiplier is not None else None
+        if mul is not None:
+            mul = torch.as_tensor(mul).reshape(()).to(torch.float32)
+        images, wrong = {}, []
+        for si, g in grads.items():
+            m = None if mul is None else mul.to(g.device)
+            image = (g if m is None else g / m).to(torch.bfloat16)
+            back = image.float() if m is None else image.float() * m
+            wrong.append((back.view(torch.int32) != g.view(torch.int32)).any())
+            images[si] = image
+        # one device read for the whole step (not one per tensor)
+        if bool(torch.stack(wrong).any()):
+            self.fallbacks += 1
+            if self.fallbacks == 1:
+                log.info("gockpt: a step's gradients are not bf16 values times one scale; "
+                         "carried in fp32 (grad_transport='bf16' falls back per step)")
+            return None
+        return images, 1.0 if mul is None else float(mul)

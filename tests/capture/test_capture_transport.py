@@ -1,0 +1,47 @@
+"""gockpt.capture.transport: bf16 images of the consumed gradients, checked exact per step."""
+
+import torch
+
+from gockpt.capture.transport import Bf16Transport
+
+
+def bf16_valued(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g).bfloat16().float()
+
+
+def test_bf16_values_times_a_coefficient_are_carried_as_images_and_the_coefficient():
+    coef = torch.tensor(0.37, dtype=torch.float32)
+    grads = {0: bf16_valued(1000, 0) * coef, 3: bf16_valued(7, 1) * coef}
+    images, mul = Bf16Transport(lambda: coef).encode(grads)
+    assert mul == float(coef) and set(images) == {0, 3}
+    for si, g in grads.items():
+        assert images[si].dtype == torch.bfloat16
+        assert torch.equal((images[si].float() * coef).view(torch.int32), g.view(torch.int32))
+
+
+def test_without_a_multiplier_the_gradients_must_be_bf16_values():
+    transport = Bf16Transport()
+    images, mul = transport.encode({0: bf16_valued(100, 2)})
+    assert mul == 1.0 and torch.equal(images[0].float(), bf16_valued(100, 2))
+    g = bf16_valued(100, 3)
+    g[17] += g[17] * 2 ** -12  # one element that bf16 cannot hold
+    assert transport.encode({0: g}) is None and transport.fallbacks == 1
+
+
+def test_a_wrong_multiplier_or_a_special_value_it_cannot_rebuild_falls_back():
+    coef = torch.tensor(0.37, dtype=torch.float32)
+    g = bf16_valued(100, 4) * coef
+    assert Bf16Transport(lambda: torch.tensor(0.38)).encode({0: g}) is None
+    g[5] = 1e-44  # a float32 subnormal: no bf16 image times 0.37 gives it back
+    assert Bf16Transport(lambda: coef).encode({0: g}) is None
+
+
+def test_negative_zero_inf_and_bf16_nan_are_carried_bit_for_bit():
+    # a NaN of bf16 gradients (what the training made float32) crosses as it is; a float32 NaN
+    # with another payload has no bf16 image and that step falls back to fp32
+    g = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 2.0]).bfloat16()
+    g = g.float()
+    images, _ = Bf16Transport().encode({0: g})
+    assert torch.equal(images[0].float().view(torch.int32), g.view(torch.int32))
+    assert Bf16Transport().encode({0: torch.tensor([float("nan")])}) is None
