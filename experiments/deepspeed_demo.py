@@ -89,9 +89,11 @@ def demo(args, work: str) -> bool:
 def bench(args, work: str) -> None:
     from gockpt.integrations import deepspeed as gockpt_ds
     results = {}
-    for name in ("native", "gockpt"):
-        if name == "gockpt":
-            gockpt_ds.install()
+    # gockpt: its defaults (on the CPU the replayed gradients cross in fp32); gockpt-bf16:
+    # the bf16 gradient transport (the default on a GPU), side by side
+    for name in ("native", "gockpt", "gockpt-bf16"):
+        if name != "native":
+            gockpt_ds.install(**({"grad_transport": "bf16"} if name == "gockpt-bf16" else {}))
         engine = make_engine(args.dim, args.layers)
         times, stalls = [], []
         for step in range(1, args.steps + 1):
@@ -113,15 +115,17 @@ def bench(args, work: str) -> None:
     params = sum(p.numel() for p in make_engine(args.dim, args.layers).module.parameters())
     print(f"{params / 1e6:.1f}M params, {params * 12 / 1e6:.0f} MB of fp32 state, a checkpoint "
           f"every {args.every} steps, {args.steps} steps")
-    print(f"blocked per checkpoint: native {results['native'] * 1e3:.1f} ms, gockpt "
-          f"{results['gockpt'] * 1e3:.1f} ms ({results['gockpt'] / results['native']:.3f}x)")
     import gockpt
-    recs = [r for r in gockpt.metrics.read(os.path.join(work, "gockpt")) if r["grad_steps"]]
-    if recs:  # the replay modes: what the gradients of the steps in between cost the link
-        per_step = statistics.median(r["grad_bytes_per_step"] for r in recs)
-        print(f"replayed gradients crossed as {'/'.join(sorted({r['grad_transport'] for r in recs}))}"
-              f": {per_step / 1e6:.1f} MB per step ({per_step / (params * 4):.2f} of fp32's "
-              f"{params * 4 / 1e6:.1f} MB)")
+    native = results["native"]
+    for name in ("gockpt", "gockpt-bf16"):
+        recs = [r for r in gockpt.metrics.read(os.path.join(work, name)) if r["grad_steps"]]
+        crossed = ""
+        if recs:  # the replay modes: what the gradients of the steps in between cost the link
+            per_step = statistics.median(r["grad_bytes_per_step"] for r in recs)
+            kinds = "/".join(sorted({r["grad_transport"] for r in recs}))
+            crossed = f"; replayed gradients: {kinds}, {per_step / 1e6:.1f} MB per step"
+        print(f"blocked per checkpoint: {name} {results[name] * 1e3:.1f} ms = "
+              f"{results[name] / native:.3f}x native's {native * 1e3:.1f} ms{crossed}")
 
 
 def main(argv=None) -> int:

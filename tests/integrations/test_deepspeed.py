@@ -62,6 +62,8 @@ GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # F = 
     (1, 2, {"options": GOCKPT_O}),
     (2, 1, {"options": GOCKPT_O, "gas": 2}),
     (1, 1, {"options": GOCKPT_O, "two_groups": True}),  # the base optimizer steps per group
+    (1, 2, {"options": {**GOCKPT_O, "emulate_link_gbps": 1.0}}),  # across a link: bf16
+    (2, 1, {"options": {**GOCKPT_O, "grad_transport": "bf16"}, "two_groups": True}),
     (0, 1, {"options": GOCKPT_O, "two_groups": True}),
 ])
 def test_checkpoint_is_the_state_at_f_and_resumes_bitwise(tmp_path, stage, world, extra):
@@ -82,10 +84,11 @@ def test_checkpoint_is_the_state_at_f_and_resumes_bitwise(tmp_path, stage, world
         assert_states_equal(resumed[r]["final"], plain[r]["final"], f"rank {r}: resumed vs plain")
     assert open(tmp_path / "ckpt" / "latest").read().strip() == f"step-{final:09d}"
     assert_fp32_export_matches(tmp_path, saved[0]["live"])
-    # ZeRO 1/2 in bf16 hand the optimizer bf16 gradients times one coefficient: the replayed
-    # gradients cross in bf16 (half the bytes); BF16_Optimizer accumulates them in fp32.
+    # ZeRO 1/2 in bf16 hand the optimizer bf16 gradients times one coefficient: asked for, the
+    # replayed gradients cross in bf16 (half the bytes); by default on the CPU in fp32.
     if "options" in extra:
-        bf16 = stage in (1, 2) and not extra.get("fp32_accumulation")
+        bf16 = extra["options"].get("grad_transport") == "bf16" or (
+            "emulate_link_gbps" in extra["options"] and stage in (1, 2))
         for m in gockpt.metrics.read(str(tmp_path / "ckpt")):
             assert m["grad_transport"] == ("bf16" if bf16 else "fp32") and m["grad_steps"] == 2
 
@@ -135,6 +138,19 @@ def test_options_default_to_async_o_and_come_from_the_config_section():
     opts = gockpt_ds._options(fake_engine(section={"keep_last": 3, "mode": "async"}),
                               {"mode": "sync"})
     assert opts == {"keep_last": 3, "mode": "sync"}  # arguments win over the section
+
+
+@pytest.mark.parametrize("on_gpu,options,expected", [
+    (True, {}, "bf16"), (False, {}, None), (False, {"emulate_link_gbps": 2.0}, "bf16"),
+    (True, {"grad_transport": "fp32"}, "fp32")])
+def test_gradients_cross_in_bf16_by_default_where_a_link_carries_them(monkeypatch, on_gpu,
+                                                                     options, expected):
+    monkeypatch.setattr(gockpt_ds, "_replay_refusal", lambda engine: None)
+    monkeypatch.setattr(gockpt_ds, "zero_bf16", lambda engine: True)
+    monkeypatch.setattr(gockpt_ds, "_on_gpu", lambda engine: on_gpu)
+    assert gockpt_ds._options(fake_engine(), {"mode": "gockpt-o", **options}).get(
+        "grad_transport") == expected
+    assert "grad_transport" not in gockpt_ds._options(fake_engine(), {"mode": "async-o"})
 
 
 @pytest.mark.parametrize("engine,options,match", [

@@ -24,9 +24,10 @@ gradients of the steps between replayed on the CPU) need a bitwise replay of the
 optimizer: DeepSpeed's ``FusedAdam`` on the CPU (its CPU Adam op) or torch's Adam/AdamW; any
 other (DeepSpeed's CUDA ``FusedAdam``: built with fast math) is refused, or with
 ``fallback=True`` replaced by ``async-o`` with one warning.  ZeRO stage 3 is refused.
-With ZeRO 1/2 in bf16 the replayed gradients cross as bf16 plus the one coefficient DeepSpeed
-unscaled/clipped them by (``grad_transport="bf16"``, checked exact on the device every step;
-``grad_transport="fp32"`` turns it off); elsewhere in fp32.
+With ZeRO 1/2 in bf16 on a GPU (or an emulated link) the replayed gradients cross as bf16
+plus the one coefficient DeepSpeed unscaled/clipped them by (``grad_transport="bf16"``, checked
+exact on the device every step; ``grad_transport="fp32"`` turns it off, ``"bf16"`` turns it on
+elsewhere); otherwise in fp32.
 """
 
 from __future__ import annotations
@@ -114,8 +115,11 @@ def _options(engine, options: dict) -> dict:
         raise ConfigError("gockpt_ds: ZeRO stage 3 is not supported (parameters partitioned "
                           "across ranks); use stage 0, 1 or 2, or DeepSpeed's own checkpoints")
     why = None if merged["mode"] in COPY_MODES else _replay_refusal(engine)
-    if why is None and merged["mode"] not in COPY_MODES and zero_bf16(engine):
-        merged.setdefault("grad_transport", "bf16")  # 2 bytes per element, exact
+    if why is None and merged["mode"] not in COPY_MODES and zero_bf16(engine) and (
+            _on_gpu(engine) or merged.get("emulate_link_gbps")):
+        # 2 bytes per element across a link; on the CPU the copy is a memcpy on the copy
+        # thread and the encoding would cost the training thread more than it saves
+        merged.setdefault("grad_transport", "bf16")
     if why is not None:
         why = f"gockpt_ds: mode {merged['mode']!r} cannot replay this engine's optimizer: {why}"
         if not fallback:
@@ -125,6 +129,11 @@ def _options(engine, options: dict) -> dict:
         merged["mode"] = DEFAULT_MODE
     Config(directory=".", **merged)  # every other option checked here, not at the first save
     return merged
+
+
+def _on_gpu(engine) -> bool:
+    from .state import base_optimizer
+    return any(p.is_cuda for g in base_optimizer(engine).param_groups for p in g["params"])
 
 
 def _replay_refusal(engine):
