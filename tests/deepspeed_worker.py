@@ -1,5 +1,9 @@
-"""One rank of tests/integrations/test_deepspeed.py (started by tests/dist_ranks.py): trains a
-tiny model with a DeepSpeed engine on the CPU accelerator and writes what the test compares.
+"""One rank of the DeepSpeed tests (tests/deepspeed_cases.py, started by tests/dist_ranks.py):
+trains a tiny model with a DeepSpeed engine on its accelerator (the CPU here, CUDA on a GPU
+machine) and writes what the test compares.  Scenario keys beyond the run: "stage", "steps",
+"save_at", "final_at", "gas", "clip", "options", "gockpt_section", "fp32_accumulation",
+"two_groups", "torch_adam" (torch's AdamW as base optimizer), "fp16" (with dynamic loss
+scaling), "inf_at" (a step whose loss is multiplied by inf: an overflow step under fp16).
 
     deepspeed_worker.py OUT SCENARIO       SCENARIO: JSON {"run": ..., "stage": ..., ...}
 
@@ -28,10 +32,14 @@ def build(sc):
     cfg = {"train_micro_batch_size_per_gpu": 4,
            "gradient_accumulation_steps": sc.get("gas", 1),
            "gradient_clipping": sc.get("clip", 0.05),
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1,
+                                                     "torch_adam": sc.get("torch_adam", False)}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5,
                                                          "warmup_max_lr": 3e-3}},
-           "zero_optimization": {"stage": sc["stage"]}, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": sc["stage"]},
+           # fp16: dynamic loss scaling from 2^8, so that an injected inf is an overflow step
+           **({"fp16": {"enabled": True, "initial_scale_power": 8}} if sc.get("fp16")
+              else {"bf16": {"enabled": True}}),
            "steps_per_print": 10 ** 9}
     if sc.get("gockpt_section"):
         cfg["gockpt"] = sc["gockpt_section"]
@@ -46,10 +54,11 @@ def build(sc):
     return engine
 
 
-def batch(step, micro, rank):
+def batch(step, micro, rank, engine, sc):
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     x = torch.randn(4, 16, generator=g)
-    return x.bfloat16(), torch.randn(4, 4, generator=g)
+    x = x.half() if sc.get("fp16") else x.bfloat16()
+    return x.to(engine.device), torch.randn(4, 4, generator=g).to(engine.device)
 
 
 def train(engine, sc, first, last, out, at=None):
@@ -57,11 +66,13 @@ def train(engine, sc, first, last, out, at=None):
     rank = torch.distributed.get_rank()
     for step in range(first, last + 1):
         for micro in range(sc.get("gas", 1)):
-            x, y = batch(step, micro, rank)
+            x, y = batch(step, micro, rank, engine, sc)
             loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+            out["losses"].append(loss.item())
+            if step == sc.get("inf_at"):  # an overflow: DeepSpeed skips this step (fp16)
+                loss = loss * float("inf")
             engine.backward(loss)
             engine.step()
-            out["losses"].append(loss.item())
         if at is not None:
             at(step)
 

@@ -22,6 +22,16 @@ from .records import GroupScalars
 F32 = np.float32
 
 
+def run_cpu_adam_op(optimizer, p, m, v, g, *, lr: float, betas, eps: float,
+                    weight_decay: float, step: int) -> None:
+    """One call of the CPU Adam op of DeepSpeed's ``FusedAdam`` ``optimizer`` on one tensor
+    (param ``p``, moments ``m``, ``v`` updated in place; gradient ``g``), as its step() makes
+    it -- which also advances the op's running beta products (see :class:`_OpMirror`)."""
+    optimizer.multi_tensor_adam(2048 * 32, torch.zeros(1, dtype=torch.int), [[g], [p], [m], [v]],
+                                lr, betas[0], betas[1], eps, int(step),
+                                int(getattr(optimizer, "adam_w_mode", True)), 1, weight_decay)
+
+
 def is_deepspeed_fused_adam(optimizer) -> bool:
     cls = type(optimizer)
     return cls.__name__ == "FusedAdam" and cls.__module__.startswith("deepspeed.")
@@ -108,9 +118,8 @@ class DeepSpeedCpuAdamAdapter:
         got = [x.clone() for x in scratch]
         # At the op's current step with its betas, IncrementStep returns at once: the
         # products are read, not changed.
-        self.optimizer.multi_tensor_adam(2048 * 32, torch.zeros(1, dtype=torch.int),
-                                         [[got[3]], [got[0]], [got[1]], [got[2]]], 1e-3, b[0],
-                                         b[1], 1e-8, t, int(self.mode), 1, 0.0)
+        run_cpu_adam_op(self.optimizer, *got, lr=1e-3, betas=b, eps=1e-8, weight_decay=0.0,
+                        step=t)
         found = []
         for powers in candidates:
             want = [x.clone() for x in scratch]

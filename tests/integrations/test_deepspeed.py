@@ -7,17 +7,13 @@ product beta2^t differs from pow(beta2, t), so a resume that does not rebuild th
 would drift (see gockpt/integrations/deepspeed/state.py: warm_cpu_adam).
 """
 
-import json
-import os
 import types
 import warnings
 
 import pytest
 import torch
 
-import gockpt
-
-from dist_ranks import run_ranks
+from deepspeed_cases import assert_states_equal, check_checkpoint_and_resume, runs
 from gockpt.errors import ConfigError
 
 pytest.importorskip("deepspeed")  # installed by the README's setup: this never skips in CI
@@ -25,29 +21,6 @@ pytest.importorskip("deepspeed")  # installed by the README's setup: this never 
 from gockpt.integrations import deepspeed as gockpt_ds  # noqa: E402
 from gockpt.integrations.deepspeed.patch import holds_gockpt_checkpoint  # noqa: E402
 from gockpt.integrations.deepspeed.state import _numbers_of, restore_engine  # noqa: E402
-
-WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "deepspeed_worker.py")
-SAVE_AT, STEPS = 18, 21
-
-
-def runs(tmp_path, world, **scenario):
-    def one(run, **more):
-        run_ranks(tmp_path, json.dumps(dict(scenario, run=run, **more)), world=world,
-                  worker=WORKER, timeout=600)
-        return [torch.load(tmp_path / f"{run}-rank{r}.pt") for r in range(world)]
-    return one
-
-
-def assert_states_equal(a, b, what):
-    assert a["tensors"].keys() == b["tensors"].keys() and a["optimizer"].keys() == b["optimizer"].keys()
-    for part in ("tensors", "optimizer"):
-        for name, t in a[part].items():
-            assert t.dtype == b[part][name].dtype and torch.equal(t.view(-1).view(torch.uint8),
-                                                                  b[part][name].view(-1).view(torch.uint8)), \
-                f"{what}: {part} {name} differs"
-    assert a["counters"] == b["counters"], what
-
 
 GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # F = SAVE_AT + 2
 
@@ -64,49 +37,18 @@ GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # F = 
     (1, 1, {"options": GOCKPT_O, "two_groups": True}),  # the base optimizer steps per group
     (1, 2, {"options": {**GOCKPT_O, "emulate_link_gbps": 1.0}}),  # across a link: bf16
     (2, 1, {"options": {**GOCKPT_O, "grad_transport": "bf16"}, "two_groups": True}),
-    (0, 1, {"options": GOCKPT_O, "two_groups": True}),
+    (1, 1, {"options": GOCKPT_O, "torch_adam": True}),  # torch's AdamW as base optimizer
 ])
 def test_checkpoint_is_the_state_at_f_and_resumes_bitwise(tmp_path, stage, world, extra):
-    final = SAVE_AT + extra.get("options", {}).get("overlap_steps", 1) - 1
-    one = runs(tmp_path, world, stage=stage, steps=STEPS, save_at=SAVE_AT, final_at=final,
-               **extra)
-    plain, saved, resumed = one("plain"), one("save"), one("resume")
-    for r in range(world):
-        # No interference: the patched run with its checkpoint trains exactly like the plain one.
-        assert saved[r]["losses"] == plain[r]["losses"]
-        assert_states_equal(saved[r]["final"], plain[r]["final"], f"rank {r}: patched vs plain")
-        # The checkpoint is the live state at F (fp32 master, moments, step, weights, counters).
-        assert_states_equal(resumed[r]["loaded"], saved[r]["live"], f"rank {r}: loaded vs live")
-        assert resumed[r]["client"] == {"data_pos": final, "rank": r}
-        # Resumed in fresh processes, training goes on bit for bit.
-        gas = extra.get("gas", 1)
-        assert resumed[r]["losses"] == plain[r]["losses"][final * gas:]
-        assert_states_equal(resumed[r]["final"], plain[r]["final"], f"rank {r}: resumed vs plain")
-    assert open(tmp_path / "ckpt" / "latest").read().strip() == f"step-{final:09d}"
-    assert_fp32_export_matches(tmp_path, saved[0]["live"])
-    # ZeRO 1/2 in bf16 hand the optimizer bf16 gradients times one coefficient: asked for, the
-    # replayed gradients cross in bf16 (half the bytes); by default on the CPU in fp32.
-    if "options" in extra:
-        bf16 = extra["options"].get("grad_transport") == "bf16" or (
-            "emulate_link_gbps" in extra["options"] and stage in (1, 2))
-        for m in gockpt.metrics.read(str(tmp_path / "ckpt")):
-            assert m["grad_transport"] == ("bf16" if bf16 else "fp32") and m["grad_steps"] == 2
-
-
-def assert_fp32_export_matches(tmp_path, live):
-    """``gockpt export --to fp32``: every parameter whole, in fp32, and (DeepSpeed's weights
-    being the bf16 rounding of the master) rounding to the module's weights at F."""
-    from gockpt.cli import main
-    from safetensors.torch import load_file
-    out = tmp_path / "fp32.safetensors"
-    assert main(["export", str(tmp_path / "ckpt"), "--to", "fp32", str(out)]) == 0
-    fp32 = load_file(str(out))
-    weights = {k[len("module."):]: v for k, v in live["tensors"].items()
-               if k.startswith("module.")}
-    assert fp32.keys() == weights.keys()
-    for name, t in fp32.items():
-        assert t.dtype == torch.float32 and t.shape == weights[name].shape
-        assert torch.equal(t.to(weights[name].dtype), weights[name]), name
+    # ZeRO 1/2 in bf16 hand the optimizer bf16 gradients times one coefficient: asked for (or
+    # across a link), the replayed gradients cross in bf16; by default on the CPU in fp32.
+    options = extra.get("options", {})
+    transport = None
+    if options.get("mode") == "gockpt-o":
+        bf16 = options.get("grad_transport") == "bf16" or (
+            "emulate_link_gbps" in options and stage in (1, 2))
+        transport = "bf16" if bf16 else "fp32"
+    check_checkpoint_and_resume(tmp_path, stage, world, extra, transport)
 
 
 def test_native_checkpoints_still_load_through_the_patched_engine(tmp_path):

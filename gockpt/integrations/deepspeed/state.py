@@ -115,19 +115,17 @@ def warm_cpu_adam(base: torch.optim.Optimizer) -> int:
     t ~ 6, so a fresh process would continue with other bias corrections.  Stepping the op on a
     one-element scratch tensor through t = 1..T (the live run's history from its first step,
     betas constant) rebuilds the same product.  Returns the number of scratch steps."""
-    op = getattr(base, "multi_tensor_adam", None)
+    from ...replay.deepspeed_adapter import run_cpu_adam_op
     steps = [st.get("step") for st in base.state.values()]
-    if op is None or not steps or base.param_groups[0]["params"][0].device.type != "cpu":
+    if getattr(base, "multi_tensor_adam", None) is None or not steps or \
+            base.param_groups[0]["params"][0].device.type != "cpu":
         return 0
     t = int(max(int(s) for s in steps))
     group = base.param_groups[0]
-    beta1, beta2 = group["betas"]
-    scratch = [[torch.zeros(1)] for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
-    flag = getattr(base, "_dummy_overflow_buf", torch.zeros(1, dtype=torch.int))
-    mode = int(getattr(base, "adam_w_mode", 1))
+    scratch = [torch.zeros(1) for _ in range(4)]  # param, exp_avg, exp_avg_sq, grad
     for step in range(1, t + 1):
-        op(2048 * 32, flag, scratch, group["lr"], beta1, beta2, group["eps"], step, mode,
-           int(group.get("bias_correction", True)), group["weight_decay"])
+        run_cpu_adam_op(base, *scratch, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                        weight_decay=group["weight_decay"], step=step)
     if t > 1000:
         log.info("gockpt: DeepSpeed CPU Adam brought to step %d (%d scratch steps)", t, t)
     return t
