@@ -246,8 +246,9 @@ class Capture:
         if callable(extra_state):
             extra_state = extra_state()
         aligned = {}
+        states = self._states(job)  # looked up once per checkpoint (a tensor hash each)
         for si, s in enumerate(job.plan.slots):
-            if not s.static and s.param in self.optimizer.state:
+            if not s.static and states[si] is not None:
                 aligned[s.opt_index] = job.host.keys[si]
         job.capture.aligned = aligned
         tensors: Dict[str, torch.Tensor] = {}
@@ -290,14 +291,16 @@ class Capture:
         job.capture.recorded |= stepped
         plan = job.plan
         grads = {}
-        for si, s in enumerate(plan.slots):
-            g = s.param.grad
-            if s.static or g is None or s.group not in groups:
-                continue
-            if g.is_sparse or g.dtype != s.param.dtype:
-                raise ConfigError(f"the gradient of {s.name!r} is sparse or {g.dtype}; the "
-                                  f"replay needs dense {s.param.dtype} gradients")
-            grads[si] = g
+        by_group = plan.optimized_by_group()
+        for gi in sorted(groups):
+            for si, s in by_group.get(gi, ()):
+                g = s.param.grad
+                if g is None:
+                    continue
+                if g.dtype != torch.float32 or g.is_sparse:  # the replay modes: fp32 params
+                    raise ConfigError(f"the gradient of {s.name!r} is sparse or {g.dtype}; "
+                                      f"the replay needs dense {s.param.dtype} gradients")
+                grads[si] = g
         steps = self.adapter.step_counts(grads, self._states(job))
         table = job.capture.captured_table()
         table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))

@@ -71,8 +71,9 @@ class Plan:
     fingerprint: tuple = ()  # the optimizer's parameters when planned (see fingerprint())
     block_elems: int = 1     # elements per block (the last block of a slot is shorter)
     _windows: dict = field(default_factory=dict, repr=False)
-    """k -> (groups, their BlockTables), "at_f" -> the blocks copied at F: computed once,
-    dropped when copy_at_f changes which slots are copied at F."""
+    """k -> (groups, their BlockTables), "at_f" -> the blocks copied at F, "bytes" -> the
+    sizes of :meth:`_bytes`: computed once, dropped when copy_at_f changes which slots are
+    copied at F."""
 
     def blocks_at_f(self) -> List[Block]:
         """The blocks copied directly at the boundary of F."""
@@ -98,14 +99,34 @@ class Plan:
             self._windows.clear()
         return changed
 
+    def optimized_by_group(self) -> Dict[int, List[Tuple[int, "Slot"]]]:
+        """Param group -> its optimized slots as (slot index, slot), in slot order (built once:
+        the step pre-hook reads the gradients of the groups it steps, no other slot)."""
+        if "by_group" not in self._windows:
+            out: Dict[int, List[Tuple[int, Slot]]] = {}
+            for si, s in enumerate(self.slots):
+                if not s.static:
+                    out.setdefault(s.group, []).append((si, s))
+            self._windows["by_group"] = out
+        return self._windows["by_group"]
+
     def optimized_bytes(self) -> int:
         """Bytes of the parameters the optimizer updates (one gradient or state tensor each)."""
-        return sum(s.numel * s.param.element_size() for s in self.slots if not s.static)
+        return self._bytes()[1]
 
     def state_bytes(self, state_tensors_per_param: int) -> int:
         """Bytes of one full copy: every param plus its aligned state tensors."""
-        params = sum(s.numel * s.param.element_size() for s in self.slots)
-        return params + state_tensors_per_param * self.optimized_bytes()
+        params, optimized = self._bytes()
+        return params + state_tensors_per_param * optimized
+
+    def _bytes(self) -> tuple:
+        """(bytes of every parameter, of the optimized ones): summed once (sizes and dtypes
+        of a plan's slots do not change; a change of parameters makes a new plan)."""
+        if "bytes" not in self._windows:
+            sizes = [(s.numel * s.param.element_size(), s.static) for s in self.slots]
+            self._windows["bytes"] = (sum(n for n, _ in sizes),
+                                      sum(n for n, static in sizes if not static))
+        return self._windows["bytes"]
 
     def groups(self, k: int) -> List[List[Block]]:
         """Split the blocks into ``k`` capture groups of about equal bytes, in storage order
