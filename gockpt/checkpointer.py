@@ -29,7 +29,7 @@ from . import storage
 from .capture.copies import Capture
 from .capture.device import device_for
 from .capture.plan import build_plan, check_layouts, fingerprint, stepped_groups
-from .capture.staging import GradPool, HostCopy, planned_host_bytes
+from .capture.staging import GradPool, HostCopy, StagingAllocation, planned_host_bytes
 from .capture.transfer import CopyEngine
 from .capture.transport import Bf16Transport
 from .config import Config
@@ -111,8 +111,9 @@ class Checkpointer:
             raise ConfigError("emulate_link_gbps emulates a GPU link for training on the CPU; "
                               f"the parameters live on {self.device.kind}")
         self.engine = CopyEngine(self.device, link_gbps=self.config.emulate_link_gbps)
-        self.host: Optional[HostCopy] = None          # allocated at the first checkpoint
-        self.grad_pool: Optional[GradPool] = None
+        self.host: Optional[HostCopy] = None          # taken at the first checkpoint from
+        self.grad_pool: Optional[GradPool] = None     # the allocation started here
+        self._staging: Optional[StagingAllocation] = self._allocate_staging()
         self.replayer = Replayer(self.adapter, self.config.replay_threads) if self.adapter else None
         transport = Bf16Transport(self.config.grad_multiplier) \
             if self.config.grad_transport == "bf16" and self.adapter is not None else None
@@ -239,6 +240,9 @@ class Checkpointer:
                 self.replayer.close()
             self.persister.close()
         finally:
+            if self._staging is not None:  # never taken: no checkpoint was started
+                self._staging._thread.join()
+                self._staging = None
             self.engine.close()
             self.lock.release()
             for hook in self._hooks:
@@ -277,7 +281,10 @@ class Checkpointer:
             self._replan()
         check_layouts(self.plan.slots)
         self.plan.copy_at_f(self.loop.take_adapted())
-        if self.host is None:
+        if self.host is None and self._staging is not None:
+            staging, self._staging = self._staging, None
+            self.host, self.grad_pool = staging.take()
+        if self.host is None:  # planned again: allocated now
             self.host = HostCopy(self.plan, self.device)
             if self.policy.replays:
                 self.grad_pool = GradPool(self.plan, self.device)
@@ -301,6 +308,18 @@ class Checkpointer:
         self.pipeline.begin(job, step, self.loop.boundary, extra_state)
         return job.handle
 
+    def _allocate_staging(self) -> StagingAllocation:
+        """Start allocating the host staging in the background (see StagingAllocation)."""
+        if self.adapter is not None:
+            keys = self.adapter.state_keys
+        elif isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            keys = ("exp_avg", "exp_avg_sq")  # what its state will hold after the first step
+        else:
+            keys = None
+        grads = () if not self.policy.replays else \
+            (torch.bfloat16,) if self.config.grad_transport == "bf16" else (torch.float32,)
+        return StagingAllocation(self.plan, self.device, keys, grads)
+
     def _replan(self) -> None:
         """The optimizer's parameters changed: plan again (a replay mode checks the new param
         groups' settings as at construction); host memory is allocated anew."""
@@ -315,7 +334,9 @@ class Checkpointer:
             raise ConfigError("the optimizer's new parameters live on another device")
         self.plan = plan
         self.planned_host_bytes = planned_host_bytes(self.plan, self.policy.replays, self.config.max_host_bytes)
-        self.host, self.grad_pool = None, None
+        if self._staging is not None:  # allocated for the old plan: let it go
+            self._staging.take()
+        self.host, self.grad_pool, self._staging = None, None, None
         log.info("gockpt: the optimizer's parameters changed: planned again (%d tensors)",
                  len(plan.slots))
 

@@ -76,6 +76,13 @@ class Arena:
         return self.numel * self.dtype.itemsize
 
 
+class _NoArena:
+    offset: Dict[int, int] = {}
+
+
+_NO_ARENA = _NoArena()
+
+
 class HostCopy:
     """One host copy of the model's parameters and their aligned optimizer state.
 
@@ -105,7 +112,7 @@ class HostCopy:
         """Declare, for every slot with aligned state, its keys (key -> a tensor of the dtype
         its buffer needs). The state arenas are laid out again only when this changes."""
         layout = [(si, [(k, t.dtype) for k, t in kt.items()]) for si, kt in likes.items()]
-        if layout != self._key_layout:
+        if layout != self._key_layout and not self._covers(layout):
             sizes: Dict[Tuple[str, torch.dtype], Dict[int, int]] = {}
             for si in sorted(likes):
                 for key, like in likes[si].items():
@@ -120,6 +127,14 @@ class HostCopy:
             self.keys_version += 1
         self.keys = [tuple(likes.get(si, {})) for si in range(len(self.slots))]
         self.keys_declared = True
+
+    def _covers(self, layout) -> bool:
+        """Whether the state arenas already hold a buffer for every (slot, key, dtype) of
+        ``layout`` (e.g. laid out for every optimized slot before the first checkpoint, when
+        some slots have no state yet): then they stay, and only the keys change (what is
+        stored follows the keys each slot has at F, not the arenas)."""
+        return all(si in self.state_arenas.get((key, dtype), _NO_ARENA).offset
+                   for si, keys in layout for key, dtype in keys)
 
     def roles(self) -> Tuple[str, ...]:
         """The aligned state keys this copy holds (in arena order)."""
@@ -147,6 +162,48 @@ class HostCopy:
     def nbytes(self) -> int:
         return sum(a.nbytes() for a in self.param_arenas.values()) + \
             sum(a.nbytes() for a in self.state_arenas.values())
+
+
+class StagingAllocation:
+    """The host staging of a plan -- a :class:`HostCopy` with the state keys expected, and the
+    :class:`GradPool`'s arenas -- allocated on a background thread started when the
+    Checkpointer is built: pinned memory takes seconds per GB on a GPU machine, and the first
+    checkpoint must not pay it.  ``take()`` (at the first checkpoint) waits for it.
+
+    ``state_keys``: the aligned state keys every optimized slot will have (a replay adapter's,
+    or Adam's), or None; keys found otherwise at the first checkpoint lay the state arenas out
+    again there.  ``grad_dtypes``: the gradient arenas to allocate in every pool set (none:
+    no pool)."""
+
+    def __init__(self, plan: Plan, device, state_keys: Optional[tuple], grad_dtypes: tuple):
+        self._args = (plan, device, state_keys, grad_dtypes)
+        self._result: Optional[Tuple[HostCopy, Optional[GradPool]]] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="gockpt-staging", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        plan, device, state_keys, grad_dtypes = self._args
+        try:
+            host = HostCopy(plan, device)
+            if state_keys:
+                host.set_keys({si: {k: s.param for k in state_keys}
+                               for si, s in enumerate(plan.slots) if not s.static})
+            pool = GradPool(plan, device) if grad_dtypes else None
+            if pool is not None:
+                for bufs in pool._sets:
+                    for dtype in grad_dtypes:
+                        pool.arena(bufs, dtype)
+            self._result = (host, pool)
+        except BaseException as exc:  # raised by take(), on the training thread
+            self._error = exc
+
+    def take(self) -> Tuple[HostCopy, Optional[GradPool]]:
+        """The staging, once allocated (raises what allocating it raised)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 class GradPool:

@@ -10,7 +10,10 @@ import torch
 
 from gockpt.capture.device import HostDevice
 from gockpt.capture.plan import build_plan
-from gockpt.capture.staging import PACK_BYTES, PACK_MIN_COUNT, Arena, GradPool, HostCopy
+from gockpt.capture.staging import (PACK_BYTES, PACK_MIN_COUNT, Arena, GradPool, HostCopy,
+                                    StagingAllocation)
+
+import harness as H
 
 
 @pytest.fixture
@@ -137,3 +140,34 @@ def test_grad_pool_nbytes_counts_sets_in_use(plan):
     bufs = pool.acquire()
     pool.buffer(bufs, 0, plan.slots[0].param)
     assert pool.nbytes() == sum(s.numel * 4 for s in plan.slots if not s.static)
+
+
+def test_staging_is_allocated_on_a_background_thread_with_the_expected_keys():
+    model, opt, _ = H.build()
+    plan = build_plan(model, opt, 256)
+    threads = []
+
+    class Recording(HostDevice):
+        def empty(self, numel, dtype):
+            threads.append(threading.current_thread().name)
+            return super().empty(numel, dtype)
+
+    staging = StagingAllocation(plan, Recording(), ("exp_avg", "exp_avg_sq"), (torch.float32,))
+    host, pool = staging.take()
+    assert threads and set(threads) == {"gockpt-staging"}
+    optimized = [si for si, s in enumerate(plan.slots) if not s.static]
+    assert host.keys_declared and host.roles() == ("exp_avg", "exp_avg_sq")
+    assert all(set(host.state[si]) == {"exp_avg", "exp_avg_sq"} for si in optimized)
+    assert pool.nbytes() == GradPool.SIZE * plan.optimized_bytes()  # fp32, every set
+
+
+def test_a_failed_staging_allocation_is_raised_by_take():
+    model, opt, _ = H.build()
+
+    class Full(HostDevice):
+        def empty(self, numel, dtype):
+            raise RuntimeError("cannot pin memory")
+
+    staging = StagingAllocation(build_plan(model, opt, 256), Full(), None, ())
+    with pytest.raises(RuntimeError, match="cannot pin memory"):
+        staging.take()
