@@ -68,9 +68,14 @@ class Arena:
         return self.buffer[o:o + self.sizes[slot]]
 
     def bases(self, n_slots: int) -> np.ndarray:
-        """Per slot: the address of its first element here (0 for slots not in this arena)."""
-        base, item = self.buffer.data_ptr(), self.dtype.itemsize
-        return slot_array(n_slots, {s: base + o * item for s, o in self.offset.items()})
+        """Per slot: the address of its first element here (0 for slots not in this arena);
+        computed once (the buffer never moves), a copy returned each time."""
+        cached = getattr(self, "_bases", None)
+        if cached is None or len(cached) != n_slots:
+            base, item = self.buffer.data_ptr(), self.dtype.itemsize
+            cached = self._bases = slot_array(n_slots, {s: base + o * item
+                                                        for s, o in self.offset.items()})
+        return cached.copy()
 
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
