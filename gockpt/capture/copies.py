@@ -324,7 +324,8 @@ class Capture:
                             lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
                             final=j == job.k - 1, snapshot=snapshot, grad_dtype=dtype,
                             grad_mul=mul)
-        job.metrics.add_grad_step("bf16" if encoded else "fp32", ticket.nbytes, new_step)
+        job.metrics.add_grad_step(self.transport.name if encoded else "fp32", ticket.nbytes,
+                                  new_step)
         job.capture.grad_tickets.append(ticket)
         return record
 

@@ -81,13 +81,6 @@ class Arena:
         return self.numel * self.dtype.itemsize
 
 
-class _NoArena:
-    offset: Dict[int, int] = {}
-
-
-_NO_ARENA = _NoArena()
-
-
 class HostCopy:
     """One host copy of the model's parameters and their aligned optimizer state.
 
@@ -138,7 +131,8 @@ class HostCopy:
         ``layout`` (e.g. laid out for every optimized slot before the first checkpoint, when
         some slots have no state yet): then they stay, and only the keys change (what is
         stored follows the keys each slot has at F, not the arenas)."""
-        return all(si in self.state_arenas.get((key, dtype), _NO_ARENA).offset
+        return all((key, dtype) in self.state_arenas
+                   and si in self.state_arenas[(key, dtype)].offset
                    for si, keys in layout for key, dtype in keys)
 
     def roles(self) -> Tuple[str, ...]:
