@@ -279,7 +279,7 @@ class Checkpointer:
             return None
         if fingerprint(self.optimizer) != self.plan.fingerprint:
             self._replan()
-        check_layouts(self.plan.slots)
+        check_layouts(self.plan)
         self.plan.copy_at_f(self.loop.take_adapted())
         if self.host is None and self._staging is not None:
             staging, self._staging = self._staging, None

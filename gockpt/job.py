@@ -98,17 +98,23 @@ class CaptureBook:
     """Optimizer state index -> state keys stored as tensors."""
     samples: List = field(default_factory=list)
     """Self-check samples: (block, direct copies at F) (written by gockpt.replay.selfcheck)."""
-    versions: Dict[int, tuple] = field(default_factory=dict)
-    """Group j -> ((slot, key, tensor) read by its copies, their versions when queued)."""
+    reads: Dict[int, object] = field(default_factory=dict)
+    """Group j -> the tensors its copies read, with their versions when queued
+    (gockpt.capture.copies.Reads)."""
     written_outside: Set[str] = field(default_factory=set)
     """Slots found written outside the optimizer (to be copied at F from now on)."""
     replan: bool = False
     """The optimizer's parameters changed during the window (plan again for the next one)."""
+    state_replaced: bool = False
+    """An optimizer state read by this checkpoint was replaced before F (the next checkpoint
+    reads the new one)."""
     digests: object = None
     """The digests of the live replayed blocks at F: (table, roles, ticket)."""
     states: Optional[list] = None
     """Per slot: the optimizer's state dict, looked up once (gockpt.capture.copies)."""
     missing_states: List[int] = field(default_factory=list)
+    states_seen: int = 0
+    """len(optimizer.state) when ``states`` was read (more: read again, for the missing)."""
     _tables: Dict[int, object] = field(default_factory=dict)
 
     def table(self, j: int):

@@ -57,14 +57,17 @@ class Loop:
 
     def job_failed(self, job) -> None:
         """Any thread: ``job`` failed. Its error is raised at the next hook -- unless it found
-        tensors written outside the optimizer, or the optimizer's parameters changed: then the
-        next checkpoints adapt, and a warning says so once (``handle.wait()`` still raises)."""
+        tensors written outside the optimizer, or the optimizer's parameters or state changed:
+        then the next checkpoints adapt, and a warning says so once (``handle.wait()`` still raises)."""
         outside = sorted(job.capture.written_outside)
-        if isinstance(job.error, ConsistencyError) and (outside or job.capture.replan):
+        book = job.capture
+        if isinstance(job.error, ConsistencyError) and (outside or book.replan or
+                                                        book.state_replaced):
             job.mark_reported()
             what = ("From now on these tensors are copied directly at the step boundary of "
                     "each checkpoint" if outside else
-                    "The next one is planned for the optimizer's new parameters")
+                    "The next one is planned for the optimizer's new parameters" if book.replan
+                    else "The next one reads the optimizer's new state")
             self.adapt(outside, f"gockpt: the checkpoint of step {job.handle.final_step} was "
                        f"not committed: {job.error}. {what}")
             return

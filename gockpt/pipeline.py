@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from .capture.copies import Capture
 from .config import Config
-from .errors import CheckpointFailedError, GockptError
+from .errors import CheckpointFailedError, ConsistencyError, GockptError
 from .job import Job
 from .modes import GRADS_AT_BACKWARD, GRADS_IN_STEP
 from .replay import selfcheck
@@ -41,6 +41,8 @@ class Pipeline:
         try:
             if job.is_final_boundary(boundary):
                 self.freeze_small(job, step, extra_state)
+            if job.error is not None:
+                return
             self.capture.enqueue_group(job, 1)
             if self.policy.copies_at_start:
                 self.capture.copy_rest(job)
@@ -54,6 +56,8 @@ class Pipeline:
         try:
             if job.is_final_boundary(boundary):
                 self.freeze_small(job, step, extra_state)
+            if job.error is not None:
+                return
             j_next = job.window_step(boundary)
             if j_next <= job.k:
                 self.capture.enqueue_group(job, j_next)
@@ -68,6 +72,15 @@ class Pipeline:
                           f"of this checkpoint, got {step}; save_checkpoint should be called "
                           "every step with consecutive step numbers", stacklevel=5)
             job.renamed(step, None if job.named else self.path_of(step))
+        replaced = self.capture.replaced_states(job)
+        if replaced:  # the next checkpoint reads the new state (a warning, not an error)
+            job.capture.state_replaced = True
+            job.fail(ConsistencyError(
+                f"the optimizer state of {', '.join(replaced[:5])}"
+                f"{f' (and {len(replaced) - 5} more)' if len(replaced) > 5 else ''} was "
+                "replaced during the checkpoint (optimizer.load_state_dict(), or a state dict "
+                "assigned)"))
+            return
         self.capture.freeze_small(job, step, extra_state)
         if self.replayer is not None:
             selfcheck.sample(job, job.plan, self.capture.optimizer, self.config.self_check)

@@ -381,6 +381,43 @@ def test_add_param_group_after_construction_plans_again(tmp_path, when):
     assert len(got["optim"]["state"]) == 4  # the backbone's moments are in it
 
 
+@pytest.mark.parametrize("mode,k", [("gockpt", 2), ("gockpt-o", 3)])
+@pytest.mark.parametrize("inside", [True, False])
+@pytest.mark.parametrize("how", ["load_state_dict", "assign"])
+def test_optimizer_state_reloaded_inside_a_window_is_refused(tmp_path, mode, k, inside, how):
+    """A loop that reloads the optimizer's state mid-checkpoint (rolling back after a loss
+    spike): the copies already taken read the replaced tensors, so that checkpoint is not
+    committed (a warning says why); the next one reads the new state and is bitwise.
+    Reloaded between two checkpoints, both are committed."""
+    model, opt = small_model()
+    x = torch.randn(16, 4, 6, generator=torch.Generator().manual_seed(2))
+    saved = {}
+
+    def between(step):
+        if step == 1:
+            saved["opt"] = {"state": {i: {k: v.clone() for k, v in st.items()}
+                                      for i, st in opt.state_dict()["state"].items()},
+                            "param_groups": opt.state_dict()["param_groups"]}
+        if step + 1 == (4 if inside else 7):  # in the window started at 3, or after it
+            if how == "load_state_dict":
+                opt.load_state_dict(saved["opt"])
+            else:  # one parameter's state dict replaced by a copy of it
+                p = model[0].weight
+                opt.state[p] = {key: v.clone() for key, v in opt.state[p].items()}
+
+    run = Run(model, opt, tmp_path, mode=mode, overlap_steps=k, block_bytes=64,
+              step_fn=lambda s: model(x[s]).square().mean(), between=between)
+    if inside:
+        with pytest.warns(UserWarning, match="optimizer state of .* was replaced"):
+            run.train(0, 14, force={3, 9})
+    else:
+        run.train(0, 14, force={3, 9})
+    run.close()
+    assert not run.errors
+    assert run.committed() == ([] if inside else [3 + k - 1]) + [9 + k - 1]
+    assert assert_every_commit_is_state_at_f(run, tmp_path, small_model) == 2 - inside
+
+
 # ------------------------------------------------------------------ gradients stay put
 
 @pytest.mark.parametrize("zeroing", ["model.zero_grad", "grad.zero_", "accumulate"])

@@ -9,7 +9,7 @@ import gockpt
 from gockpt import storage
 from gockpt.capture.copies import Capture
 from gockpt.config import Config
-from gockpt.errors import CheckpointFailedError, ConfigError
+from gockpt.errors import CheckpointFailedError, ConfigError, ConsistencyError
 from gockpt.job import Job, State
 from gockpt.loop import Loop
 from gockpt.pipeline import Pipeline
@@ -44,6 +44,9 @@ class FakeCapture:
     def copy_at_f(self, job):
         self.log.append(("copy at F",))
         return []
+
+    def replaced_states(self, job):
+        return self.fail.get("replaced", [])
 
     def freeze_small(self, job, step, extra_state):
         self.log.append(("freeze", step, extra_state))
@@ -214,6 +217,18 @@ def test_a_failed_landing_fails_the_job_without_raising():
     pipe.land(job, 2)
     assert str(job.error) == "copy failed" and not job.reported
     assert ("barrier",) not in log
+
+
+def test_an_optimizer_state_replaced_before_F_fails_the_job_without_raising():
+    pipe, job, log = make(k=3, fail={"replaced": ["w", "b"]})
+    pipe.begin(job, 5, 5, None)
+    pipe.land(job, 1)
+    pipe.boundary(job, 6, 6, None)
+    pipe.land(job, 2)
+    pipe.boundary(job, 7, 7, None)  # F: nothing frozen, the last group not queued
+    assert isinstance(job.error, ConsistencyError) and job.capture.state_replaced
+    assert "optimizer state of w, b was replaced" in str(job.error) and not job.reported
+    assert ("freeze", 7, None) not in log and ("enqueue", 3) not in log
 
 
 def test_an_unexpected_step_at_F_renames_the_checkpoint():

@@ -12,12 +12,14 @@ Four kinds of capture feed one checkpoint:
 
 from __future__ import annotations
 
+import operator
 from typing import Dict, Optional
 
 import numpy as np
 
 import torch
 
+from .._lists import has_none
 from ..errors import ConfigError, ConsistencyError, HookOrderError
 from ..job import Job
 from ..replay.adapters import AdamAdapter
@@ -43,6 +45,7 @@ class Capture:
         self.transport = transport  # None: gradients cross in fp32
         self._zero_buf: Optional[torch.Tensor] = None
         self._snapshot = None  # (plan, the device-side gradient snapshot, its D2H ticket)
+        self._last_states = None  # (plan, optimizer.state, its values, each slot's) at F
 
     def declare_state_keys(self, host: HostCopy) -> None:
         """Which optimizer state tensors this checkpoint carries, per slot (with a replay: the
@@ -71,7 +74,7 @@ class Capture:
         backward, e.g. nn.Embedding(max_norm=...)) is found at :meth:`land_group`."""
         book = job.capture
         table = book.table(j)
-        book.tickets[j], book.versions[j] = self._copy(job, table, STATE)
+        book.tickets[j], book.reads[j] = self._copy(job, table, STATE)
 
     def copy_at_f(self, job: Job) -> list:
         """At the boundary of F: copy the blocks planned to be copied directly at F, now
@@ -86,9 +89,9 @@ class Capture:
 
     def _copy(self, job: Job, table: BlockTable, priority: int):
         """Queue the copies of every tensor of ``table``'s blocks (the parameter and its
-        aligned state; zeros where the optimizer has none yet): (ticket, versions read)."""
+        aligned state; zeros where the optimizer has none yet): (ticket, the tensors read)."""
         if self.engine.device.asynchronous_copies:
-            return self.engine.submit(self._pairs(job, table.blocks), priority), ([], [])
+            return self.engine.submit(self._pairs(job, table.blocks), priority), Reads([])
         roles = (None,) + job.host.roles()
         live, read, keep = self._live_bases(job, table.slots, roles)
         dst, src, size = [], [], []
@@ -106,50 +109,82 @@ class Capture:
             src.append(src_rows)
             size.append(nbytes)
         if not dst:
-            return self.engine.submit([], priority), ([], [])
+            return self.engine.submit([], priority), read
         ticket = self.engine.submit_segments(np.concatenate(dst), np.concatenate(src),
                                              np.concatenate(size), priority)
         ticket._keep_alive = keep
-        return ticket, (read, [t._version for _, _, t in read])
+        return ticket, read
 
     def _live_bases(self, job: Job, slots: np.ndarray, roles):
         """Per role (None: the parameter, or a state key), per slot: the address of the live
         tensor in the parameter's memory order (0 where the optimizer has no such state yet);
-        the tensors read, as (slot, key, tensor); and the copies made of tensors laid out
-        unlike their parameter. One pass over the slots."""
-        n = len(job.plan.slots)
-        bases = {key: np.zeros(n, dtype=np.int64) for key in roles}
-        read, copies = [], []
-        states, plan_slots = self._states(job), job.plan.slots
-        for si in slots.tolist():
-            slot = plan_slots[si]
-            live = states[si] or {}
-            for key in roles:
-                t = slot.param if key is None else live.get(key)
-                if t is None:
-                    continue
-                read.append((si, key, t))
-                if t.stride() != slot.strides:  # rare: a state tensor laid out otherwise
-                    t = flat(t, slot.dims)
-                    copies.append(t)
-                bases[key][si] = t.data_ptr()
-        return bases, read, copies
+        the tensors read (a :class:`Reads`); and the copies made of tensors laid out unlike
+        their parameter. A few list operations per role, not a Python step per tensor."""
+        plan = job.plan
+        n, planned = len(plan.slots), plan.strides()
+        states = self._states(job)
+        sis, params = slots.tolist(), plan.params()
+        slot_states = [states[si] for si in sis]
+        bases, columns, copies = {}, [], []
+        for key in roles:
+            if key is None:
+                have, tensors = sis, [params[si] for si in sis]
+            else:
+                tensors = [st.get(key) if st is not None else None for st in slot_states]
+                have = sis
+                if has_none(tensors):  # no such state yet
+                    have = [si for si, t in zip(sis, tensors) if t is not None]
+                    tensors = [t for t in tensors if t is not None]
+            columns.append((have, tensors))
+            sources = tensors
+            if [t.stride() for t in tensors] != [planned[si] for si in have]:
+                sources = list(tensors)
+                for i, si in enumerate(have):  # rare: a state tensor laid out otherwise
+                    if sources[i].stride() != planned[si]:
+                        sources[i] = flat(sources[i], plan.slots[si].dims)
+                        copies.append(sources[i])
+            base = bases[key] = np.zeros(n, dtype=np.int64)
+            base[have] = [t.data_ptr() for t in sources]
+        return bases, Reads(columns), copies
 
     def _states(self, job: Job) -> list:
-        """Per slot: its optimizer state dict (None: none yet). Looked up once per checkpoint
-        (a tensor's hash is a Python call): only the missing ones are looked up again."""
-        book = job.capture
-        if book.states is None:
-            book.states = [None] * len(job.plan.slots)
-            book.missing_states = list(range(len(job.plan.slots)))
-        if book.missing_states:
-            state, still = self.optimizer.state, []
-            for si in book.missing_states:
-                book.states[si] = state.get(job.plan.slots[si].param)
-                if book.states[si] is None:
-                    still.append(si)
-            book.missing_states = still
+        """Per slot: its optimizer state dict (None: none yet). Read once per checkpoint, and
+        again when the optimizer has created states since; walked from ``optimizer.state``'s
+        items by parameter id (looking each parameter up would call Tensor.__hash__, a Python
+        function, per parameter)."""
+        book, state = job.capture, self.optimizer.state
+        if book.states is None and self._last_states is not None:
+            plan, mapping, values, states = self._last_states  # read at the last F
+            if plan is job.plan and mapping is state and len(state) == len(values) and \
+                    all(map(operator.is_, state.values(), values)):  # no dict replaced since
+                book.states, book.states_seen = list(states), len(values)
+                book.missing_states = [si for si, st in enumerate(states) if st is None]
+        if book.states is None or (book.missing_states and len(state) != book.states_seen):
+            book.states, book.states_seen = self._read_states(job.plan), len(state)
+            book.missing_states = [si for si, st in enumerate(book.states) if st is None]
         return book.states
+
+    def _read_states(self, plan) -> list:
+        """Per slot of ``plan``: the optimizer's state dict for its parameter now, or None."""
+        index, states = plan.slot_of_id(), [None] * len(plan.slots)
+        for p, st in self.optimizer.state.items():
+            si = index.get(id(p))
+            if si is not None:
+                states[si] = st
+        return states
+
+    def replaced_states(self, job: Job) -> list:
+        """At F: the slots whose optimizer state, as this checkpoint's copies read it, has been
+        replaced since (optimizer.load_state_dict(), a state dict assigned): the checkpoint
+        would hold another state than the live one."""
+        cached, now = self._states(job), self._read_states(job.plan)
+        replaced = [s.name for s, old, new in zip(job.plan.slots, cached, now)
+                    if old is not None and new is not old]
+        # The next checkpoint starts from this reading if no state dict has been replaced
+        # by then (checked by identity in one C-level pass), else it reads them again.
+        state = self.optimizer.state
+        self._last_states = (job.plan, state, list(state.values()), now)
+        return replaced
 
     def _zeros(self, nbytes: int) -> int:
         """Address of at least ``nbytes`` zero bytes (the source of state not created yet)."""
@@ -171,7 +206,8 @@ class Capture:
             return
         rows = [(key, np.flatnonzero(live[key][table.slot] != 0)) for key in roles]
         if self.engine.device.asynchronous_copies:  # a reduction on the device
-            tensors = {(si, key): t for si, key, t in read}
+            tensors = {(si, key): t for key, (have, ts) in zip(roles, read.columns)
+                       for si, t in zip(have, ts)}
             ticket = self.engine.device.digest_blocks(
                 [(key, [(tensors[(si, key)], job.plan.slots[si].dims, st) for si, st in
                         zip(table.slot[have].tolist(), table.start[have].tolist())])
@@ -182,7 +218,7 @@ class Capture:
                                   for key, have in rows])
             ticket = self.engine.submit_digests(src, table.numel[every], table.start[every],
                                                 STATE)
-        job.capture.digests = (table, rows, ticket, read, [t._version for _, _, t in read])
+        job.capture.digests = (table, rows, ticket, read)
 
     def _pairs(self, job: Job, blocks) -> list:
         """(host destination, live source) of every tensor of ``blocks`` (for a device whose
@@ -211,12 +247,11 @@ class Capture:
         if ticket is None:
             return
         ticket.wait()
-        tensors, versions = book.versions.get(j, ([], []))
+        written = book.reads[j].written() if j in book.reads else set()
         if j == job.k and book.digests is not None:  # taken in the same window
             book.digests[2].wait()
-            tensors, versions = tensors + book.digests[3], versions + book.digests[4]
-        written = sorted({job.plan.slots[si].name for (si, _, t), v in zip(tensors, versions)
-                          if t._version != v})
+            written |= book.digests[3].written()
+        written = sorted({job.plan.slots[si].name for si in written})
         if written:
             book.written_outside.update(written)
             raise ConsistencyError(
@@ -245,17 +280,19 @@ class Capture:
         """Encode everything small at the boundary of F (tensors apart, no pickle)."""
         if callable(extra_state):
             extra_state = extra_state()
-        aligned = {}
-        states = self._states(job)  # looked up once per checkpoint (a tensor hash each)
-        for si, s in enumerate(job.plan.slots):
-            if not s.static and states[si] is not None:
-                aligned[s.opt_index] = job.host.keys[si]
+        plan = job.plan
+        states = self._states(job)  # checked at F by replaced_states()
+        with_state = [(si, index) for si, index in plan.optimized() if states[si] is not None]
+        known = [(index, states[si]) for si, index in with_state]
+        keys = job.host.keys
+        aligned = {index: keys[si] for si, index in with_state}
         job.capture.aligned = aligned
+        indices = plan.group_indices()
         tensors: Dict[str, torch.Tensor] = {}
-        planned = [id(s.param) for s in job.plan.slots]
         values = {
-            "model": smallstate.model_small(self.model, planned),
-            "optimizer": smallstate.optimizer_small(self.optimizer, aligned),
+            "model": smallstate.model_small(self.model, plan.slot_of_id()),
+            "optimizer": smallstate.optimizer_small(
+                self.optimizer, aligned, (known, indices) if indices is not None else None),
             "scheduler": smallstate.scheduler_state(self.scheduler),
             "rng": smallstate.capture_rng(),
             "extra_state": extra_state,
@@ -290,19 +327,9 @@ class Capture:
                                  "supports one optimizer step per save_checkpoint() boundary")
         job.capture.recorded |= stepped
         plan = job.plan
-        grads = {}
-        by_group = plan.optimized_by_group()
-        for gi in sorted(groups):
-            for si, s in by_group.get(gi, ()):
-                g = s.param.grad
-                if g is None:
-                    continue
-                if g.dtype != torch.float32 or g.is_sparse:  # the replay modes: fp32 params
-                    raise ConfigError(f"the gradient of {s.name!r} is sparse or {g.dtype}; "
-                                      f"the replay needs dense {s.param.dtype} gradients")
-                grads[si] = g
+        table = job.capture.captured_table()  # only these gradients are replayed
+        grads = _live_gradients(plan, table.slots[plan.in_groups(groups)[table.slots]].tolist())
         steps = self.adapter.step_counts(grads, self._states(job))
-        table = job.capture.captured_table()
         table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))
         # bf16: images made on the device now, so the copy reads them and not .grad (a
         # snapshot); fp32 when the transport is off or this step's images are not exact
@@ -353,12 +380,15 @@ class Capture:
         the copies made of gradients laid out unlike their parameter."""
         plan, keep = job.plan, []
         live = np.zeros(len(plan.slots), dtype=np.int64)
-        for si in table.slots.tolist():
-            slot, g = plan.slots[si], grads[si]
-            if g.stride() != slot.strides:  # a copy in the parameter's memory order
-                g = flat(g, slot.dims)
-                keep.append(g)
-            live[si] = g.data_ptr()
+        slots = table.slots.tolist()
+        tensors = [grads[si] for si in slots]
+        planned = plan.strides()
+        if [g.stride() for g in tensors] != [planned[si] for si in slots]:
+            for i, si in enumerate(slots):  # rare: a copy in the parameter's memory order
+                if tensors[i].stride() != planned[si]:
+                    tensors[i] = flat(tensors[i], plan.slots[si].dims)
+                    keep.append(tensors[i])
+        live[table.slots] = [g.data_ptr() for g in tensors]
         return live, keep
 
     def _copy_gradients(self, job: Job, table: BlockTable, grads, bufs, grad_pool: GradPool,
@@ -378,3 +408,41 @@ class Capture:
                                              table.numel * item, GRADIENT)
         ticket._keep_alive = keep
         return ticket
+
+
+class Reads:
+    """The live tensors some queued copies (or digests) read, role by role as
+    ``columns = [(slot indices, tensors), ...]``, with their versions when queued: an
+    in-place write since then (outside the optimizer) is found by :meth:`written`."""
+
+    def __init__(self, columns: list):
+        self.columns = columns
+        self.versions = [[t._version for t in tensors] for _, tensors in columns]
+
+    def written(self) -> set:
+        """The slots of the tensors written since they were queued."""
+        out = set()
+        for (slots, tensors), before in zip(self.columns, self.versions):
+            now = [t._version for t in tensors]
+            if now != before:
+                out.update(si for si, a, b in zip(slots, now, before) if a != b)
+        return out
+
+
+def _live_gradients(plan, slots: list) -> Dict[int, torch.Tensor]:
+    """Slot -> the ``.grad`` of each parameter of ``slots`` that has one, read with a few
+    list operations (the step pre-hook's cost per tensor is kept to the reads it needs);
+    ConfigError for a gradient the replay cannot use."""
+    params = plan.params()
+    tensors = [params[si].grad for si in slots]
+    if has_none(tensors):  # not trained at this step: not stepped either
+        slots = [si for si, g in zip(slots, tensors) if g is not None]
+        tensors = [g for g in tensors if g is not None]
+    if {(g.dtype, g.layout) for g in tensors} - {(torch.float32, torch.strided)}:
+        si, g = next((si, g) for si, g in zip(slots, tensors) if g.dtype != torch.float32
+                     or g.layout != torch.strided)  # the replay modes: fp32 params
+        layout = "dense" if g.layout == torch.strided else str(g.layout).replace("torch.", "")
+        raise ConfigError(f"the gradient of {plan.slots[si].name!r} is a {layout} {g.dtype} "
+                          "tensor; the replay needs dense torch.float32 gradients (use "
+                          "mode='async-o' for this model)")
+    return dict(zip(slots, tensors))

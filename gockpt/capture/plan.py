@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError, LayoutChangedError
@@ -99,16 +100,52 @@ class Plan:
             self._windows.clear()
         return changed
 
-    def optimized_by_group(self) -> Dict[int, List[Tuple[int, "Slot"]]]:
-        """Param group -> its optimized slots as (slot index, slot), in slot order (built once:
-        the step pre-hook reads the gradients of the groups it steps, no other slot)."""
-        if "by_group" not in self._windows:
-            out: Dict[int, List[Tuple[int, Slot]]] = {}
-            for si, s in enumerate(self.slots):
-                if not s.static:
-                    out.setdefault(s.group, []).append((si, s))
-            self._windows["by_group"] = out
-        return self._windows["by_group"]
+    def params(self) -> List[torch.Tensor]:
+        """Every slot's parameter, as a list (built once)."""
+        if "params" not in self._windows:
+            self._windows["params"] = [s.param for s in self.slots]
+        return self._windows["params"]
+
+    def slot_of_id(self) -> Dict[int, int]:
+        """``id()`` of each planned parameter -> its slot index (built once)."""
+        if "slot_of_id" not in self._windows:
+            self._windows["slot_of_id"] = {id(s.param): si for si, s in enumerate(self.slots)}
+        return self._windows["slot_of_id"]
+
+    def optimized(self) -> List[Tuple[int, int]]:
+        """(slot index, optimizer state index) of every optimized slot (built once)."""
+        if "optimized" not in self._windows:
+            self._windows["optimized"] = [(si, s.opt_index) for si, s in enumerate(self.slots)
+                                          if not s.static]
+        return self._windows["optimized"]
+
+    def in_groups(self, groups) -> "np.ndarray":
+        """Per slot: whether it is optimized by one of the param groups ``groups`` (a bool
+        array, built once per tuple of groups)."""
+        key = ("in_groups", tuple(groups))
+        if key not in self._windows:
+            wanted = set(groups)
+            self._windows[key] = np.fromiter(
+                (not s.static and s.group in wanted for s in self.slots), bool, len(self.slots))
+        return self._windows[key]
+
+    def strides(self) -> List[Tuple[int, ...]]:
+        """Every slot's planned strides, as a list (built once)."""
+        if "strides" not in self._windows:
+            self._windows["strides"] = [s.strides for s in self.slots]
+        return self._windows["strides"]
+
+    def group_indices(self) -> Optional[List[List[int]]]:
+        """Per param group, its parameters' indices as ``optimizer.state_dict()`` numbers them
+        (built once); None when a parameter is listed twice (torch then numbers it once)."""
+        if "indices" not in self._windows:
+            optimized = [s for s in self.slots if not s.static]
+            unique = len({id(s.param) for s in optimized}) == len(optimized)
+            indices: List[List[int]] = [[] for _ in self.fingerprint]
+            for s in optimized:
+                indices[s.group].append(s.opt_index)
+            self._windows["indices"] = indices if unique else None
+        return self._windows["indices"]
 
     def optimized_bytes(self) -> int:
         """Bytes of the parameters the optimizer updates (one gradient or state tensor each)."""
@@ -200,7 +237,7 @@ def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def fingerprint(optimizer: torch.optim.Optimizer) -> tuple:
     """Which parameters the optimizer updates, group by group: a change (add_param_group, a
     group's parameter list edited) makes the plan stale."""
-    return tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
+    return tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
 
 
 def stepped_groups(planned: tuple, optimizer: torch.optim.Optimizer) -> Optional[Tuple[int, ...]]:
@@ -220,9 +257,11 @@ def stepped_groups(planned: tuple, optimizer: torch.optim.Optimizer) -> Optional
     return tuple(out)
 
 
-def check_layouts(slots: List[Slot]) -> None:
+def check_layouts(plan: Plan) -> None:
     """Raise LayoutChangedError if a parameter's strides differ from those planned."""
-    for s in slots:
+    if [p.stride() for p in plan.params()] == plan.strides():
+        return  # (one comparison of two lists: this runs at every checkpoint)
+    for s in plan.slots:
         if s.param.stride() != s.strides:
             raise LayoutChangedError(
                 f"parameter {s.name!r} changed its memory layout after the Checkpointer was "

@@ -12,6 +12,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
+from .._lists import has_none
 from ..modes import NO_REPLAY_MODES
 from ..errors import UnsupportedOptimizerError
 from . import arithmetic
@@ -112,12 +113,16 @@ class AdamAdapter:
         """t of the update about to run, for every slot in ``slots`` whose optimizer state is
         ``states[slot]`` (None: none yet): the step counters read with one stack, not one read
         (a device synchronisation on a GPU) each."""
-        have = {si: states[si]["step"] for si in slots
-                if states[si] is not None and "step" in states[si]}
-        out = {si: 1.0 for si in slots}
-        if have:
-            counts = torch.stack(list(have.values())).to("cpu", torch.float64)
-            out.update(zip(have, (counts.reshape(-1) + 1.0).tolist()))
+        slots = list(slots)
+        steps = [st.get("step") if st is not None else None
+                 for st in map(states.__getitem__, slots)]
+        out = dict.fromkeys(slots, 1.0)
+        if has_none(steps):  # no state yet (their first update)
+            slots = [si for si, t in zip(slots, steps) if t is not None]
+            steps = [t for t in steps if t is not None]
+        if steps:
+            counts = torch.stack(steps).to("cpu", torch.float64)
+            out.update(zip(slots, (counts.reshape(-1) + 1.0).tolist()))
         return out
 
     def close(self) -> None:

@@ -57,7 +57,7 @@ def _compare_digests(job: Job, plan: Plan) -> None:
     """The host copy's digests of the replayed blocks against the live ones taken at F."""
     if job.capture.digests is None:
         return
-    table, rows, ticket, _, _ = job.capture.digests
+    table, rows, ticket, _ = job.capture.digests
     t0 = time.perf_counter()
     live = ticket.wait()
     every = np.concatenate([r for _, r in rows])

@@ -144,6 +144,8 @@ class _Encoder:
             self.active.discard(id(x))
 
     def items(self, seq, path: str) -> list:
+        if seq and type(seq[0]) is int and _plain_ints(seq):
+            return list(seq)  # e.g. a param group's "params": thousands of indices
         return [self.value(v, (path, i)) for i, v in enumerate(seq)]
 
     def mapping(self, d, path: str):
@@ -209,6 +211,12 @@ def _render(path) -> str:
         path, key = path
         parts.append(f"<key {key.key!r}>" if type(key) is _KeyOf else f"[{key!r}]")
     return path + "".join(reversed(parts))
+
+
+def _plain_ints(seq) -> bool:
+    """Whether every item of ``seq`` is an int (exactly) that JSON holds as it is."""
+    return set(map(type, seq)) == {int} and -_MAX_PLAIN_INT <= min(seq) and \
+        max(seq) <= _MAX_PLAIN_INT
 
 
 def _encode_int(x: int):
