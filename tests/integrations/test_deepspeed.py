@@ -19,7 +19,7 @@ from gockpt.errors import ConfigError
 pytest.importorskip("deepspeed")  # installed by the README's setup: this never skips in CI
 
 from gockpt.integrations import deepspeed as gockpt_ds  # noqa: E402
-from gockpt.integrations.deepspeed.patch import holds_gockpt_checkpoint  # noqa: E402
+from gockpt.integrations.deepspeed.patch import holds_gockpt_checkpoint, watch_unscale  # noqa: E402
 from gockpt.integrations.deepspeed.state import _numbers_of, restore_engine  # noqa: E402
 
 GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # F = SAVE_AT + 2
@@ -113,6 +113,24 @@ def test_fallback_replaces_a_replay_mode_by_async_o_with_one_warning():
         opts = gockpt_ds._options(fake_engine(), {"mode": "gockpt-o", "fallback": True})
     assert opts["mode"] == "async-o" and len(caught) == 1
     assert "cannot replay" in str(caught[0].message)
+
+
+def test_the_unscale_multiplier_is_probed_only_when_a_checkpoint_asks():
+    class DeepSpeedZeroOptimizer:  # ZeRO's unscale: clipping by 4, loss scale 1
+        calls = 0
+
+        def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+            type(self).calls += 1
+            for g in grad_groups_flat:
+                g.data.mul_(1.0 / (total_norm / 0.5))
+
+    wrapper, patch = DeepSpeedZeroOptimizer(), types.SimpleNamespace(multiplier=None)
+    assert watch_unscale(wrapper, patch)
+    for _ in range(3):  # steps with no checkpoint recording them: no probe
+        grads = torch.full((3,), 8.0)
+        wrapper.unscale_and_clip_grads([grads], torch.tensor(2.0))
+    assert DeepSpeedZeroOptimizer.calls == 3 and grads.tolist() == [2.0] * 3
+    assert patch.multiplier().item() == 0.25 and DeepSpeedZeroOptimizer.calls == 4
 
 
 def test_loss_scaler_numbers_round_trip():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -39,9 +39,12 @@ class EnginePatch:
         self.pending = False        # a step ended; its boundary is not recorded yet
         self.in_backward = False    # backward_begin called for the step under way
         self.warned_latest = False
-        self.multiplier = None  # what DeepSpeed last multiplied the gradients by (bf16 transport)
+        # How to read what DeepSpeed last multiplied the gradients by (bf16 transport): set
+        # by each unscale, called only when a checkpoint records that step's gradients.
+        self.multiplier: Optional[Callable[[], torch.Tensor]] = None
         if options.get("grad_transport") == "bf16" and watch_unscale(engine.optimizer, self):
-            options["grad_multiplier"] = lambda: self.multiplier
+            options["grad_multiplier"] = \
+                lambda: self.multiplier() if self.multiplier is not None else None
 
     # ------------------------------------------------------------------ the loop
 
@@ -146,9 +149,11 @@ def zero_bf16(engine) -> bool:
 
 def watch_unscale(wrapper, patch: EnginePatch) -> bool:
     """Wrap ZeRO's ``unscale_and_clip_grads`` (called per param group right before the base
-    optimizer's step) so that ``patch.multiplier`` is the float32 scalar it multiplied the
+    optimizer's step) so that ``patch.multiplier()`` gives the float32 scalar it multiplied the
     gradients by: the same call on a one-element 1.0 gives it bit for bit, whatever DeepSpeed's
-    formula.  False when the wrapper has no such method."""
+    formula. The probe runs only when asked (a checkpoint recording that step), never on
+    the steps in between; nothing DeepSpeed reads changes between the unscale and the step.
+    False when the wrapper has no such method."""
     original = getattr(wrapper, "unscale_and_clip_grads", None)
     if original is None or type(wrapper).__name__ != "DeepSpeedZeroOptimizer":
         return False
@@ -157,9 +162,12 @@ def watch_unscale(wrapper, patch: EnginePatch) -> bool:
         out = original(grad_groups_flat, total_norm, *args, **kwargs)
         first = grad_groups_flat[0]
         device = (first[0] if isinstance(first, list) else first).device
-        probe = torch.ones(1, dtype=torch.float32, device=device)
-        original([probe], total_norm, *args, **kwargs)
-        patch.multiplier = probe
+
+        def multiplier() -> torch.Tensor:
+            probe = torch.ones(1, dtype=torch.float32, device=device)
+            original([probe], total_norm, *args, **kwargs)
+            return probe
+        patch.multiplier = multiplier
         return out
     wrapper.unscale_and_clip_grads = unscale_and_clip_grads
     return True
