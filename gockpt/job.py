@@ -113,8 +113,9 @@ class CaptureBook:
     states: Optional[list] = None
     """Per slot: the optimizer's state dict, looked up once (gockpt.capture.copies)."""
     missing_states: List[int] = field(default_factory=list)
-    states_seen: int = 0
-    """len(optimizer.state) when ``states`` was read (more: read again, for the missing)."""
+    states_seen: tuple = (None, ())
+    """(optimizer.state, the dicts it held) when ``states`` was read: more of them, read
+    again (for the missing); other ones at F, a state replaced (gockpt.capture.copies)."""
     _tables: Dict[int, object] = field(default_factory=dict)
 
     def table(self, j: int):

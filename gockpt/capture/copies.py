@@ -45,7 +45,7 @@ class Capture:
         self.transport = transport  # None: gradients cross in fp32
         self._zero_buf: Optional[torch.Tensor] = None
         self._snapshot = None  # (plan, the device-side gradient snapshot, its D2H ticket)
-        self._last_states = None  # (plan, optimizer.state, its values, each slot's) at F
+        self._last_states = None  # (plan, _dicts_of(optimizer.state), each slot's dict) at F
 
     def declare_state_keys(self, host: HostCopy) -> None:
         """Which optimizer state tensors this checkpoint carries, per slot (with a replay: the
@@ -154,13 +154,13 @@ class Capture:
         function, per parameter)."""
         book, state = job.capture, self.optimizer.state
         if book.states is None and self._last_states is not None:
-            plan, mapping, values, states = self._last_states  # read at the last F
-            if plan is job.plan and mapping is state and len(state) == len(values) and \
-                    all(map(operator.is_, state.values(), values)):  # no dict replaced since
-                book.states, book.states_seen = list(states), len(values)
+            plan, seen, states = self._last_states  # read at the last F
+            if plan is job.plan and _same_dicts(state, seen):  # no dict replaced since
+                book.states, book.states_seen = list(states), seen
                 book.missing_states = [si for si, st in enumerate(states) if st is None]
-        if book.states is None or (book.missing_states and len(state) != book.states_seen):
-            book.states, book.states_seen = self._read_states(job.plan), len(state)
+        grown = book.missing_states and len(state) != len(book.states_seen[1])
+        if book.states is None or grown:
+            book.states, book.states_seen = self._read_states(job.plan), _dicts_of(state)
             book.missing_states = [si for si, st in enumerate(book.states) if st is None]
         return book.states
 
@@ -176,14 +176,18 @@ class Capture:
     def replaced_states(self, job: Job) -> list:
         """At F: the slots whose optimizer state, as this checkpoint's copies read it, has been
         replaced since (optimizer.load_state_dict(), a state dict assigned): the checkpoint
-        would hold another state than the live one."""
-        cached, now = self._states(job), self._read_states(job.plan)
-        replaced = [s.name for s, old, new in zip(job.plan.slots, cached, now)
-                    if old is not None and new is not old]
+        would hold another state than the live one. When ``optimizer.state`` still holds the
+        very dicts it held then (one C-level identity pass), none was."""
+        cached, state = self._states(job), self.optimizer.state
+        if _same_dicts(state, job.capture.states_seen):
+            now, replaced = cached, []
+        else:
+            now = self._read_states(job.plan)
+            replaced = [s.name for s, old, new in zip(job.plan.slots, cached, now)
+                        if old is not None and new is not old]
         # The next checkpoint starts from this reading if no state dict has been replaced
-        # by then (checked by identity in one C-level pass), else it reads them again.
-        state = self.optimizer.state
-        self._last_states = (job.plan, state, list(state.values()), now)
+        # by then (the same identity pass), else it reads them again.
+        self._last_states = (job.plan, _dicts_of(state), now)
         return replaced
 
     def _zeros(self, nbytes: int) -> int:
@@ -408,6 +412,19 @@ class Capture:
                                              table.numel * item, GRADIENT)
         ticket._keep_alive = keep
         return ticket
+
+
+def _dicts_of(state: dict) -> tuple:
+    """(``state``, the dicts it holds, in order): what :func:`_same_dicts` compares with."""
+    return state, list(state.values())
+
+
+def _same_dicts(state: dict, seen: tuple) -> bool:
+    """Whether ``state`` is the mapping of ``seen`` (:func:`_dicts_of`) and holds the very same
+    dicts in the same order (by identity, in one C-level pass)."""
+    mapping, values = seen
+    return mapping is state and len(state) == len(values) and \
+        all(map(operator.is_, state.values(), values))
 
 
 class Reads:
