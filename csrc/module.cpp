@@ -251,6 +251,9 @@ void bind_io(py::module_& m) {
 
 #include <pybind11/numpy.h>
 
+#include <unistd.h>
+
+#include <memory>
 #include <unordered_map>
 
 #include "copy_engine.h"
@@ -372,10 +375,23 @@ void bind_digest(py::module_& m) {
 // The engine plus the digest output arrays of its tickets, kept alive until release() (the
 // worker writes them when a ticket completes).
 struct PyCopyEngine {
-  CopyEngine engine;
+  std::unique_ptr<CopyEngine> owned;
+  CopyEngine& engine;
   std::unordered_map<int64_t, py::array> outs;
-  PyCopyEngine(double rate, int64_t piece_bytes) : engine(rate, piece_bytes) {}
-  ~PyCopyEngine() { engine.close(); }  // before outs go: queued digests still write them
+  const pid_t owner = getpid();
+  PyCopyEngine(double rate, int64_t piece_bytes)
+      : owned(new CopyEngine(rate, piece_bytes)), engine(*owned) {}
+  ~PyCopyEngine() {
+    if (getpid() != owner) {
+      // A forked child (a DataLoader worker) collecting its copy of the parent's engine: the
+      // worker thread is the parent's, and its locks may record waiters that never run here
+      // (joining, or destroying them, would hang). Leave the memory; the child exits soon.
+      (void)owned.release();
+      for (auto& kv : outs) (void)kv.second.release();
+      return;
+    }
+    engine.close();  // before outs go: queued digests still write them
+  }
 };
 
 int64_t submit_copies(PyCopyEngine& e, int priority, const I64& dst, const I64& src,

@@ -109,13 +109,16 @@ class CaptureBook:
     """An optimizer state read by this checkpoint was replaced before F (the next checkpoint
     reads the new one)."""
     digests: object = None
-    """The digests of the live replayed blocks at F: (table, roles, ticket)."""
+    """The digests of the live replayed blocks at F: (table, rows per role, ticket, the
+    tensors they read as gockpt.capture.copies.Reads)."""
     states: Optional[list] = None
     """Per slot: the optimizer's state dict, looked up once (gockpt.capture.copies)."""
     missing_states: List[int] = field(default_factory=list)
     states_seen: tuple = (None, ())
-    """(optimizer.state, the dicts it held) when ``states`` was read: more of them, read
-    again (for the missing); other ones at F, a state replaced (gockpt.capture.copies)."""
+    """(optimizer.state, the dicts it held) when ``states`` was first read: the same at F,
+    no state was replaced (gockpt.capture.copies)."""
+    states_len: int = 0
+    """len(optimizer.state) when the missing ``states`` were last looked for."""
     _tables: Dict[int, object] = field(default_factory=dict)
 
     def table(self, j: int):

@@ -75,8 +75,9 @@ class Loop:
             self._failed.append(job)
 
     def adapt(self, names, warning: str) -> None:
-        """Any thread: a checkpoint found ``names`` written outside the optimizer; the next
-        checkpoints copy them at F, and ``warning`` is issued at the next hook."""
+        """Any thread: a checkpoint was not committed for a reason the next ones adapt to
+        (``names`` found written outside the optimizer: copied at F from now on; none for
+        changed optimizer parameters or state); ``warning`` is issued at the next hook."""
         with self._lock:
             self._adapted.update(names)
             self._warnings.append(warning)

@@ -5,7 +5,9 @@
 
 The Checkpointer's hooks call these at the right moments of the training loop; the stages
 themselves live in ``capture/``, ``replay/`` and ``storage/``. Errors raised here at a step
-boundary fail the job and are raised to the training loop at once (reported once).
+boundary fail the job and are raised to the training loop at once (reported once) -- except
+an optimizer state found replaced at F: that checkpoint alone is not committed, with a
+warning (gockpt.loop), and the next one reads the new state.
 """
 
 from __future__ import annotations

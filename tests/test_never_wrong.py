@@ -418,6 +418,32 @@ def test_optimizer_state_reloaded_inside_a_window_is_refused(tmp_path, mode, k, 
     assert assert_every_commit_is_state_at_f(run, tmp_path, small_model) == 2 - inside
 
 
+def with_an_untrained_parameter():
+    model, _ = small_model()
+    model.unused = nn.Parameter(torch.zeros(3))  # in the optimizer, never a gradient
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_a_state_dropped_inside_a_window_is_refused_while_another_has_none(tmp_path):
+    """A parameter's state dropped inside the window (its moments reset; the optimizer makes
+    a new one at its next step) while another parameter never has one: the slots without a
+    state are looked for again as states appear, and that must not hide the dropped one."""
+    model, opt = with_an_untrained_parameter()
+    x = torch.randn(16, 4, 6, generator=torch.Generator().manual_seed(2))
+
+    def between(step):
+        if step + 1 == 4:  # inside the window of the checkpoint started at 3
+            del opt.state[model[0].weight]
+
+    run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=3, block_bytes=64,
+              step_fn=lambda s: model(x[s]).square().mean(), between=between)
+    with pytest.warns(UserWarning, match="optimizer state of 0.weight was replaced"):
+        run.train(0, 14, force={3, 9})
+    run.close()
+    assert not run.errors and run.committed() == [11]
+    assert assert_every_commit_is_state_at_f(run, tmp_path, with_an_untrained_parameter) == 1
+
+
 # ------------------------------------------------------------------ gradients stay put
 
 @pytest.mark.parametrize("zeroing", ["model.zero_grad", "grad.zero_", "accumulate"])

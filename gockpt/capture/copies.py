@@ -27,7 +27,7 @@ from ..replay.records import StepRecord
 from ..storage import tree
 from ..storage.manifest import SmallSection, small_prefix
 from . import smallstate
-from .plan import flat
+from .plan import fingerprint, flat
 from .segments import BlockTable
 from .staging import GradPool, HostCopy
 from .transport import Bf16Transport
@@ -90,8 +90,9 @@ class Capture:
     def _copy(self, job: Job, table: BlockTable, priority: int):
         """Queue the copies of every tensor of ``table``'s blocks (the parameter and its
         aligned state; zeros where the optimizer has none yet): (ticket, the tensors read)."""
-        if self.engine.device.asynchronous_copies:
-            return self.engine.submit(self._pairs(job, table.blocks), priority), Reads([])
+        if self.engine.device.asynchronous_copies:  # (the states checked at F: _states)
+            return self.engine.submit(self._pairs(job, table.blocks, self._states(job)),
+                                      priority), Reads([])
         roles = (None,) + job.host.roles()
         live, read, keep = self._live_bases(job, table.slots, roles)
         dst, src, size = [], [], []
@@ -148,20 +149,28 @@ class Capture:
         return bases, Reads(columns), copies
 
     def _states(self, job: Job) -> list:
-        """Per slot: its optimizer state dict (None: none yet). Read once per checkpoint, and
-        again when the optimizer has created states since; walked from ``optimizer.state``'s
-        items by parameter id (looking each parameter up would call Tensor.__hash__, a Python
+        """Per slot: its optimizer state dict (None: none yet). Read once per checkpoint
+        (``states_seen`` keeps what that reading saw, for the check at F); the slots without
+        one are filled in when the optimizer has created states since, the others are never
+        read again (a replaced one is found at F). Walked from ``optimizer.state``'s items by
+        parameter id (looking each parameter up would call Tensor.__hash__, a Python
         function, per parameter)."""
         book, state = job.capture, self.optimizer.state
         if book.states is None and self._last_states is not None:
             plan, seen, states = self._last_states  # read at the last F
             if plan is job.plan and _same_dicts(state, seen):  # no dict replaced since
                 book.states, book.states_seen = list(states), seen
+                book.states_len = len(seen[1])
                 book.missing_states = [si for si, st in enumerate(states) if st is None]
-        grown = book.missing_states and len(state) != len(book.states_seen[1])
-        if book.states is None or grown:
+        if book.states is None:
             book.states, book.states_seen = self._read_states(job.plan), _dicts_of(state)
+            book.states_len = len(state)
             book.missing_states = [si for si, st in enumerate(book.states) if st is None]
+        elif book.missing_states and len(state) != book.states_len:  # states created since
+            fresh, book.states_len = self._read_states(job.plan), len(state)
+            for si in book.missing_states:
+                book.states[si] = fresh[si]
+            book.missing_states = [si for si in book.missing_states if fresh[si] is None]
         return book.states
 
     def _read_states(self, plan) -> list:
@@ -183,8 +192,9 @@ class Capture:
             now, replaced = cached, []
         else:
             now = self._read_states(job.plan)
+            reloaded = state is not job.capture.states_seen[0]  # load_state_dict: every slot
             replaced = [s.name for s, old, new in zip(job.plan.slots, cached, now)
-                        if old is not None and new is not old]
+                        if new is not old and (old is not None or reloaded)]
         # The next checkpoint starts from this reading if no state dict has been replaced
         # by then (the same identity pass), else it reads them again.
         self._last_states = (job.plan, _dicts_of(state), now)
@@ -224,16 +234,16 @@ class Capture:
                                                 STATE)
         job.capture.digests = (table, rows, ticket, read)
 
-    def _pairs(self, job: Job, blocks) -> list:
+    def _pairs(self, job: Job, blocks, states: list) -> list:
         """(host destination, live source) of every tensor of ``blocks`` (for a device whose
-        copies are enqueued tensor by tensor)."""
+        copies are enqueued tensor by tensor); ``states``: per slot, its optimizer state."""
         host, plan = job.host, job.plan
         pairs = []
         for b in blocks:
             slot = plan.slots[b.slot]
             s, e = b.start, b.end
             pairs.append((host.param[b.slot][s:e], flat(slot.param, slot.dims)[s:e]))
-            live = self.optimizer.state.get(slot.param, {})
+            live = states[b.slot] or {}
             for key in host.keys[b.slot]:
                 dst = host.state[b.slot][key][s:e]
                 if key in live:
@@ -291,7 +301,10 @@ class Capture:
         keys = job.host.keys
         aligned = {index: keys[si] for si, index in with_state}
         job.capture.aligned = aligned
-        indices = plan.group_indices()
+        # The plan's indices hold while the optimizer's parameters are the planned ones (a
+        # parameter added after the last step pre-hook of the window: ask state_dict())
+        indices = plan.group_indices() if fingerprint(self.optimizer) == plan.fingerprint \
+            else None
         tensors: Dict[str, torch.Tensor] = {}
         values = {
             "model": smallstate.model_small(self.model, plan.slot_of_id()),

@@ -208,3 +208,34 @@ def test_bandwidth_before_any_copy_is_the_emulated_link_or_unknown():
     paced, plain = CopyEngine(HostDevice(), link_gbps=0.5), CopyEngine(HostDevice())
     assert paced.bandwidth() == 0.5e9 and plain.bandwidth() == 0.0
     paced.close(), plain.close()
+
+
+_INHERITED = {}
+
+
+def _drop_the_inherited_engine():
+    """In a forked child: collect the engine the parent left in _INHERITED."""
+    _INHERITED.clear()
+    gc.collect()
+
+
+def test_a_forked_child_drops_its_copy_of_the_engine_without_hanging():
+    """DataLoader workers are forked from the training process: collecting the copy engine
+    they inherit must not join or destroy what belongs to the parent's worker thread (it
+    hung there, in pthread_cond_destroy, when a worker's GC reached an old engine)."""
+    import multiprocessing
+
+    engine = _C.CopyEngine()
+    src, dst = np.arange(1024, dtype=np.uint8), np.zeros(1024, dtype=np.uint8)
+    engine.wait(engine.submit(0, np.array([dst.ctypes.data]), np.array([src.ctypes.data]),
+                              np.array([1024])))  # the worker ran, and now waits for work
+    _INHERITED["engine"] = engine
+    child = multiprocessing.get_context("fork").Process(target=_drop_the_inherited_engine)
+    child.start()
+    child.join(timeout=120)
+    hung = child.exitcode is None
+    if hung:
+        child.kill()
+    _INHERITED.clear()
+    assert not hung and child.exitcode == 0
+    assert np.array_equal(dst, src)
