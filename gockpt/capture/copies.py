@@ -122,7 +122,7 @@ class Capture:
         the tensors read (a :class:`Reads`); and the copies made of tensors laid out unlike
         their parameter. A few list operations per role, not a Python step per tensor."""
         plan = job.plan
-        n, planned = len(plan.slots), plan.strides()
+        n = len(plan.slots)
         states = self._states(job)
         sis, params = slots.tolist(), plan.params()
         slot_states = [states[si] for si in sis]
@@ -137,15 +137,8 @@ class Capture:
                     have = [si for si, t in zip(sis, tensors) if t is not None]
                     tensors = [t for t in tensors if t is not None]
             columns.append((have, tensors))
-            sources = tensors
-            if [t.stride() for t in tensors] != [planned[si] for si in have]:
-                sources = list(tensors)
-                for i, si in enumerate(have):  # rare: a state tensor laid out otherwise
-                    if sources[i].stride() != planned[si]:
-                        sources[i] = flat(sources[i], plan.slots[si].dims)
-                        copies.append(sources[i])
             base = bases[key] = np.zeros(n, dtype=np.int64)
-            base[have] = [t.data_ptr() for t in sources]
+            base[have] = [t.data_ptr() for t in _in_memory_order(plan, have, tensors, copies)]
         return bases, Reads(columns), copies
 
     def _states(self, job: Job) -> list:
@@ -398,13 +391,7 @@ class Capture:
         plan, keep = job.plan, []
         live = np.zeros(len(plan.slots), dtype=np.int64)
         slots = table.slots.tolist()
-        tensors = [grads[si] for si in slots]
-        planned = plan.strides()
-        if [g.stride() for g in tensors] != [planned[si] for si in slots]:
-            for i, si in enumerate(slots):  # rare: a copy in the parameter's memory order
-                if tensors[i].stride() != planned[si]:
-                    tensors[i] = flat(tensors[i], plan.slots[si].dims)
-                    keep.append(tensors[i])
+        tensors = _in_memory_order(plan, slots, [grads[si] for si in slots], keep)
         live[table.slots] = [g.data_ptr() for g in tensors]
         return live, keep
 
@@ -425,6 +412,21 @@ class Capture:
                                              table.numel * item, GRADIENT)
         ticket._keep_alive = keep
         return ticket
+
+
+def _in_memory_order(plan, slots: list, tensors: list, keep: list) -> list:
+    """``tensors`` (one per slot of ``slots``) each laid out as its parameter was planned: the
+    tensor itself, or (rare: a state tensor or gradient with other strides) a flat copy in the
+    parameter's memory order, also appended to ``keep`` (alive until its copy has run)."""
+    planned = plan.strides()
+    if [t.stride() for t in tensors] == [planned[si] for si in slots]:
+        return tensors
+    out = list(tensors)
+    for i, si in enumerate(slots):
+        if out[i].stride() != planned[si]:
+            out[i] = flat(out[i], plan.slots[si].dims)
+            keep.append(out[i])
+    return out
 
 
 def _dicts_of(state: dict) -> tuple:
