@@ -277,6 +277,8 @@ class Checkpointer:
         waited = self._wait_for_previous(step)
         if waited is None:
             return None
+        if self._job is not None and self._job.error is not None:
+            self.pipeline.settle(self._job)  # its staging is about to be reused
         if fingerprint(self.optimizer) != self.plan.fingerprint:
             self._replan()
         check_layouts(self.plan)

@@ -12,6 +12,8 @@ warning (gockpt.loop), and the next one reads the new state.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import warnings
 from typing import Callable, Optional
@@ -123,6 +125,25 @@ class Pipeline:
         except BaseException as exc:
             job.fail(exc)
         return ticket
+
+    def settle(self, job: Job) -> None:
+        """Block until nothing queued for ``job`` can still write its host staging: the copies
+        it queued (state groups, gradients, live digests) have landed and the replay thread
+        has passed every record of it. A durable job is settled by construction; a failed
+        one is not -- its replay may be applying a record it took before the failure -- and
+        the next checkpoint copies into the same staging (measured race: that late record
+        landed on the next checkpoint's fresh copies, whose verification then failed)."""
+        book = job.capture
+        tickets = [*book.tickets.values(), *book.grad_tickets]
+        if book.digests is not None:
+            tickets.append(book.digests[2])
+        for ticket in tickets:
+            with contextlib.suppress(Exception):  # the job has failed already
+                ticket.wait()
+        if self.replayer is not None:
+            passed = threading.Event()
+            self.replayer.barrier(passed.set)
+            passed.wait()
 
     # ------------------------------------------------------------------ after capture
 

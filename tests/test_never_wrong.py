@@ -444,6 +444,60 @@ def test_a_state_dropped_inside_a_window_is_refused_while_another_has_none(tmp_p
     assert assert_every_commit_is_state_at_f(run, tmp_path, with_an_untrained_parameter) == 1
 
 
+def test_a_failed_checkpoints_late_replay_never_reaches_the_next_one(tmp_path):
+    """The interleaving behind a correct checkpoint refused on a busy machine, provoked on
+    purpose: the replay thread takes a record of a checkpoint before that checkpoint fails
+    (here: a state replaced inside its window), is held mid-record, and only goes on once
+    the next checkpoint has either copied its first group into the same host staging (the
+    old code: the late record then lands on those fresh copies and the verification refuses
+    a correct checkpoint) or waits for the failed one to settle (the fix)."""
+    import threading
+    model, opt = with_an_untrained_parameter()
+    x = torch.randn(16, 4, 6, generator=torch.Generator().manual_seed(2))
+    entered, go = threading.Event(), threading.Event()
+    first = []
+
+    def between(step):
+        if step + 1 == 4:  # inside the window of the checkpoint started at 3 (F = 5)
+            del opt.state[model[0].weight]
+        if step + 1 == 5:  # the last record of that checkpoint is in the replay's hands
+            assert entered.wait(60), "the replay never took the record"
+
+    run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=3, block_bytes=64,
+              step_fn=lambda s: model(x[s]).square().mean(), between=between)
+    ck = run.ck
+    apply, land, settle = ck.replayer.adapter.apply, ck.capture.land_group, \
+        getattr(ck.pipeline, "settle", None)
+
+    def held_apply(record, host, threads):
+        if not first:
+            first.append(ck._job)
+        if ck._job is first[0] and record.step_index == 2:  # checked before the failure
+            entered.set()
+            assert go.wait(60), "neither the next checkpoint's copy nor a settle came"
+        return apply(record, host, threads)
+
+    def watched_land(job, j):
+        land(job, j)
+        if first and job is not first[0] and j == 1:  # the next checkpoint's first group has landed
+            go.set()
+
+    def watched_settle(job):
+        go.set()  # the next checkpoint waits for the failed one: let the record finish
+        settle(job)
+
+    ck.replayer.adapter.apply = held_apply
+    ck.capture.land_group = watched_land
+    if settle is not None:
+        ck.pipeline.settle = watched_settle
+    with pytest.warns(UserWarning, match="optimizer state of 0.weight was replaced") as seen:
+        run.train(0, 14, force={3, 9})
+    run.close()
+    assert not [w for w in seen if "differ from their replay" in str(w.message)]
+    assert not run.errors and run.committed() == [11]
+    assert assert_every_commit_is_state_at_f(run, tmp_path, with_an_untrained_parameter) == 1
+
+
 # ------------------------------------------------------------------ gradients stay put
 
 @pytest.mark.parametrize("zeroing", ["model.zero_grad", "grad.zero_", "accumulate"])

@@ -105,7 +105,10 @@ class Capture:
             offset = table.start[rows] * hitem[sub]
             nbytes = table.numel[rows] * hitem[sub]
             src_rows = live[key][sub] + offset
-            src_rows[live[key][sub] == 0] = self._zeros(int(nbytes.max(initial=0)))
+            missing = live[key][sub] == 0
+            if missing.any():
+                src_rows[missing] = self._zeros(int(nbytes[missing].max()))
+                keep.append(self._zero_buf)  # a larger one may replace it before this lands
             dst.append(hbase[sub] + offset)
             src.append(src_rows)
             size.append(nbytes)
