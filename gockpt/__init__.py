@@ -18,7 +18,7 @@ from .config import Config
 from .errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError,
                      ConsistencyError, CorruptCheckpointError, DirectoryInUseError, GockptError,
                      HookOrderError, LayoutChangedError, LoadError, StorageError,
-                     UnsupportedOptimizerError)
+                     UnsupportedOptimizerError, UnsupportedTensorError)
 from .loading import Restored, load
 from .modes import MODES
 from .replay.arithmetic import replay_arithmetics, replay_step
@@ -33,6 +33,7 @@ __all__ = [
     "GockptError", "ConfigError", "UnsupportedOptimizerError", "HookOrderError",
     "CheckpointNotFoundError", "CorruptCheckpointError", "StorageError", "LoadError",
     "ConsistencyError", "CheckpointFailedError", "DirectoryInUseError", "LayoutChangedError",
+    "UnsupportedTensorError",
     "replay_step",
     "replay_arithmetics",
 ]

@@ -17,6 +17,12 @@ class UnsupportedOptimizerError(ConfigError):
     """
 
 
+class UnsupportedTensorError(ConfigError):
+    """A parameter is a tensor whose memory gockpt cannot address: a DTensor (FSDP2, tensor
+    parallelism) or another wrapper subclass, a meta or not yet initialised (lazy) tensor, a
+    quantized tensor. Raised at construction, in every mode."""
+
+
 class LayoutChangedError(ConfigError):
     """A parameter's memory layout (strides) changed after the Checkpointer was built."""
 

@@ -17,7 +17,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..errors import ConfigError, LayoutChangedError
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..errors import ConfigError, LayoutChangedError, UnsupportedTensorError
 
 
 @dataclass
@@ -279,9 +281,32 @@ def memory_order(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
     return dims if t.permute(dims).is_contiguous() else None
 
 
+def check_addressable(name: str, p: torch.Tensor) -> None:
+    """UnsupportedTensorError unless parameter ``name`` owns plain memory that gockpt can copy
+    by address. A DTensor (FSDP2, tensor parallelism) reports ``data_ptr() == 0``: copied by
+    address, it would be checkpointed as zeros at its global shape."""
+    if is_traceable_wrapper_subclass(p):
+        what = (f"a {type(p).__name__} (FSDP2's fully_shard or tensor parallelism)"
+                if type(p).__name__ == "DTensor" else f"a tensor subclass ({type(p).__name__})")
+        raise UnsupportedTensorError(
+            f"parameter {name!r} is {what} whose local memory gockpt cannot address yet; "
+            "sharded DTensor parameters are not supported: checkpoint this model with "
+            "torch.distributed.checkpoint, or train it with DDP or DeepSpeed ZeRO")
+    if p.device.type == "meta" or isinstance(p, torch.nn.parameter.UninitializedParameter):
+        raise UnsupportedTensorError(
+            f"parameter {name!r} has no data yet ({'meta device' if p.device.type == 'meta' else 'a lazy module'}); "
+            "create the Checkpointer once the model is materialised (after model.to_empty(...) "
+            "and initialisation, or a first forward of lazy modules)")
+    if p.is_quantized:
+        raise UnsupportedTensorError(
+            f"parameter {name!r} is a quantized tensor; gockpt stores floating-point "
+            "parameters")
+
+
 def layout_of(name: str, p: torch.Tensor) -> Tuple[int, ...]:
     """``memory_order`` of parameter ``name``; ConfigError if it has none (gockpt copies the
     storage of a dense tensor as one flat range, in memory order)."""
+    check_addressable(name, p)
     dims = None if p.is_sparse else memory_order(p)
     if dims is None:
         raise ConfigError(
