@@ -28,6 +28,7 @@ import torch
 from . import storage
 from .capture.copies import Capture
 from .capture.device import device_for
+from .capture.names import is_replicated
 from .capture.plan import build_plan, check_layouts, fingerprint, stepped_groups
 from .capture.staging import GradPool, HostCopy, StagingAllocation, planned_host_bytes
 from .capture.transfer import CopyEngine
@@ -89,7 +90,9 @@ class Checkpointer:
                                    or self.config.on_busy == "skip"):
             raise ConfigError("with several ranks every rank must start the same checkpoints: "
                               "use a fixed interval (or force) and on_busy='wait'")
-        self.plan = build_plan(model, optimizer, self.config.block_bytes)
+        if self.config.replicated is None:
+            self.config.replicated = is_replicated(model)
+        self.plan = build_plan(model, optimizer, self.config.block_bytes, self._min_blocks())
         ensure_writable(self.config.directory)
         self.lock = lock_for_ranks(self.config.directory, self.ranks)
         self.adapter = None
@@ -310,6 +313,10 @@ class Checkpointer:
         self.pipeline.begin(job, step, self.loop.boundary, extra_state)
         return job.handle
 
+    def _min_blocks(self) -> int:
+        """Blocks the plan needs: an explicit K of a replay mode needs K groups."""
+        return self.config.overlap_steps or 1 if self.policy.replays else 1
+
     def _allocate_staging(self) -> StagingAllocation:
         """Start allocating the host staging in the background (see StagingAllocation)."""
         if self.adapter is not None:
@@ -326,7 +333,8 @@ class Checkpointer:
         """The optimizer's parameters changed: plan again (a replay mode checks the new param
         groups' settings as at construction); host memory is allocated anew."""
         adapted = {s.name for s in self.plan.slots if s.at_f and not s.static}
-        plan = build_plan(self.model, self.optimizer, self.config.block_bytes)
+        plan = build_plan(self.model, self.optimizer, self.config.block_bytes,
+                          self._min_blocks())
         plan.copy_at_f(adapted)
         if self.policy.replays:
             self.adapter.close()

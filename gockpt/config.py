@@ -96,6 +96,13 @@ class Config:
     layer's contract on a machine without one, to develop, test and benchmark the overlap.
     ``None``: copies at memory speed."""
 
+    replicated: Optional[bool] = None
+    """Whether every rank holds the same model and optimizer state (data parallelism): such a
+    checkpoint may be loaded on another number of ranks (each reads one part). ``None``:
+    detected when the Checkpointer is built -- true for a ``DistributedDataParallel`` or
+    ``DataParallel`` model (compiled or not). Per-rank state (``False``) loads only on the
+    number of ranks that wrote it."""
+
     storage_writer: Optional[Callable] = None
     """Storage plugin: ``storage_writer(root, name)`` returns the writer of one checkpoint, an
     object with :class:`gockpt.storage.CheckpointWriter`'s methods (usually a subclass of it).
@@ -150,6 +157,8 @@ class Config:
         if self.grad_multiplier is not None and not callable(self.grad_multiplier):
             raise ConfigError(f"grad_multiplier must be None or a callable, got "
                               f"{self.grad_multiplier!r}")
+        if self.replicated is not None and not isinstance(self.replicated, bool):
+            raise ConfigError(f"replicated must be None, True or False, got {self.replicated!r}")
         if self.storage_writer is not None and not callable(self.storage_writer):
             raise ConfigError(f"storage_writer must be a callable (root, name) -> writer, got "
                               f"{self.storage_writer!r}")

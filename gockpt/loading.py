@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from . import storage
+from .capture.names import Names, is_replicated
 from .capture.plan import memory_order
 from .storage import manifest as manifest_mod
 from .capture import smallstate
@@ -34,7 +35,8 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     """Load the latest committed checkpoint in ``directory`` (or the one named ``tag``) into
     ``model``, ``optimizer`` and ``scheduler``, and restore RNG states unless
     ``restore_rng=False``. A checkpoint written by several ranks is loaded from this rank's
-    part (``rank``, default: the torch.distributed rank). Parameters and optimizer state land on the device of the
+    part (``rank``, default: the torch.distributed rank); on another number of ranks only
+    when its state is replicated (``Config.replicated``, e.g. DDP), else a LoadError. Parameters and optimizer state land on the device of the
     model's parameters; ``map_location`` (a device) moves the tensors of ``extra_state``.
 
     Names, shapes and dtypes are checked against the targets before any byte is read;
@@ -47,11 +49,15 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     """
     path = storage.resolve(directory, tag)
     dist = torch.distributed
-    live_world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if rank is None and live_world > 1:
-        rank = dist.get_rank()
-    path, manifest = manifest_mod.read(path, rank, live_world)
-    target = model.state_dict()
+    distributed = dist.is_available() and dist.is_initialized()
+    path, manifest = manifest_mod.read(
+        path, rank, live_world=dist.get_world_size() if distributed else 1,
+        live_rank=dist.get_rank() if distributed else 0, target_replicated=is_replicated(model))
+    live = model.state_dict()
+    # Stored names carry no wrapper prefix (DDP's module., compile's _orig_mod.): the same
+    # checkpoint loads into the wrapped and the unwrapped model. ``own``: stored -> live name.
+    own = Names(model).clean_all(live)
+    target = {name: live[ours] for name, ours in own.items()}
     expected = manifest.model.expected()
     _check_params(path, target, expected, manifest)
 
@@ -64,7 +70,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     try:
         sd = {name: ref.resolve(tensors) for name, ref in expected.items()}
         sd.update(model_small)
-        model.load_state_dict(sd)
+        model.load_state_dict({own[name]: value for name, value in sd.items()})
         if optimizer is not None:
             optimizer.load_state_dict(manifest.optimizer_state_dict(path, tensors, optimizer))
         if scheduler is not None:

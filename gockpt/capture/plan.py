@@ -20,13 +20,14 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import ConfigError, LayoutChangedError, UnsupportedTensorError
+from .names import Names
 
 
 @dataclass
 class Slot:
     """One model parameter in the checkpoint."""
 
-    name: str                      # canonical name in model.state_dict()
+    name: str                      # name in model.state_dict(), without wrapper prefixes
     param: torch.Tensor = field(repr=False)
     opt_index: Optional[int]       # index in optimizer.state_dict()['state'], None if static
     group: Optional[int]           # optimizer param group, None if static
@@ -200,11 +201,16 @@ class Plan:
 
 
 def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               block_bytes: int) -> Plan:
-    """Map the optimizer's parameters to model names and cut everything into blocks."""
+               block_bytes: int, min_blocks: int = 1) -> Plan:
+    """Map the optimizer's parameters to model names and cut everything into blocks of
+    ``block_bytes`` -- smaller where the optimized parameters would otherwise make fewer than
+    ``min_blocks`` blocks (an explicit K needs K groups: one flat partition of DeepSpeed's
+    would be one block)."""
     canonical: Dict[int, str] = {}
     aliases: Dict[str, str] = {}
+    names = Names(model)  # stored without wrapper prefixes (DDP's module., compile's _orig_mod.)
     for name, p in model.named_parameters(remove_duplicate=False):
+        name = names.clean(name)
         if id(p) in canonical:
             aliases[name] = canonical[id(p)]
         else:
@@ -224,16 +230,38 @@ def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             seen.add(id(p))
             index += 1
     for name, p in model.named_parameters():
+        name = names.clean(name)
         if id(p) not in seen:
             slots.append(Slot(name, p, None, None, dims=layout_of(name, p)))
 
-    elems = max(1, block_bytes // 4)
+    elems = _block_elems(max(1, block_bytes // 4), [s.numel for s in slots if not s.static],
+                         min_blocks)
     blocks = []
     for si, s in enumerate(slots):
         n = s.numel
         for start in range(0, n, elems):
             blocks.append(Block(si, start, min(n, start + elems)))
     return Plan(slots, blocks, aliases, fingerprint(optimizer), elems)
+
+
+def _block_elems(elems: int, sizes: List[int], min_blocks: int) -> int:
+    """The largest block size up to ``elems`` that cuts tensors of ``sizes`` elements into at
+    least ``min_blocks`` blocks; ConfigError when even one element per block is too few."""
+    def count(e: int) -> int:
+        return sum(-(-n // e) for n in sizes)
+
+    if count(elems) >= min_blocks:
+        return elems
+    if sum(sizes) < min_blocks:
+        raise ConfigError(
+            f"overlap_steps={min_blocks} needs at least {min_blocks} blocks to copy, one group "
+            f"per step, but the optimizer's parameters hold {sum(sizes)} elements in all; "
+            f"ask for overlap_steps <= {max(1, sum(sizes))}")
+    lo, hi = 1, elems  # count(lo) >= min_blocks > count(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if count(mid) >= min_blocks else (lo, mid)
+    return lo
 
 
 def fingerprint(optimizer: torch.optim.Optimizer) -> tuple:

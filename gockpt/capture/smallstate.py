@@ -11,6 +11,8 @@ from typing import Dict, Iterable, List, Optional
 import numpy as np
 import torch
 
+from .names import Names, is_wrapper_child
+
 
 def capture_rng() -> dict:
     """RNG states of torch (CPU and CUDA where initialised), numpy and Python's random."""
@@ -34,12 +36,15 @@ def restore_rng(rng: dict) -> None:
 
 def model_small(model: torch.nn.Module, planned_ids: Iterable[int]) -> Dict[str, object]:
     """``model.state_dict()`` without the planned parameters (buffers, extra states, and any
-    tensor the plan does not carry). Tensors are cloned: the result is frozen at this version."""
+    tensor the plan does not carry), under the names without wrapper prefixes
+    (:mod:`gockpt.capture.names`). Tensors are cloned: the result is frozen at this version."""
     planned = planned_ids if isinstance(planned_ids, (set, frozenset, dict)) \
         else set(planned_ids)  # (a set or a dict keyed by them is used as it is)
     entries = _plain_entries(model, planned)
     if entries is None:  # a hook or an override may change what state_dict() holds: ask it
-        entries = [(name, value) for name, value in model.state_dict(keep_vars=True).items()
+        names = Names(model)
+        entries = [(names.clean(name), value)
+                   for name, value in model.state_dict(keep_vars=True).items()
                    if not (isinstance(value, torch.Tensor) and id(value) in planned)]
     return {name: value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor)
             else value for name, value in entries}
@@ -73,7 +78,8 @@ def _plain_entries(model: torch.nn.Module, planned: set) -> Optional[List[tuple]
             out.extend((prefix + name, b) for name, b in m._buffers.items()
                        if b is not None and name not in transient)
         if m._modules:  # depth first, in registration order (as state_dict() walks)
-            stack.extend(reversed([(prefix + name + ".", c) for name, c in m._modules.items()
+            stack.extend(reversed([(prefix if is_wrapper_child(m, name) else
+                                    prefix + name + ".", c) for name, c in m._modules.items()
                                    if c is not None]))
     return out
 

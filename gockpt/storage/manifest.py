@@ -151,6 +151,8 @@ class Manifest:
     optimizer: Optional[OptimizerSection] = None
     rank: int = 0
     world_size: int = 1
+    replicated: bool = False
+    """Every rank held the same state (data parallelism): loadable on another number of ranks."""
     metrics: Dict[str, Any] = field(default_factory=dict)
     tensors: Dict[str, dict] = field(default_factory=dict)
     """The storage format's validated tensor table (read only; the writer produces it)."""
@@ -165,6 +167,8 @@ class Manifest:
                # shallow: asdict() would deep-copy thousands of encoded values
                "small": {s: getattr(self.small, s) for s in SMALL_SECTIONS},
                "metrics": dict(self.metrics)}
+        if self.replicated:
+            out["replicated"] = True
         if self.optimizer is not None:
             out["optimizer"] = {"class": self.optimizer.cls,
                                 "aligned": {str(i): {k: r.to_json() for k, r in refs.items()}
@@ -203,13 +207,16 @@ class Manifest:
         for key in ("rank", "world_size"):
             if key in data and not _is_int(data[key]):
                 raise bad(f"{key!r} is {data[key]!r:.40}, expected an int")
+        if not isinstance(data.get("replicated", False), bool):
+            raise bad(f"'replicated' is {data['replicated']!r:.40}, expected true or false")
         metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else {}
         return cls(step=data["step"], start_step=data["start_step"], mode=data["mode"],
                    overlap_steps=data["overlap_steps"],
                    model=ModelSection(params, dict(model.get("aliases", {}))),
                    small=SmallSection(**{s: small[s] for s in SMALL_SECTIONS}),
                    optimizer=optimizer, rank=data.get("rank", 0),
-                   world_size=data.get("world_size", 1), metrics=metrics,
+                   world_size=data.get("world_size", 1),
+                   replicated=data.get("replicated", False), metrics=metrics,
                    tensors=data.get("tensors", {}))._checked(bad)
 
     def _checked(self, bad) -> "Manifest":
@@ -309,11 +316,16 @@ class PartsManifest:
     overlap_steps: int
     parts: List[str]
     """Part directory of each rank, in rank order."""
+    replicated: bool = False
+    """Every rank held the same state (see :attr:`Manifest.replicated`)."""
 
     def to_json(self) -> dict:
-        return {"step": self.step, "start_step": self.start_step, "mode": self.mode,
-                "overlap_steps": self.overlap_steps, "world_size": len(self.parts),
-                "ranks": list(self.parts)}
+        out = {"step": self.step, "start_step": self.start_step, "mode": self.mode,
+               "overlap_steps": self.overlap_steps, "world_size": len(self.parts),
+               "ranks": list(self.parts)}
+        if self.replicated:
+            out["replicated"] = True
+        return out
 
 
 def parts_of(path: str, data: dict) -> Optional[List[str]]:
@@ -327,18 +339,32 @@ def parts_of(path: str, data: dict) -> Optional[List[str]]:
     return [check_part_name(path, p) for p in ranks]
 
 
-def read(path: str, rank: Optional[int] = None, live_world: int = 1) -> Tuple[str, Manifest]:
-    """(directory, typed manifest) of the checkpoint at ``path``, or of ``rank``'s part of it
-    when several ranks wrote it (``rank`` None: rank 0). ``live_world`` > 1 is the number of
-    ranks of the job loading it, which must match."""
+def read(path: str, rank: Optional[int] = None, live_world: int = 1, live_rank: int = 0,
+         target_replicated: bool = False) -> Tuple[str, Manifest]:
+    """(directory, typed manifest) of the checkpoint at ``path``, or of one rank's part of it
+    when several ranks wrote it: ``rank``'s when given (any world size: the caller chose),
+    else the loading rank's (``live_rank`` of ``live_world`` ranks).
+
+    The world size must be the one that wrote it -- unless the checkpoint records replicated
+    state (each rank then reads part ``live_rank % parts``), or one rank wrote it and the
+    target is a replica (``target_replicated``: every rank loads the whole state). Anything
+    else is a LoadError: per-rank state is not resharded (yet), never guessed."""
     from .reader import read_manifest
 
     data = read_manifest(path)
     parts = parts_of(path, data)
+    written = len(parts) if parts is not None else 1
+    if rank is None:
+        if live_world != written and not (data.get("replicated") is True
+                                          or (written == 1 and target_replicated)):
+            raise LoadError(
+                f"{path} was written by {written} rank{'s' if written > 1 else ''} and holds "
+                f"per-rank state; this job has {live_world}. Load it on {written} "
+                f"rank{'s' if written > 1 else ''} (loading on another number of ranks needs "
+                "the state to be replicated, e.g. DistributedDataParallel, or "
+                "Config(replicated=True)), or pass rank=R to read one rank's part on purpose")
+        rank = live_rank % written
     if parts is not None:
-        if live_world > 1 and live_world != len(parts):
-            raise LoadError(f"{path} was written by {len(parts)} ranks; this job has {live_world}")
-        rank = 0 if rank is None else rank
         if not _is_int(rank) or not rank < len(parts):
             raise LoadError(f"{path} has parts for ranks 0..{len(parts) - 1}; rank {rank!r} asked")
         path = os.path.join(path, parts[rank])

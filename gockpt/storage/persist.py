@@ -193,7 +193,8 @@ class Persister:
                                                 update_latest=False))
                 top = PartsManifest(job.handle.final_step, job.metrics.start_step,
                                     self.config.mode, job.k,
-                                    [part_name(r) for r in range(self.ranks.world_size)])
+                                    [part_name(r) for r in range(self.ranks.world_size)],
+                                    replicated=bool(self.config.replicated))
                 path = self.ranks.commit(self.config.directory, name, write_part, top,
                                          self.new_writer)
                 if job.error is not None:
@@ -241,6 +242,7 @@ class Persister:
             manifest = Manifest(
                 step=job.handle.final_step, start_step=m.start_step, mode=self.config.mode,
                 overlap_steps=job.k, rank=self.ranks.rank, world_size=self.ranks.world_size,
+                replicated=bool(self.config.replicated),
                 model=ModelSection(self._layout(job).param_refs, job.plan.aliases),
                 optimizer=OptimizerSection(self.optimizer_class, self._layout(job).state_refs),
                 small=job.capture.small, metrics=m.to_dict())

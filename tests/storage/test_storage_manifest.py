@@ -252,17 +252,20 @@ def write_two_rank_checkpoint(root, parts=None):
 
 def test_read_picks_the_part_of_a_rank(tmp_path):
     path = write_two_rank_checkpoint(str(tmp_path))
-    where, m = M.read(path)
+    where, m = M.read(path, rank=0)
     assert where == os.path.join(path, "rank-00000") and m.rank == 0
-    where, m = M.read(path, rank=1, live_world=2)
+    where, m = M.read(path, live_world=2, live_rank=1)
     assert where == os.path.join(path, "rank-00001") and (m.rank, m.world_size) == (1, 2)
     assert m.metrics == {"r": 1}
 
 
 def test_read_refuses_a_world_size_mismatch_or_a_missing_rank(tmp_path):
     path = write_two_rank_checkpoint(str(tmp_path))
-    with pytest.raises(LoadError, match="written by 2 ranks; this job has 3"):
-        M.read(path, rank=0, live_world=3)
+    with pytest.raises(LoadError, match="written by 2 ranks and holds per-rank state; this "
+                       "job has 3"):
+        M.read(path, live_world=3, live_rank=0)
+    with pytest.raises(LoadError, match="this job has 1"):
+        M.read(path)  # one process: which rank's state it wants is not guessed
     with pytest.raises(LoadError, match="rank 2 asked"):
         M.read(path, rank=2)
 
