@@ -25,7 +25,15 @@ LEGEND = (
     "                step time and copy bandwidth; gockpt-o with K > 1 replays the",
     "                optimizer on the copied state with the recorded gradients).",
     "  durable after from the checkpoint's start to its commit (written, fsynced, renamed).",
+    "  link          'memcpy': the copies are this CPU's memcpys (fast next to a step, so",
+    "                spreading them over K steps buys little); 'emulated': every copy is",
+    "                paced like a device link on which one full copy takes {link_steps}",
+    "                training steps -- the regime of a GPU, where gockpt-o hides the copy",
+    "                under forward/backward and async stops training for all of it.",
 )
+
+# With the emulated link one full copy of the state takes this many (mean) training steps.
+LINK_STEPS = 3
 
 
 class Stopwatch:
@@ -69,6 +77,9 @@ class Stopwatch:
         self.boundary = step
         return handle
 
+    def plan_checkpoint(self, step):
+        self.ck.plan_checkpoint(step)
+
     def window(self, start, stop):
         return sum(v for k, v in self.spent.items() if start <= k < stop)
 
@@ -82,8 +93,9 @@ def phase_bench(args) -> int:
     steps, every = args.bench_steps, args.bench_every
     due = list(range(every, steps - every + 1, every))
     shutil.rmtree(args.bench_dir, ignore_errors=True)
-    configs = [("(none)", None, None)] + [(m, m, None) for m in BENCH_MODES] + \
-        [("gockpt-o", "gockpt-o", args.bench_k), ("(none)", None, None)]
+    configs = [("(none)", None, None, False)] + [(m, m, None, False) for m in BENCH_MODES] + \
+        [("gockpt-o", "gockpt-o", args.bench_k, False), ("async", "async", None, True),
+         ("gockpt-o", "gockpt-o", args.bench_k, True), ("(none)", None, None, False)]
 
     # Warm up kernels and the allocator on a throwaway model so the first run is not penalised.
     model, opt, sched = build(total_steps=steps)
@@ -92,13 +104,20 @@ def phase_bench(args) -> int:
 
     runs = []
     bar = Progress(steps * len(configs), 0, f"{len(configs)} runs x {steps} steps", lines=False)
-    for label, mode, k in configs:
-        d = os.path.join(args.bench_dir, f"{mode}-k{k}" if k else str(mode))
-        run = {"label": label, "mode": mode, "k": k, "dir": d}
+    link_gbps = None
+    for label, mode, k, emulated in configs:
+        d = os.path.join(args.bench_dir, (f"{mode}-k{k}" if k else str(mode))
+                         + ("-link" if emulated else ""))
+        run = {"label": label, "mode": mode, "k": k, "dir": d, "emulated": emulated}
         run.update(timed_run(mode, k, d, steps, due,
-                             lambda step, loss: bar.update(len(runs) * steps + step + 1, loss)))
+                             lambda step, loss: bar.update(len(runs) * steps + step + 1, loss),
+                             link_gbps if emulated else None))
         runs.append(run)
-        what = "no checkpointing" if mode is None else f"mode={mode!r:<10} overlap_steps={k}"
+        if link_gbps is None and len(runs) > 1:  # from the state size and the first step time
+            link_gbps = gockpt.metrics.read(d)[0]["state_bytes"] / (
+                LINK_STEPS * statistics.mean(runs[0]["times"][1:])) / 1e9
+        what = "no checkpointing" if mode is None else f"mode={mode!r:<10} overlap_steps={k}" \
+            + (f" link {link_gbps:.3f} GB/s" if emulated else "")
         bar.write(f"  run {len(runs)}/{len(configs)}  {what:<40} mean step "
                   f"{statistics.mean(run['times'][1:]) * 1e3:6.1f} ms")
     bar.close()
@@ -117,16 +136,20 @@ def phase_bench(args) -> int:
     return 0 if ok else 1
 
 
-def timed_run(mode, k, directory: str, steps: int, due: list, progress) -> dict:
+def timed_run(mode, k, directory: str, steps: int, due: list, progress,
+              link_gbps=None) -> dict:
     """Train ``steps`` steps on a fresh model under ``mode`` (None: no checkpointing), a
-    checkpoint forced at each step of ``due``: {"watch": Stopwatch or None, "times": [s]}."""
+    checkpoint at each step of ``due`` (announced: the replay modes copy over the K steps up
+    to it), copies paced at ``link_gbps`` if given: {"watch": Stopwatch or None, "times": [s]}."""
     model, opt, sched = build(total_steps=steps)
     ck = watch = None
     if mode is not None:
         watch = Stopwatch(opt)
         ck = gockpt.Checkpointer(model, opt, directory, mode=mode, overlap_steps=k,
-                                 scheduler=sched)
+                                 scheduler=sched, emulate_link_gbps=link_gbps)
         watch.attach(ck, opt)
+        for step in due:
+            watch.plan_checkpoint(step)
     times = []
     t = time.perf_counter()
     for step, loss, _ in train_loop(model, opt, sched, 0, steps, ck=watch,
@@ -145,7 +168,10 @@ def summarise(run: dict, due: list, every: int) -> dict:
     recs = gockpt.metrics.read(run["dir"])
     return {**run, "committed": len(recs),
             "K": sorted({m["overlap_steps"] for m in recs}),
-            "watch_s": statistics.median(run["watch"].window(n, n + every) for n in due),
+            # from each checkpoint's first boundary (K - 1 before its step) to the next's
+            "watch_s": statistics.median(run["watch"].window(m["start_step"],
+                                                             m["start_step"] + every)
+                                         for m in recs),
             "lib_s": statistics.median(m["blocked_s"] for m in recs),
             "durable": statistics.median(m["time_to_durable_s"] for m in recs),
             "busy": max(m["blocked_by_hook_s"].get("save_checkpoint_busy_wait", 0.0)
@@ -157,22 +183,27 @@ def summarise(run: dict, due: list, every: int) -> dict:
 
 def print_table(rows: list, base: float) -> None:
     """The mode table and its legend."""
-    ref = next(r["watch_s"] for r in rows if r["mode"] == "async")
-    say(f"  {'mode':<9} {'K':>2}  {'blocked/ckpt':>12}  {'vs async':>8}  {'gockpt says':>11}  "
-        f"{'durable after':>13}  {'mean step':>9}  {'vs none':>7}")
-    say(f"  {'-' * 9} {'-' * 2}  {'-' * 12}  {'-' * 8}  {'-' * 11}  {'-' * 13}  {'-' * 9}  "
-        f"{'-' * 7}")
-    say(f"  {'(none)':<9} {'-':>2}  {'-':>12}  {'':>8}  {'':>11}  {'-':>13}  "
+    def async_of(r):  # "vs async": against async on the same link
+        return next(a["watch_s"] for a in rows
+                    if a["mode"] == "async" and a["emulated"] == r["emulated"])
+
+    say(f"  {'mode':<9} {'link':<8} {'K':>2}  {'blocked/ckpt':>12}  {'vs async':>8}  "
+        f"{'gockpt says':>11}  {'durable after':>13}  {'mean step':>9}  {'vs none':>7}")
+    say(f"  {'-' * 9} {'-' * 8} {'-' * 2}  {'-' * 12}  {'-' * 8}  {'-' * 11}  {'-' * 13}  "
+        f"{'-' * 9}  {'-' * 7}")
+    say(f"  {'(none)':<9} {'-':<8} {'-':>2}  {'-':>12}  {'':>8}  {'':>11}  {'-':>13}  "
         f"{base * 1e3:>6.1f} ms  {'1.00x':>7}")
     for r in rows:
         k = ",".join(map(str, r["K"])) + ("" if r["k"] else "*")
         busy = "!" if r["busy"] > 1e-3 else " "
-        say(f"  {r['label']:<9} {k:>2}  {r['watch_s'] * 1e3:>9.1f} ms{busy} "
+        ref = async_of(r)
+        link = "emulated" if r["emulated"] else "memcpy"
+        say(f"  {r['label']:<9} {link:<8} {k:>2}  {r['watch_s'] * 1e3:>9.1f} ms{busy} "
             f"{r['watch_s'] / ref:>7.2f}x  {r['lib_s'] * 1e3:>8.1f} ms  "
             f"{r['durable']:>11.2f} s  {r['step'] * 1e3:>6.1f} ms  {r['step'] / base:>6.2f}x")
     say()
     for line in LEGEND:
-        say(line)
+        say(line.format(link_steps=LINK_STEPS))
     if any(r["busy"] > 1e-3 for r in rows):
         say("  !             includes waiting for the previous checkpoint, still being written when")
         say("                the next one was due (on_busy='wait'): checkpoints too close together.")

@@ -23,6 +23,9 @@ SECTIONS = (("model", "model.state_dict()"), ("optimizer", "optimizer.state_dict
 
 # ----------------------------------------------------------------------------- training loop
 
+TOKENS_PER_STEP = 8 * ModelConfig().seq_len  # batch 8
+
+
 def train_loop(model, opt, sched, start: int, stop: int, *, ck=None, ckpt_due=None,
                kill_at=None, on_kill=None):
     """Yields (step, loss, handle) for steps [start, stop). Step ``s`` consumes batch(s); the
@@ -48,7 +51,7 @@ def train_loop(model, opt, sched, start: int, stop: int, *, ck=None, ckpt_due=No
         if ck is not None:
             done = step + 1
             handle = ck.save_checkpoint(
-                done, extra_state={"tokens_seen": done * 8 * ModelConfig().seq_len,
+                done, extra_state={"tokens_seen": done * TOKENS_PER_STEP,
                                    "loss": value},
                 force=bool(ckpt_due and ckpt_due(done)))
         yield step, value, handle
@@ -161,6 +164,13 @@ def phase_resume(args) -> int:
     say(f"  gockpt.load: {os.path.relpath(restored.path)} in {load_s * 1e3:.0f} ms "
         f"(mode {man.mode}, K={man.overlap_steps}, checksums verified)")
     say(f"  restored step {restored.step}, extra_state {restored.extra_state}")
+    seen = restored.extra_state.get("tokens_seen")
+    if seen != restored.step * TOKENS_PER_STEP:
+        say(f"  extra_state FAILED: tokens_seen {seen} is not the position of step "
+            f"{restored.step} ({restored.step * TOKENS_PER_STEP})")
+        return 1
+    say(f"  the checkpoint is the step it was asked for: its extra_state (given at that step) "
+        f"is the data position of step {restored.step}")
     if not verify_state(snapshot(model, opt, sched), torch.load(args.reference, weights_only=True),
                         restored.step):
         say("  state verification FAILED")
@@ -183,15 +193,15 @@ def verify_state(mine: dict, ref: dict, step: int) -> bool:
 
 def train_on(args, model, opt, sched, start: int) -> int:
     """Train the restored run on to the end -- still checkpointing, as a real resumed job
-    would -- and compare every loss with the reference's. (A checkpoint is not started at the
-    very last step: with K > 1 it would need steps that never come.)"""
+    would, the last step included (announced, so that its window ends there too; ``close()``
+    would complete it even without notice) -- and compare every loss with the reference's."""
     ck = gockpt.Checkpointer(model, opt, args.ckpt_dir, mode="gockpt-o", overlap_steps=args.k,
-                             scheduler=sched)
+                             scheduler=sched, interval=args.every)
+    ck.plan_checkpoint(args.steps)
     commits = CommitLog(args.ckpt_dir, skip_existing=True)   # not those of the crashed run
     losses = {}
     bar = Progress(args.steps, start, "resumed run   ")
-    due = lambda s: s % args.every == 0 and s < args.steps  # noqa: E731
-    for step, loss, _ in train_loop(model, opt, sched, start, args.steps, ck=ck, ckpt_due=due):
+    for step, loss, _ in train_loop(model, opt, sched, start, args.steps, ck=ck):
         losses[step] = loss
         commits.print_new(bar)
         bar.update(step + 1, loss)

@@ -1,6 +1,9 @@
 """The training-loop hooks and the life of one checkpoint (see docs/architecture.md).
 
-A checkpoint started at step boundary N spans K steps and holds version F = N + K - 1:
+A checkpoint is the state of the step F it was asked for (``save_checkpoint(F)`` with an
+``interval`` dividing F, or forced). When F is known in advance (the interval, or the learned
+spacing of forced saves), the replay modes start its window K - 1 steps early, at boundary
+N = F - K + 1; a checkpoint asked for without notice is a window of one step (N = F):
 
     boundary N     queue copies of group 1 (the copy thread runs them under step N+1's fwd/bwd)
     step N+j       update_begin waits for group j (version N+j-1); the optimizer's step pre-hook
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 import warnings
 from typing import Callable, List, Optional, Union
@@ -34,8 +38,8 @@ from .capture.staging import GradPool, HostCopy, StagingAllocation, planned_host
 from .capture.transfer import CopyEngine
 from .capture.transport import Bf16Transport
 from .config import Config
-from .errors import (ConfigError, ConsistencyError, GockptError,
-                     HookOrderError)
+from .errors import (ConfigError, ConsistencyError, GockptError, HookOrderError,
+                     UnsupportedOptimizerError)
 from .job import CheckpointHandle, Job
 from .loop import BACKWARD, IDLE, UPDATE, Loop
 from .replay.adapters import adapter_for
@@ -130,7 +134,12 @@ class Checkpointer:
         self.pipeline = Pipeline(self.config, self.capture, self.replayer, self.persister,
                                  lambda step: _checkpoint_path(self.config.directory, step))
         self.loop = Loop()
+        self._thread = threading.get_ident()  # the training thread: it builds the Checkpointer
         self._job: Optional[Job] = None
+        self._last_asked: Optional[Job] = None  # the last checkpoint whose step was reached
+        self._agreed_k = self.config.overlap_steps or 2  # several ranks: K agreed at each F
+        self._warned_k = False
+        self._windows_off = False  # the replay could not follow: copied at the step from now
         self._grad_tickets: List = []
         self._hooks = [optimizer.register_step_pre_hook(self._on_optimizer_step),
                        optimizer.register_step_post_hook(self._after_optimizer_step)]
@@ -169,11 +178,17 @@ class Checkpointer:
         """The step boundary: call once at the end of every step, after ``optimizer.step()``
         and ``scheduler.step()``.
 
-        Starts a checkpoint when ``force`` is true or ``interval`` divides ``step`` and returns
-        its handle (otherwise ``None``). ``extra_state`` (a dict, or a zero-argument callable
-        called only at the boundary of F) holds tensors, numbers, strings, lists and dicts;
-        it is stored without pickle. ``name`` names the checkpoint started here (default
-        ``step-<F>``; a tag such as DeepSpeed's ``global_step<N>``); it must not exist yet.
+        Checkpoints the state of this very step when ``force`` is true, ``interval`` divides
+        ``step`` or :meth:`plan_checkpoint` announced it, and returns its handle (otherwise ``None``): the checkpoint is named
+        for ``step`` and holds the state right after its update, bit for bit, with
+        ``extra_state`` (a dict, or a zero-argument callable called here) as given now --
+        tensors, numbers, strings, lists and dicts, stored without pickle. ``name`` names it
+        instead (a tag such as DeepSpeed's ``global_step<N>``); it must not exist yet.
+
+        When the step of the next checkpoint is known in advance (``interval``,
+        :meth:`plan_checkpoint`, or the spacing of the previous forced saves), the replay modes start copying K - 1 steps
+        before it so that the copy rides under training; a checkpoint asked for without
+        notice is copied under the next step's forward/backward (as ``async-o``).
         """
         self.loop.check_open()
         if name is not None:
@@ -192,28 +207,111 @@ class Checkpointer:
         loop.phase = IDLE
         handle = None
         with self._charged("save_checkpoint"):
+            asked = force or self.schedule.due(step)
             job = self._job
             if job is not None and job.capturing and job.error is None:
-                self.pipeline.boundary(job, step, loop.boundary, extra_state)
+                if job.is_final_boundary(loop.boundary) and asked:
+                    self.pipeline.boundary(job, step, loop.boundary, extra_state, name)
+                    handle = self._asked(job, step)
+                elif job.is_final_boundary(loop.boundary) or asked:
+                    self._drop_window(job, step, asked)  # its step is not the one asked for
+                else:
+                    self.pipeline.boundary(job, step, loop.boundary, extra_state)
             loop.raise_pending()  # the boundary is recorded; no new checkpoint after a failure
-            if force or self.schedule.due(step):
-                handle = self._start(step, extra_state, name)
+            if asked and handle is None:  # without notice: copied now, F = this step
+                handle = self._start(step, 1, extra_state, name)
                 if handle is not None:
-                    self.schedule.started(step)
+                    handle = self._asked(self._job, step)
+            elif not asked:
+                self._maybe_start_window(step)
         if handle is not None and self.policy.persists_inline and self._job.error is None:
             self.persister.persist(self._job)  # sync: the write blocks (and is counted) too
             self.loop.raise_pending()
         self.schedule.boundary_done()
         return handle
 
+    def plan_checkpoint(self, step: int) -> None:
+        """Announce a checkpoint at ``step``: a save schedule that is not a fixed interval, or
+        the last step of training. ``save_checkpoint(step)`` then takes it without ``force``,
+        and the replay modes copy its state over the K steps up to it instead of under the
+        step after it (as for a checkpoint asked for without notice)."""
+        self.loop.check_open()
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ConfigError(f"step must be an int, got {step!r}")
+        self.schedule.announce(step)
+
+    def _asked(self, job: Job, step: int) -> CheckpointHandle:
+        """``job`` reached the step it was asked for: what ``wait()`` now waits for."""
+        self.schedule.asked(step)
+        if self.ranks.several and self.config.fixed_overlap_steps() is None:
+            self._agreed_k = self.ranks.agree_max(self._measured_k())  # for the next window
+        self._last_asked = job
+        job.handle._complete = lambda: self._complete_on_wait(job)
+        return job.handle
+
+    def _drop_window(self, job: Job, step: int, asked: bool) -> None:
+        """A window started for a step that was not asked for after all (a save at another
+        step, or none at its end): nothing of it is visible."""
+        log.info("gockpt: the checkpoint planned for step %d is dropped (%s at step %d)",
+                 job.handle.final_step, "a save asked" if asked else "no save", step)
+        job.drop()
+
+    def _maybe_start_window(self, step: int) -> None:
+        """Start the window of the next expected checkpoint when it must start here: K - 1
+        steps before its step, so that it ends at the step asked for."""
+        if not self.policy.replays or self._windows_off or (
+                self._job is not None and self._job.capturing):
+            return
+        k = self._window_k()
+        if k > 1 and self.schedule.expected(step + k - 1):
+            self._start(step, k, None, None)
+
+    def _window_k(self) -> int:
+        """K of a window starting now: configured, measured (on several ranks: agreed at the
+        last checkpoint), at most the spacing of the saves, at most the blocks to copy."""
+        k = self.config.fixed_overlap_steps()
+        if k is None:
+            k = self._agreed_k if self.ranks.several else self._measured_k()
+        spacing = self.schedule.spacing()
+        if spacing is not None:
+            k = min(k, spacing)
+        groups = len(self.plan.groups(k))
+        if groups < k and self.config.overlap_steps and not self._warned_k:
+            self._warned_k = True
+            warnings.warn(f"gockpt: overlap_steps={self.config.overlap_steps} but only "
+                          f"{groups} blocks are replayed (the others are copied at the final "
+                          f"step): K={groups}", stacklevel=4)
+        return groups
+
+    def _measured_k(self) -> int:
+        return self.schedule.choose_k(
+            self.plan.state_bytes(2), self.plan.optimized_bytes() if self.policy.replays else 0,
+            self.engine.bandwidth())
+
     # ------------------------------------------------------------------ lifecycle
 
     def wait(self) -> None:
-        """Block until the latest started checkpoint is durable; re-raise background errors."""
-        last = self._job
-        if last is not None and not last.capturing:
+        """Block until the last checkpoint asked for is durable (completing its copy now if
+        training has not reached the step that would carry it); re-raise background errors.
+        A window started for a checkpoint not asked for yet is not waited for."""
+        last = self._last_asked
+        if last is not None:
+            self._complete_on_wait(last)
             last.handle._durable.wait()
         self.loop.raise_pending()
+
+    def _complete_on_wait(self, job: Job) -> None:
+        """``job`` was asked for and is still being copied: copy the rest now, on the training
+        thread, while the state is still the one of its step (no update since: in phase IDLE
+        or BACKWARD). From another thread, or later, the training loop completes it."""
+        if not (job.capturing and job.error is None and self._job is job
+                and self.loop.boundary >= job.f_boundary and self.loop.phase != UPDATE
+                and threading.get_ident() == self._thread):
+            return
+        with self._charged("wait"):
+            self.capture.copy_rest(job)
+            job.accounts_closed.set()
+            self.pipeline.finish_capture(job)
 
     def close(self) -> None:
         """Finish or drop in-flight work, stop every thread, and re-raise background errors.
@@ -227,16 +325,11 @@ class Checkpointer:
         job = self._job
         try:
             if job is not None and job.capturing and job.error is None:
-                if self.loop.boundary >= job.f_boundary and job.capture.small is not None \
-                        and self.loop.phase == IDLE:
-                    self.capture.copy_rest(job)
-                    job.accounts_closed.set()
-                    self.pipeline.finish_capture(job)
-                else:
-                    warnings.warn(
-                        f"gockpt: checkpoint of step {job.handle.final_step} was still being "
-                        "captured at close() (training stopped before its final step); it is "
-                        "dropped and the previous checkpoint stays latest", stacklevel=2)
+                if job is self._last_asked:  # its step was reached: complete it now
+                    self._complete_on_wait(job)
+                if job.capturing:  # a window for a step not reached: nothing was asked yet
+                    log.info("gockpt: close() before step %d: the checkpoint planned for it "
+                             "is dropped", job.handle.final_step)
                     job.drop()
             self._wait_grad_copies()
             if self.replayer is not None:
@@ -274,10 +367,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ the window
 
-    def _start(self, step: int, extra_state, name: Optional[str] = None
+    def _start(self, step: int, k: int, extra_state, name: Optional[str]
                ) -> Optional[CheckpointHandle]:
-        """Start a checkpoint at this boundary (or skip it, with a warning, when busy)."""
-        waited = self._wait_for_previous(step)
+        """Start a checkpoint of K steps at this boundary: K = 1 copies the state of ``step``
+        (asked for now); K > 1 is the window of the checkpoint expected at ``step + K - 1``.
+        None when it does not start (the previous one is still busy and ``on_busy="skip"``;
+        a window whose K no longer fits the plan starts at a later boundary)."""
+        waited = self._wait_for_previous(step, quiet=k > 1)
         if waited is None:
             return None
         if self._job is not None and self._job.error is not None:
@@ -286,6 +382,9 @@ class Checkpointer:
             self._replan()
         check_layouts(self.plan)
         self.plan.copy_at_f(self.loop.take_adapted())
+        groups, tables = self.plan.groups(k), self.plan.group_tables(k)
+        if len(groups) != k:  # fewer blocks to replay than planned: a shorter window, later
+            return None
         if self.host is None and self._staging is not None:
             staging, self._staging = self._staging, None
             self.host, self.grad_pool = staging.take()
@@ -293,14 +392,10 @@ class Checkpointer:
             self.host = HostCopy(self.plan, self.device)
             if self.policy.replays:
                 self.grad_pool = GradPool(self.plan, self.device)
-        k = self.ranks.agree_max(self.schedule.choose_k(
-            self.plan.state_bytes(2), self.plan.optimized_bytes() if self.policy.replays else 0,
-            self.engine.bandwidth()))
-        groups, tables = self.plan.groups(k), self.plan.group_tables(k)
-        k = len(groups)
+        final = step + k - 1
         job = Job(step, k, self.loop.boundary, groups, self.config.mode,
                   os.path.join(self.config.directory, name) if name is not None else
-                  _checkpoint_path(self.config.directory, step + k - 1), host=self.host,
+                  _checkpoint_path(self.config.directory, final), host=self.host,
                   plan=self.plan, tables=tables)
         job.on_fail = self._on_job_failed
         job.named = name is not None
@@ -310,6 +405,10 @@ class Checkpointer:
         self.capture.declare_state_keys(self.host)
         job.metrics.state_bytes = self.capture.state_bytes(self.host)
         self._job = job
+        log.info("gockpt: checkpoint of step %d: %s", final,
+                 f"copied over the {k} steps up to it (K={k}, "
+                 f"{'as configured' if self.config.overlap_steps else 'measured'})" if k > 1
+                 else "copied under the next step")
         self.pipeline.begin(job, step, self.loop.boundary, extra_state)
         return job.handle
 
@@ -350,20 +449,26 @@ class Checkpointer:
         log.info("gockpt: the optimizer's parameters changed: planned again (%d tensors)",
                  len(plan.slots))
 
-    def _wait_for_previous(self, step: int) -> Optional[float]:
-        """Seconds waited for the previous checkpoint to persist; None: skip this one."""
+    def _wait_for_previous(self, step: int, quiet: bool = False) -> Optional[float]:
+        """Seconds waited for the previous checkpoint to persist; None: skip this one (with a
+        warning unless ``quiet``: a window not asked for yet, decided again at its step)."""
         prev = self._job
-        # Decided from the step count alone, so that every rank decides alike.
-        if prev is not None and self.loop.boundary <= prev.f_boundary and not prev.dropped:
-            warnings.warn(f"gockpt: checkpoint at step {step} skipped: the checkpoint of step "
-                          f"{prev.handle.final_step} is still being captured", stacklevel=4)
+        # On several ranks decided from the step count alone, so that every rank decides
+        # alike; on one, a window that failed before its step lets that step be taken anew.
+        if prev is not None and self.loop.boundary <= prev.f_boundary and not prev.dropped \
+                and (prev.capturing or self.ranks.several):
+            if not quiet:
+                warnings.warn(f"gockpt: checkpoint at step {step} skipped: the checkpoint of "
+                              f"step {prev.handle.final_step} is still being captured",
+                              stacklevel=4)
             return None
         if prev is None or prev.handle.done():
             return 0.0
         if self.config.on_busy == "skip":
-            warnings.warn(f"gockpt: checkpoint at step {step} skipped: the checkpoint of "
-                          f"step {prev.handle.final_step} is still persisting "
-                          "(on_busy='skip')", stacklevel=4)
+            if not quiet:
+                warnings.warn(f"gockpt: checkpoint at step {step} skipped: the checkpoint of "
+                              f"step {prev.handle.final_step} is still persisting "
+                              "(on_busy='skip')", stacklevel=4)
             return None
         t0 = time.perf_counter()
         prev.handle._durable.wait()
@@ -444,7 +549,12 @@ class Checkpointer:
 
     def _on_job_failed(self, job: Job) -> None:
         """Any thread: ``job`` failed (see Loop.job_failed); on several ranks it still votes."""
-        self.loop.job_failed(job)
+        # failed in its window, before its step (one rank): that step is taken anew
+        retaken = not self.ranks.several and job.capture.small is None \
+            and self.loop.boundary < job.f_boundary
+        if retaken and isinstance(job.error, UnsupportedOptimizerError):
+            self._windows_off = True  # the next windows would fail alike
+        self.loop.job_failed(job, retaken=retaken)
         if self.ranks.several and not job.stream.entered and not job.dropped:
             self.persister.queue_persist(job)  # it still votes, so that the other ranks do not wait
 

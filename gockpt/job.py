@@ -48,6 +48,10 @@ class CheckpointHandle:
         self._staged = threading.Event()
         self._durable = threading.Event()
         self._reported = False
+        self._complete: Optional[Callable[[], None]] = None
+        """Set by the Checkpointer once the checkpoint's step is reached: copies what is left
+        right away when called from the training loop's thread, so a wait never hangs on
+        steps that will not come (a save at the last step)."""
 
     def done(self) -> bool:
         """True once the checkpoint is durable (or has failed)."""
@@ -55,11 +59,15 @@ class CheckpointHandle:
 
     def wait_staged(self, timeout: Optional[float] = None) -> None:
         """Block until version F is complete and consistent in host memory."""
+        if self._complete is not None:
+            self._complete()
         self._staged.wait(timeout)
         self._raise()
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until the checkpoint is written, fsynced and committed; re-raise its error."""
+        if self._complete is not None:
+            self._complete()
         self._durable.wait(timeout)
         self._raise()
 
@@ -244,8 +252,10 @@ class Job:
         self.handle._reported = True
 
     def drop(self) -> None:
-        """Abandon a checkpoint that still needed training steps: nothing of it is visible."""
+        """Abandon a checkpoint that still needed training steps (or whose step was not asked
+        for after all): nothing of it is visible."""
         self.state = State.DROPPED
+        self.error = CheckpointFailedError("dropped")  # every stage leaves it alone from now
         with self.stream.lock:
             if self.stream.writer is not None:
                 self.stream.writer.abort()

@@ -16,7 +16,8 @@ import threading
 import warnings
 from typing import List, Optional, Set
 
-from .errors import CheckpointFailedError, ConsistencyError, GockptError, HookOrderError
+from .errors import (CheckpointFailedError, ConsistencyError, GockptError, HookOrderError,
+                     UnsupportedOptimizerError)
 
 IDLE, BACKWARD, UPDATE = "idle (after save_checkpoint)", "backward", "update"
 
@@ -55,12 +56,21 @@ class Loop:
         """A misuse seen outside a hook (e.g. in the optimizer's step): raised at the next one."""
         self._hook_error = message
 
-    def job_failed(self, job) -> None:
+    def job_failed(self, job, retaken: bool = False) -> None:
         """Any thread: ``job`` failed. Its error is raised at the next hook -- unless it found
         tensors written outside the optimizer, or the optimizer's parameters or state changed:
-        then the next checkpoints adapt, and a warning says so once (``handle.wait()`` still raises)."""
+        then the next checkpoints adapt, and a warning says so once (``handle.wait()`` still
+        raises). ``retaken``: it failed in its window, before its step, which is then taken
+        anew when it is reached."""
         outside = sorted(job.capture.written_outside)
         book = job.capture
+        if retaken and isinstance(job.error, UnsupportedOptimizerError):
+            job.mark_reported()  # training goes on; the checkpoint is still taken at its step
+            step = job.handle.final_step
+            self.adapt((), f"gockpt: the replay cannot follow this optimizer ({job.error}); "
+                       f"step {step} and the checkpoints after it are copied at their step "
+                       "(as async-o does) instead of over the steps before it")
+            return
         if isinstance(job.error, ConsistencyError) and (outside or book.replan or
                                                         book.state_replaced):
             job.mark_reported()
@@ -68,8 +78,11 @@ class Loop:
                     "each checkpoint" if outside else
                     "The next one is planned for the optimizer's new parameters" if book.replan
                     else "The next one reads the optimizer's new state")
-            self.adapt(outside, f"gockpt: the checkpoint of step {job.handle.final_step} was "
-                       f"not committed: {job.error}. {what}")
+            step = job.handle.final_step
+            self.adapt(outside, f"gockpt: the copies of the checkpoint of step {step} were "
+                       f"refused: {job.error}. {what}; step {step} is copied at once when it "
+                       "is reached" if retaken else f"gockpt: the checkpoint of step {step} "
+                       f"was not committed: {job.error}. {what}")
             return
         with self._lock:
             self._failed.append(job)

@@ -13,9 +13,9 @@ warning (gockpt.loop), and the next one reads the new state.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
-import warnings
 from typing import Callable, Optional
 
 from .capture.copies import Capture
@@ -55,11 +55,13 @@ class Pipeline:
         if self.policy.copies_at_start:
             self.finish_capture(job)
 
-    def boundary(self, job: Job, step: int, boundary: int, extra_state) -> None:
-        """A boundary inside the window: freeze the small state at F, queue the next group."""
+    def boundary(self, job: Job, step: int, boundary: int, extra_state,
+                 name: Optional[str] = None) -> None:
+        """A boundary inside the window: freeze the small state at F (the checkpoint takes the
+        step, and ``name``, given there), queue the next group."""
         try:
             if job.is_final_boundary(boundary):
-                self.freeze_small(job, step, extra_state)
+                self.freeze_small(job, step, extra_state, name)
             if job.error is not None:
                 return
             j_next = job.window_step(boundary)
@@ -69,12 +71,14 @@ class Pipeline:
             _fail_now(job, exc, f"checkpoint of step {job.handle.final_step} failed at the "
                       "step boundary")
 
-    def freeze_small(self, job: Job, step: int, extra_state) -> None:
-        """Freeze everything small at the boundary of F (and sample blocks for the self-check)."""
-        if step != job.handle.final_step:
-            warnings.warn(f"gockpt: expected step {job.handle.final_step} at the final boundary "
-                          f"of this checkpoint, got {step}; save_checkpoint should be called "
-                          "every step with consecutive step numbers", stacklevel=5)
+    def freeze_small(self, job: Job, step: int, extra_state, name: Optional[str] = None) -> None:
+        """Freeze everything small at the boundary of F (and sample blocks for the self-check).
+        The checkpoint is the step passed here (the one the caller asked for), named ``name``
+        when given."""
+        if name is not None:
+            job.named = True
+            job.renamed(step, os.path.join(self.config.directory, name))
+        elif step != job.handle.final_step:  # step numbers that are not consecutive
             job.renamed(step, None if job.named else self.path_of(step))
         replaced = self.capture.replaced_states(job)
         if replaced:  # the next checkpoint reads the new state (a warning, not an error)

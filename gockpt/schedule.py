@@ -29,7 +29,9 @@ class Schedule:
         self.fwd_bwd_times: List[float] = []    # boundary -> update_begin
         self.step_times: List[float] = []       # boundary -> boundary
         self._t_boundary = time.perf_counter()
-        self._last_start: Optional[int] = None
+        self._last_asked: Optional[int] = None  # step of the last checkpoint taken
+        self._learned: Optional[int] = None     # spacing of the last two forced saves
+        self._announced: set = set()            # steps announced by plan_checkpoint()
         self._stalls: List[float] = []          # blocked time of the last durable checkpoints
         self._durable = 0                       # checkpoints committed so far ...
         self._durable_used = 0                  # ... of which N* has seen
@@ -64,21 +66,48 @@ class Schedule:
     # ------------------------------------------------------------------ decisions
 
     def due(self, step: int) -> bool:
-        """Whether the boundary of ``step`` starts a checkpoint (without ``force``)."""
+        """Whether a checkpoint of ``step`` is to be taken (without ``force``): announced, a
+        multiple of the interval, or N* after the last one."""
+        if step in self._announced:
+            return True
         interval = self.config.interval
         if interval is None:
             return False
         if interval != "auto":
             return step % interval == 0
         self._update_auto_interval()
-        if self._last_start is None:
+        if self._last_asked is None:
             return step >= self.config.first_auto_step
         if self.auto_interval is None:
             return False  # the first checkpoint's stall is not measured yet
-        return step - self._last_start >= self.auto_interval
+        return step - self._last_asked >= self.auto_interval
 
-    def started(self, step: int) -> None:
-        self._last_start = step
+    def announce(self, step: int) -> None:
+        """A checkpoint will be asked for at ``step`` (Checkpointer.plan_checkpoint)."""
+        self._announced.add(step)
+
+    def asked(self, step: int) -> None:
+        """A checkpoint of ``step`` was taken (due, announced or forced)."""
+        self._announced.discard(step)
+        if self._last_asked is not None and step > self._last_asked:
+            self._learned = step - self._last_asked
+        self._last_asked = step
+
+    def expected(self, step: int) -> bool:
+        """Whether a checkpoint is expected at ``step``: it is due, or -- without an interval
+        -- the forced saves so far came every D steps and ``step`` is the next one."""
+        if self.due(step):
+            return True
+        return self.config.interval is None and self._learned is not None \
+            and step == self._last_asked + self._learned
+
+    def spacing(self) -> Optional[int]:
+        """Steps between two checkpoints as known now (the interval, N*, or the learned
+        spacing of forced saves); None when unknown. A window of K steps must fit in it."""
+        interval = self.config.interval
+        if isinstance(interval, int):
+            return interval
+        return self.auto_interval if interval == "auto" else self._learned
 
     def choose_k(self, state_bytes: int, grad_bytes: int, bandwidth: float) -> int:
         """K: the fewest steps whose forward/backward passes carry the state copy and the

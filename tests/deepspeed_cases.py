@@ -12,7 +12,10 @@ import gockpt
 from dist_ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_worker.py")
-SAVE_AT, STEPS = 18, 21
+# Saves at 6, 12, 18: the first two are copied at once (nothing announced them); from their
+# spacing the third is expected, and the replay modes copy it over the K steps up to 18.
+SAVES, STEPS = [6, 12, 18], 21
+SAVE_AT = SAVES[-1]
 
 
 def runs(tmp_path, world, **scenario):
@@ -34,12 +37,12 @@ def assert_states_equal(a, b, what):
 
 
 def check_checkpoint_and_resume(tmp_path, stage, world, extra, transport=None):
-    """Plain, patched-with-a-checkpoint and resumed runs of one scenario: no interference, the
-    checkpoint is the live state at F, the resume goes on bit for bit, the fp32 export and
-    (``transport`` given) how the replayed gradients crossed, from the metrics."""
-    final = SAVE_AT + extra.get("options", {}).get("overlap_steps", 1) - 1
-    one = runs(tmp_path, world, stage=stage, steps=STEPS, save_at=SAVE_AT, final_at=final,
-               **extra)
+    """Plain, patched-with-checkpoints and resumed runs of one scenario: no interference, the
+    checkpoint is the live state at the step saved (with the client_state given there), the
+    resume goes on bit for bit, the fp32 export and (``transport`` given) how the replayed
+    gradients crossed, from the metrics."""
+    final = SAVE_AT
+    one = runs(tmp_path, world, stage=stage, steps=STEPS, save_at=SAVES, **extra)
     plain, saved, resumed = one("plain"), one("save"), one("resume")
     for r in range(world):
         # No interference: the patched run with its checkpoint trains exactly like the plain one.
@@ -54,9 +57,13 @@ def check_checkpoint_and_resume(tmp_path, stage, world, extra, transport=None):
         assert_states_equal(resumed[r]["final"], plain[r]["final"], f"rank {r}: resumed vs plain")
     assert open(tmp_path / "ckpt" / "latest").read().strip() == f"step-{final:09d}"
     assert_fp32_export_matches(tmp_path, saved[0]["live"])
+    records = gockpt.metrics.read(str(tmp_path / "ckpt"))
+    assert [m["final_step"] for m in records] == SAVES
+    k = extra.get("options", {}).get("overlap_steps", 1)
+    assert [m["overlap_steps"] for m in records] == [1, 1, k]  # the third one was expected
     if transport is not None:  # the replay modes: how the replayed gradients crossed
-        for m in gockpt.metrics.read(str(tmp_path / "ckpt")):
-            assert m["grad_transport"] == transport and m["grad_steps"] == final - SAVE_AT
+        assert records[-1]["grad_transport"] == transport
+        assert records[-1]["grad_steps"] == k - 1
 
 
 def assert_fp32_export_matches(tmp_path, live):

@@ -1,14 +1,15 @@
 """One rank of the DeepSpeed tests (tests/deepspeed_cases.py, started by tests/dist_ranks.py):
 trains a tiny model with a DeepSpeed engine on its accelerator (the CPU here, CUDA on a GPU
 machine) and writes what the test compares.  Scenario keys beyond the run: "stage", "steps",
-"save_at", "final_at", "gas", "clip", "options", "gockpt_section", "fp32_accumulation",
+"save_at" (a step or a list of steps), "gas", "clip", "options", "gockpt_section", "fp32_accumulation",
 "two_groups", "torch_adam" (torch's AdamW as base optimizer), "fp16" (with dynamic loss
 scaling), "inf_at" (a step whose loss is multiplied by inf: an overflow step under fp16).
 
     deepspeed_worker.py OUT SCENARIO       SCENARIO: JSON {"run": ..., "stage": ..., ...}
 
-runs: "plain" (no gockpt), "patched" (gockpt, no checkpoint), "save" (gockpt, one checkpoint
-at step "save_at"; the live state at that step is dumped), "resume" (a fresh engine loads the
+runs: "plain" (no gockpt), "patched" (gockpt, no checkpoint), "save" (gockpt, a checkpoint
+at each step of "save_at", client_state given as a dict of values as DeepSpeed users do; the
+live state at the last one is dumped), "resume" (a fresh engine loads the
 checkpoint and trains on), "native-save" / "native-load" (DeepSpeed's own checkpoints, loaded
 through the patched engine).  Each rank writes OUT/<run>-rank<r>.pt: losses and states.
 """
@@ -102,15 +103,16 @@ def main():
         out["loaded"] = live_state(engine)
         train(engine, sc, client["data_pos"] + 1, sc["steps"], out)
     else:
+        saves = sc["save_at"] if isinstance(sc["save_at"], list) else [sc["save_at"]]
+
         def at(step):  # "save" through gockpt, "native-save" DeepSpeed's own
-            if run in ("save", "native-save") and step == sc["save_at"]:
-                # gockpt calls a callable at F; DeepSpeed's own save takes a dict
-                engine.save_checkpoint(ck_dir, client_state=client if run == "save" else client())
-            if step == sc.get("final_at", sc["save_at"]):  # F (K - 1 steps later in gockpt-o)
+            if run in ("save", "native-save") and step in saves:
+                # values of this step: the checkpoint must be this step's state
+                engine.save_checkpoint(ck_dir, client_state={"data_pos": engine.global_steps,
+                                                             "rank": rank})
+            if step == saves[-1]:
                 out["live"] = live_state(engine)
 
-        def client():
-            return {"data_pos": engine.global_steps, "rank": rank}
         train(engine, sc, 1, sc["steps"], out, at)
         if run == "save" and not sc.get("exit_without_wait"):
             gockpt_ds.wait(engine)

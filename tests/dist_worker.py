@@ -41,7 +41,7 @@ def main():
         if any(step == x.final_step for x in handles):
             snaps[step] = H.snapshot(model, opt, sched)
 
-    H.train_steps(model, opt, sched, 0, 6, ck, force={3}, on_boundary=on_boundary)
+    H.train_steps(model, opt, sched, 0, 6, ck, at={4}, on_boundary=on_boundary)
     ck.wait()
     first = handles[0]
     assert os.path.basename(storage.resolve(directory)) == "step-000000004"
@@ -49,7 +49,7 @@ def main():
         if rank == 1:
             FailingPart.armed = True  # the part writer of rank 1 fails
         try:
-            H.train_steps(model, opt, sched, 6, 10, ck, force={7}, on_boundary=on_boundary)
+            H.train_steps(model, opt, sched, 6, 10, ck, at={8}, on_boundary=on_boundary)
             ck.wait()
         except gockpt.CheckpointFailedError as exc:
             print(f"rank {rank}: failed as expected: {exc}", flush=True)

@@ -83,15 +83,19 @@ def step_group_by_group(opt):
 
 
 def train_steps(model, opt, sched, start, stop, ck=None, *, scaler=None, inf_steps=(),
-                on_boundary=None, force=(), extra=None, names=None, group_by_group=False,
+                on_boundary=None, force=(), at=(), extra=None, names=None, group_by_group=False,
                 clip=None):
     """Run steps [start, stop); returns the losses. ``force``: steps (as passed to
-    save_checkpoint) at which to force a checkpoint; ``on_boundary(step, handle)`` runs after
+    save_checkpoint) at which to force a checkpoint; ``at``: steps announced with
+    ck.plan_checkpoint (the replay modes copy over the K steps up to them);
+    ``on_boundary(step, handle)`` runs after
     each save_checkpoint. ``names``: {step: name} of checkpoints to force with that name.
     ``group_by_group``: step the optimizer as :func:`step_group_by_group` does.  ``clip(model)``
     replaces the default gradient clipping."""
     losses = []
     model.train()
+    for step in at:
+        ck.plan_checkpoint(step)
     for step in range(start, stop):
         x, y = batch(step)
         # consume a little of every RNG so that restoring them matters

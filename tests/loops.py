@@ -68,7 +68,11 @@ class Run:
         self.at_f: Dict[int, dict] = {}
         self.errors: List[BaseException] = []
 
-    def train(self, start: int, stop: int, force=()) -> None:
+    def train(self, start: int, stop: int, force=(), at=()) -> None:
+        """Steps [start, stop): checkpoints announced at the steps ``at`` (the replay modes
+        copy over the K steps up to each) and forced at ``force`` (copied at once)."""
+        for step in at:
+            self.ck.plan_checkpoint(step)
         for step in range(start, stop):
             loss = self.step_fn(step)
             self.ck.backward_begin()

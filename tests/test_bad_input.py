@@ -183,7 +183,9 @@ def test_background_write_failure_surfaces_and_keeps_previous_latest(tmp_path, m
         handle.wait()  # surfaces at wait() ...
     handle = None
     DiskFull.gate = threading.Event()
-    H.train_steps(model, opt, sched, 8, 11, ck, force={9}, on_boundary=on_boundary)
+    # 10, not 9: the saves at 2, 6, 10 keep their learned spacing ahead of the end of this
+    # run (a window planned for 13 would wait for this write, which the gate holds)
+    H.train_steps(model, opt, sched, 8, 11, ck, force={10}, on_boundary=on_boundary)
     DiskFull.gate.set()
     assert handle._durable.wait(60)  # finished (failed) in the background
     with pytest.raises(gockpt.CheckpointFailedError, match="No space left"):
@@ -209,7 +211,7 @@ def test_self_check_catches_a_wrong_replay(tmp_path, monkeypatch):
     handles = []
     with pytest.raises(gockpt.CheckpointFailedError, match="self-check"):
         # surfaces at the next hook or at wait(), whichever comes first
-        H.train_steps(model, opt, sched, 0, 8, ck, force={2},
+        H.train_steps(model, opt, sched, 0, 8, ck, at={4},
                       on_boundary=lambda s, h: h and handles.append(h))
         handles[0].wait()
     ck.close()
@@ -221,7 +223,7 @@ def test_exception_in_loop_then_close_leaves_nothing_partial(tmp_path):
     model, opt, sched, ck = make(tmp_path, mode="gockpt-o", overlap_steps=4)
     with pytest.raises(ZeroDivisionError):
         with ck:
-            H.train_steps(model, opt, sched, 0, 3, ck, force={2})
+            H.train_steps(model, opt, sched, 0, 3, ck, at={4})  # its window started at 1
             1 / 0
     assert storage.list_checkpoints(str(tmp_path)) == []
     assert not [t for t in threading.enumerate() if t.name.startswith("gockpt-")]

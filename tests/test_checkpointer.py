@@ -19,14 +19,15 @@ MODES_K = [("sync", None), ("async", None), ("async-o", None)] + \
 
 
 def run_and_snapshot(tmp_path, mode, k, *, impl="single", optim="adamw", scaler=None,
-                     inf_steps=(), force=(4, 15), steps=24, block_bytes=512,
+                     inf_steps=(), force=(), interval=8, steps=20, block_bytes=512,
                      group_by_group=False, clip=None, **options):
-    """Train with checkpoints forced at ``force``; snapshot the live state at every F."""
+    """Train with a checkpoint every ``interval`` steps (the replay modes copy over the K steps
+    up to it) and forced at ``force``; snapshot the live state at every F."""
     H.seed_all(0)
     model, opt, sched = H.build(optim=optim, impl=impl)
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode=mode, overlap_steps=k,
                              scheduler=sched, block_bytes=block_bytes, self_check=1.0,
-                             **options)
+                             interval=interval, **options)
     pending, snaps, handles = [], {}, []
 
     def on_boundary(step, handle):
@@ -55,8 +56,11 @@ def load_snapshot(tmp_path, tag, *, impl="single", optim="adamw"):
 def test_checkpoint_is_live_state_at_F(tmp_path, mode, k):
     snaps, handles = run_and_snapshot(tmp_path, mode, k)
     assert len(handles) == 2 and all(h.done() and h.error is None for h in handles)
+    assert [h.final_step for h in handles] == [8, 16]  # the steps asked for, in every mode
     expected_k = 1 if mode in ("sync", "async", "async-o") else k
-    assert [h.final_step for h in handles] == [4 + expected_k - 1, 15 + expected_k - 1]
+    metrics = gockpt.metrics.read(str(tmp_path))
+    assert [(m["start_step"], m["overlap_steps"]) for m in metrics] == \
+        [(8 - expected_k + 1, expected_k), (16 - expected_k + 1, expected_k)]
     for h in handles:
         restored, state = load_snapshot(tmp_path, os.path.basename(h.path))
         assert restored.step == h.final_step
@@ -125,9 +129,9 @@ def test_bf16_gradient_transport(tmp_path, mode, k, bf16_grads):
 @pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
 def test_every_adam_implementation_replays_bitwise(tmp_path, optim, impl):
     snaps, handles = run_and_snapshot(tmp_path, "gockpt-o", 3, impl=impl, optim=optim,
-                                      force=(5,), steps=12)
+                                      interval=5, steps=12)
     _, state = load_snapshot(tmp_path, None, impl=impl, optim=optim)
-    H.assert_same(snaps[handles[0].final_step], state)
+    H.assert_same(snaps[handles[-1].final_step], state)
 
 
 @pytest.mark.parametrize("mode,k,impl", [("gockpt", 3, "single"), ("gockpt-o", 3, "single"),
@@ -135,9 +139,9 @@ def test_every_adam_implementation_replays_bitwise(tmp_path, optim, impl):
 def test_fp16_grad_scaler_with_a_skipped_step(tmp_path, mode, k, impl):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     # step 6 (0-based) overflows: GradScaler skips optimizer.step() and lowers the scale;
-    # it lies inside the checkpoint that starts at boundary 5.
+    # it lies inside the window of the checkpoint of step 8 (boundaries 6 to 8).
     snaps, handles = run_and_snapshot(tmp_path, mode, k, scaler=scaler, inf_steps={6},
-                                      force=(5,), steps=12, impl=impl)
+                                      interval=8, steps=12, impl=impl)
     assert scaler.get_scale() < 2.0 ** 10  # the skip really happened
     _, state = load_snapshot(tmp_path, None, impl=impl)
     H.assert_same(snaps[handles[0].final_step], state)
@@ -168,10 +172,10 @@ def test_auto_overlap_steps_and_metrics(tmp_path):
     H.train_steps(model, opt, sched, 0, 20, ck)
     ck.close()
     records = gockpt.metrics.read(str(tmp_path))
-    assert [r["start_step"] for r in records] == [8, 16]
+    assert [r["final_step"] for r in records] == [8, 16]
     for r in records:
         assert 1 <= r["overlap_steps"] <= 8
-        assert r["final_step"] == r["start_step"] + r["overlap_steps"] - 1
+        assert r["start_step"] == r["final_step"] - r["overlap_steps"] + 1
         assert r["mode"] == "gockpt-o" and r["state_bytes"] > 0
         assert r["time_to_durable_s"] >= r["persist_s"] > 0
         assert set(r["blocked_by_hook_s"]) <= {"save_checkpoint", "save_checkpoint_busy_wait",
@@ -274,12 +278,12 @@ def test_the_first_checkpoint_allocates_no_staging_on_the_training_thread(tmp_pa
     H.seed_all(0)
     model, opt, sched = H.build()
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode=mode, overlap_steps=2,
-                             scheduler=sched, block_bytes=512)
-    H.train_steps(model, opt, sched, 0, 6, ck, force={3})
+                             scheduler=sched, block_bytes=512, interval=3)
+    H.train_steps(model, opt, sched, 0, 5, ck)
     ck.close()
     assert threads and set(threads) == {"gockpt-staging"}, threads
-    assert [m["final_step"] for m in gockpt.metrics.read(str(tmp_path))] == \
-        [3 if mode == "async-o" else 4]
+    assert [(m["start_step"], m["final_step"]) for m in gockpt.metrics.read(str(tmp_path))] \
+        == [(3 if mode == "async-o" else 2, 3)]
 
 
 def test_host_memory_is_planned_and_capped(tmp_path):
@@ -326,7 +330,7 @@ def test_blocks_are_streamed_to_storage_as_they_reach_F(tmp_path, monkeypatch):
 
     monkeypatch.setattr(replay.AdamAdapter, "apply", slow_final_apply)
     monkeypatch.setattr(persist.Persister, "_open_writer", open_then_release)
-    snaps, handles = run_and_snapshot(tmp_path, "gockpt-o", 3, force=(5,), steps=10,
+    snaps, handles = run_and_snapshot(tmp_path, "gockpt-o", 3, interval=5, steps=8,
                                       storage_writer=Recording)
     threads_before_finish = {t for t, n in calls[:calls.index(("gockpt-persist", "finish"))]}
     # blocks finished by the replay of step F were written from the replay thread, before
@@ -392,7 +396,7 @@ def _python_calls_in_hooks(tmp_path, block_bytes: int) -> int:
     model = torch.nn.ParameterList(params)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=2,
-                             block_bytes=block_bytes)
+                             block_bytes=block_bytes, interval=3)
     calls, counting = [0], [False]
 
     def profile(frame, event, arg):
@@ -409,13 +413,13 @@ def _python_calls_in_hooks(tmp_path, block_bytes: int) -> int:
 
     ck.save_checkpoint(0)
     for step in range(8):
-        counting[0] = step >= 4  # the checkpoint forced at boundary 5, and its window
+        counting[0] = step >= 4  # the window of the checkpoint of step 6 (boundaries 5, 6)
         hook(ck.backward_begin)
         sum((p * p).sum() for p in params).backward()
         hook(ck.update_begin)
         hook(opt.step)
         opt.zero_grad()
-        hook(ck.save_checkpoint, step + 1, force=step + 1 in (2, 5))
+        hook(ck.save_checkpoint, step + 1)
     ck.close()
     return calls[0]
 
@@ -428,3 +432,147 @@ def test_hook_work_does_not_grow_with_the_number_of_blocks(tmp_path):
     many = _python_calls_in_hooks(tmp_path / "many", 1 << 10)
     assert few > 100  # the profile saw the hooks
     assert many - few < 50, (few, many)
+
+
+# ------------------------------------------------------------------ the step asked for
+
+def _saves(tmp_path, mode, k, steps, **kw):
+    """Train ``steps`` steps; every checkpoint's handle and the live state at its step."""
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode=mode, overlap_steps=k,
+                             scheduler=sched, block_bytes=512, **kw.pop("options", {}))
+    snaps, handles = {}, []
+
+    def on_boundary(step, h):
+        if h is not None:
+            assert h.final_step == step  # the handle comes back at the step it is for
+            handles.append(h)
+            snaps[step] = H.snapshot(model, opt, sched)
+
+    H.train_steps(model, opt, sched, 0, steps, ck, on_boundary=on_boundary,
+                  extra=lambda s: {"data_pos": 100 * s}, **kw)
+    return ck, snaps, handles
+
+
+def _assert_each_is_its_step(tmp_path, snaps, handles):
+    for h in handles:
+        restored, state = load_snapshot(tmp_path, os.path.basename(h.path))
+        assert restored.step == h.final_step
+        assert restored.extra_state == {"data_pos": 100 * h.final_step}  # values given there
+        H.assert_same(snaps[h.final_step], state)
+
+
+@pytest.mark.parametrize("mode,k", MODES_K)
+def test_a_forced_save_is_the_state_of_its_step(tmp_path, mode, k):
+    ck, snaps, handles = _saves(tmp_path, mode, k, 9, force={5})
+    ck.close()
+    assert [h.final_step for h in handles] == [5]
+    assert [(m["start_step"], m["overlap_steps"]) for m in
+            gockpt.metrics.read(str(tmp_path))] == [(5, 1)]  # without notice: copied at once
+    _assert_each_is_its_step(tmp_path, snaps, handles)
+
+
+@pytest.mark.parametrize("mode,k", [("async", None), ("async-o", None), ("gockpt", 3),
+                                    ("gockpt-o", 3)])
+@pytest.mark.parametrize("how", ["handle.wait", "ck.wait", "close"])
+def test_a_save_at_the_last_step_completes(tmp_path, mode, k, how):
+    """Training ends right after the step asked for: nothing will carry its last copies,
+    the wait does them; interval-planned and forced alike."""
+    ck, snaps, handles = _saves(tmp_path, mode, k, 8, options={"interval": 4})
+    assert [h.final_step for h in handles] == [4, 8]
+    if how == "handle.wait":
+        handles[-1].wait()
+    elif how == "ck.wait":
+        ck.wait()
+    ck.close()
+    assert handles[-1].done() and handles[-1].error is None
+    assert storage.list_checkpoints(str(tmp_path)) == ["step-000000004", "step-000000008"]
+    _assert_each_is_its_step(tmp_path, snaps, handles)
+
+
+def test_a_forced_save_at_the_last_step_completes_on_handle_wait(tmp_path):
+    ck, snaps, handles = _saves(tmp_path, "gockpt-o", 3, 6, force={6})
+    handles[0].wait()  # from the training thread: copied now, not waiting for a next step
+    assert handles[0].done() and storage.list_checkpoints(str(tmp_path)) == ["step-000000006"]
+    ck.close()
+    _assert_each_is_its_step(tmp_path, snaps, handles)
+
+
+def test_the_spacing_of_forced_saves_is_learned(tmp_path):
+    # The first two saves come without notice; from the third on, the window of the next
+    # one starts K - 1 steps early. A save at another step drops the planned window
+    # (nothing of it is visible) and is copied at once.
+    ck, snaps, handles = _saves(tmp_path, "gockpt-o", 2, 20, force={3, 6, 9, 12, 14, 19})
+    ck.close()
+    assert [h.final_step for h in handles] == [3, 6, 9, 12, 14, 19]
+    assert [(m["final_step"], m["overlap_steps"]) for m in
+            gockpt.metrics.read(str(tmp_path))] == \
+        [(3, 1), (6, 1), (9, 2), (12, 2), (14, 1), (19, 1)]
+    assert storage.list_checkpoints(str(tmp_path)) == \
+        [storage.checkpoint_name(h.final_step) for h in handles]
+    _assert_each_is_its_step(tmp_path, snaps, handles)
+
+
+def test_an_explicit_k_is_honoured_for_a_single_block_of_state(tmp_path):
+    # one flat parameter of 3000 elements is one 4 MiB block: the blocks are cut for K = 3
+    torch.manual_seed(0)
+    flat = torch.nn.Parameter(torch.randn(3000))
+    model = torch.nn.ParameterList([flat])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=3,
+                             interval=5)
+    assert len(ck.plan.blocks) >= 3
+    for step in range(5):
+        ck.backward_begin()
+        (flat * torch.arange(3000.0)).sin().sum().backward()
+        ck.update_begin()
+        opt.step()
+        opt.zero_grad()
+        ck.save_checkpoint(step + 1)
+    expected = H.snapshot(model, opt)
+    ck.close()
+    assert [m["overlap_steps"] for m in gockpt.metrics.read(str(tmp_path))] == [3]
+    fresh = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(3000))])
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    gockpt.load(str(tmp_path), fresh, fresh_opt, restore_rng=False)
+    got = H.snapshot(fresh, fresh_opt)
+    for key in ("model", "optimizer"):
+        assert gockpt.testing.first_difference(expected[key], got[key], key) is None
+    with pytest.raises(gockpt.ConfigError, match="overlap_steps=4 needs at least 4 blocks"):
+        tiny = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(3))])
+        gockpt.Checkpointer(tiny, torch.optim.AdamW(tiny.parameters()), str(tmp_path / "t"),
+                            mode="gockpt-o", overlap_steps=4)
+
+
+def test_a_step_the_replay_cannot_follow_falls_back_to_copying_at_the_step(tmp_path):
+    # GradScaler.step on a fused AdamW without unscale_: the optimizer unscales inside its
+    # kernel, which the replay does not reproduce. Training must go on, and each checkpoint
+    # still be its step's state: the window's copies are refused with a warning, and that
+    # step and the later ones are copied at their step (K = 1), as async-o does.
+    H.seed_all(0)
+    model, opt, sched = H.build(impl="fused")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=3,
+                             scheduler=sched, block_bytes=512, interval=6)
+    snaps = {}
+    with pytest.warns(UserWarning, match="the replay cannot follow this optimizer .*GradScaler"):
+        for step in range(14):
+            x, y = H.batch(step)
+            loss = torch.nn.functional.cross_entropy(model(x, step), y)
+            ck.backward_begin()
+            scaler.scale(loss).backward()
+            ck.update_begin()
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            opt.zero_grad()
+            ck.save_checkpoint(step + 1)
+            snaps[step + 1] = H.snapshot(model, opt, sched)
+        ck.close()
+    records = gockpt.metrics.read(str(tmp_path))
+    assert [(m["final_step"], m["overlap_steps"]) for m in records] == [(6, 1), (12, 1)]
+    for step in (6, 12):
+        m2, o2, s2 = H.build(seed=7, impl="fused")
+        gockpt.load(str(tmp_path), m2, o2, scheduler=s2, tag=f"step-{step:09d}")
+        H.assert_same(snaps[step], H.snapshot(m2, o2, s2))

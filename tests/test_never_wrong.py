@@ -60,7 +60,7 @@ def test_any_dense_layout_works_in_every_mode(tmp_path, mode, k, impl):
               for _ in range(10)]
     run = Run(model, opt, tmp_path, mode=mode, overlap_steps=k, block_bytes=256,
               self_check=1.0, step_fn=lambda s: model(inputs[s]).square().mean())
-    run.train(0, 10, force={2, 6})
+    run.train(0, 10, at={4, 8})
     run.close()
     assert not run.errors
     assert assert_every_commit_is_state_at_f(run, tmp_path, lambda: layouts(impl)) == 2
@@ -144,7 +144,7 @@ def test_the_directory_is_made_absolute_before_the_loop_changes_directory(tmp_pa
               step_fn=lambda s: model(torch.ones(3, 6) * s).square().mean())
     os.mkdir("elsewhere")
     os.chdir("elsewhere")  # the training script moves
-    run.train(0, 6, force={2})
+    run.train(0, 6, at={3})
     run.close()
     assert run.committed() == [3] and not run.errors
     assert storage.list_checkpoints(str(tmp_path / "run1")) == ["step-000000003"]
@@ -179,6 +179,7 @@ def test_backward_raising_after_backward_begin_then_skipping_the_batch(tmp_path,
     FailOnce.raised = False
     at_f, handles = {}, []
     step = 0
+    ck.plan_checkpoint(2 + (k or 1) - 1)
     for batch in range(9):
         loss = FailOnce.apply(model(torch.ones(3, 6) * batch)).square().mean()
         ck.backward_begin()
@@ -191,7 +192,7 @@ def test_backward_raising_after_backward_begin_then_skipping_the_batch(tmp_path,
         opt.step()
         opt.zero_grad()
         step += 1
-        h = ck.save_checkpoint(step, force=step == 2)
+        h = ck.save_checkpoint(step)
         handles += [h] if h else []
         if any(step == x.final_step for x in handles):
             from loops import state
@@ -211,6 +212,7 @@ def test_a_skipped_optimizer_step_counts_as_a_skipped_step(tmp_path, mode, k):
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode=mode, overlap_steps=k,
                              self_check=1.0)
     at_f, handles = {}, []
+    ck.plan_checkpoint(2 + (k or 1) - 1)
     for step in range(8):
         loss = model(torch.ones(3, 6) * step).square().mean()
         ck.backward_begin()
@@ -219,7 +221,7 @@ def test_a_skipped_optimizer_step_counts_as_a_skipped_step(tmp_path, mode, k):
         if step != 3:  # the guard finds a NaN in step 3 and skips the update
             opt.step()
         opt.zero_grad()
-        h = ck.save_checkpoint(step + 1, force=step + 1 == 2)
+        h = ck.save_checkpoint(step + 1)
         handles += [h] if h else []
         if any(step + 1 == x.final_step for x in handles):
             from loops import state
@@ -260,6 +262,8 @@ def test_a_gan_with_two_optimizers_commits_the_live_state(tmp_path, mode, k, sec
                              block_bytes=256)
     gen = torch.Generator().manual_seed(3)
     at_f, handles = {}, []
+    for f in (2 + (k or 1) - 1, 7 + (k or 1) - 1):
+        ck.plan_checkpoint(f)
     for step in range(12):
         real, z = torch.randn(8, 6, generator=gen), torch.randn(8, 4, generator=gen)
         opt_d.zero_grad()
@@ -272,7 +276,7 @@ def test_a_gan_with_two_optimizers_commits_the_live_state(tmp_path, mode, k, sec
         opt_g.step()
         opt_g.zero_grad()
         opt_d.zero_grad()
-        h = ck.save_checkpoint(step + 1, force=step + 1 in (2, 7))
+        h = ck.save_checkpoint(step + 1)
         handles += [h] if h else []
         if any(step + 1 == x.final_step for x in handles):
             at_f[step + 1] = state(model, opt_g)
@@ -298,14 +302,12 @@ def test_in_place_renorm_in_forward_is_refused_then_copied_at_the_boundary(tmp_p
     run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=3, block_bytes=256,
               step_fn=lambda s: model(ids[s]).square().mean())
     with pytest.warns(UserWarning, match=r"0\.weight.*copied directly at the step boundary"):
-        run.train(0, 20, force={2, 8, 14})
+        run.train(0, 20, at={4, 10, 16})
     run.close()
-    first, *later = run.handles
-    with pytest.raises(gockpt.CheckpointFailedError, match="written during the training step"):
-        first.wait()
-    assert run.committed() == [h.final_step for h in later] and len(later) == 2
+    # the first window is refused; step 4 is then copied at once (0.weight at the boundary)
+    assert run.committed() == [4, 10, 16]
     assert not run.errors  # a warning, not an exception in the loop
-    assert assert_every_commit_is_state_at_f(run, tmp_path, embedding_model) == 2
+    assert assert_every_commit_is_state_at_f(run, tmp_path, embedding_model) == 3
 
 
 def clamped_model():
@@ -328,7 +330,7 @@ def test_a_clamp_after_the_step_is_caught_by_the_verification(tmp_path, verify):
     run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=3, block_bytes=512,
               verify=verify, step_fn=lambda s: model(x[s]).square().mean(),
               between=lambda s: clamp_first_weight(model))
-    run.train(0, 20, force={2, 9})
+    run.train(0, 20, at={4, 11})
     run.close()
     wrong = []
     for f in run.committed():
@@ -363,13 +365,14 @@ def test_add_param_group_after_construction_plans_again(tmp_path, when):
               between=between)
     if when == 4:
         with pytest.warns(UserWarning, match="the optimizer's parameters changed"):
-            run.train(0, 16, force={3, 9})
+            run.train(0, 16, at={5, 11})
     else:
-        run.train(0, 16, force={3, 9})
+        run.train(0, 16, at={5, 11})
     run.close()
     assert not run.errors
+    # inside a window, the window fails and its step is taken anew (copied at once)
     assert [h.final_step for h in run.handles] == [5, 11]
-    assert run.committed() == ([11] if when == 4 else [5, 11])
+    assert run.committed() == [5, 11]
 
     def fresh():
         m, o = backbone_model()
@@ -409,9 +412,9 @@ def test_optimizer_state_reloaded_inside_a_window_is_refused(tmp_path, mode, k, 
               step_fn=lambda s: model(x[s]).square().mean(), between=between)
     if inside:
         with pytest.warns(UserWarning, match="optimizer state of .* was replaced"):
-            run.train(0, 14, force={3, 9})
+            run.train(0, 14, at={3 + k - 1, 9 + k - 1})
     else:
-        run.train(0, 14, force={3, 9})
+        run.train(0, 14, at={3 + k - 1, 9 + k - 1})
     run.close()
     assert not run.errors
     assert run.committed() == ([] if inside else [3 + k - 1]) + [9 + k - 1]
@@ -438,7 +441,7 @@ def test_a_state_dropped_inside_a_window_is_refused_while_another_has_none(tmp_p
     run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=3, block_bytes=64,
               step_fn=lambda s: model(x[s]).square().mean(), between=between)
     with pytest.warns(UserWarning, match="optimizer state of 0.weight was replaced"):
-        run.train(0, 14, force={3, 9})
+        run.train(0, 14, at={5, 11})
     run.close()
     assert not run.errors and run.committed() == [11]
     assert assert_every_commit_is_state_at_f(run, tmp_path, with_an_untrained_parameter) == 1
@@ -491,7 +494,7 @@ def test_a_failed_checkpoints_late_replay_never_reaches_the_next_one(tmp_path):
     if settle is not None:
         ck.pipeline.settle = watched_settle
     with pytest.warns(UserWarning, match="optimizer state of 0.weight was replaced") as seen:
-        run.train(0, 14, force={3, 9})
+        run.train(0, 14, at={5, 11})
     run.close()
     assert not [w for w in seen if "differ from their replay" in str(w.message)]
     assert not run.errors and run.committed() == [11]
@@ -525,7 +528,7 @@ def test_no_gradient_is_read_after_it_was_overwritten(tmp_path, zeroing):
               between=between)
     # opt.zero_grad() in Run sets to None first: use the loop's own zeroing instead
     run.opt.zero_grad = lambda set_to_none=True: None
-    run.train(0, 12, force={2, 7})
+    run.train(0, 12, at={5, 10})
     run.close()
     assert not run.errors and len(run.committed()) == 2
     for f in run.committed():
@@ -558,13 +561,15 @@ def test_thousands_of_small_parameters_are_packed_and_every_hook_second_is_count
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=2)
     spent = {"save_checkpoint": 0.0, "update_begin": 0.0, "backward_begin": 0.0}
     from loops import state
-    at_f, handles, job = {}, [], None
+    at_f, handles = {}, []
+    ck.plan_checkpoint(3)  # the window: boundaries 2 and 3
 
     def timed(name, *args, **kw):
-        charged = job is not None and job.capturing  # a hook inside the checkpoint's window
+        before = ck._job
+        charged = before is not None and before.capturing  # a hook inside the window
         t0 = time.perf_counter()
         out = getattr(ck, name)(*args, **kw)
-        if charged or out is not None:
+        if charged or ck._job is not before:  # ... or the one that starts it
             spent[name] += time.perf_counter() - t0
         return out
 
@@ -575,10 +580,9 @@ def test_thousands_of_small_parameters_are_packed_and_every_hook_second_is_count
         timed("update_begin")
         opt.step()
         opt.zero_grad()
-        h = timed("save_checkpoint", step + 1, force=step + 1 == 2)
+        h = timed("save_checkpoint", step + 1)
         if h is not None:
             handles.append(h)
-            job = ck._job
         if any(step + 1 == x.final_step for x in handles):
             at_f[step + 1] = state(model, opt)
     ck.close()
@@ -640,6 +644,8 @@ def test_what_users_do_today_stays_bitwise(tmp_path, mode, k):
                              scheduler=sched, block_bytes=64)
     data = torch.utils.data.DataLoader(torch.randn(64, 6), batch_size=4, num_workers=2)
     at_f, handles = {}, []
+    for f in (3 + (k or 1) - 1, 9 + (k or 1) - 1):
+        ck.plan_checkpoint(f)
     for step, x in enumerate(data):
         if step == 6:
             model.late.requires_grad_(False)
@@ -652,7 +658,7 @@ def test_what_users_do_today_stays_bitwise(tmp_path, mode, k):
         opt.step()
         sched.step()
         opt.zero_grad()
-        h = ck.save_checkpoint(step + 1, force=step + 1 in (3, 9))
+        h = ck.save_checkpoint(step + 1)
         handles += [h] if h else []
         if any(step + 1 == x_.final_step for x_ in handles):
             at_f[step + 1] = dict(state(model, opt), sched=sched.state_dict())
@@ -670,6 +676,6 @@ def test_what_users_do_today_stays_bitwise(tmp_path, mode, k):
     run = Run(fresh, fresh_opt, directory, mode="gockpt-o" if mode != "gockpt-o" else "async",
               overlap_steps=2, step_fn=lambda s: fresh(torch.ones(2, 6) * s).square().mean())
     run.train(handles[-1].final_step, handles[-1].final_step + 4,
-              force={handles[-1].final_step + 1})
+              at={handles[-1].final_step + 2})
     run.close()
     assert not run.errors and len(run.committed()) == 1

@@ -3,6 +3,8 @@ moments the hooks call it. The stages are fakes that log; the Job and Pipeline a
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import gockpt
@@ -231,12 +233,16 @@ def test_an_optimizer_state_replaced_before_F_fails_the_job_without_raising():
     assert ("freeze", 7, None) not in log and ("enqueue", 3) not in log
 
 
-def test_an_unexpected_step_at_F_renames_the_checkpoint():
+def test_the_checkpoint_takes_the_step_and_name_given_at_F():
     pipe, job, log = make(k=2)
     pipe.begin(job, 5, 5, None)
-    with pytest.warns(UserWarning, match="expected step 6 at the final boundary"):
-        pipe.boundary(job, 60, 6, None)
+    pipe.boundary(job, 60, 6, None)  # step numbers that are not consecutive
     assert job.handle.final_step == 60 and job.handle.path == "/ck/step-60"
+    pipe, job, log = make(k=2)
+    pipe.begin(job, 5, 5, None)
+    pipe.boundary(job, 6, 6, None, name="global_step6")
+    assert job.handle.final_step == 6
+    assert job.handle.path == os.path.join(pipe.config.directory, "global_step6")
 
 
 def test_a_real_checkpointer_raises_a_boundary_failure_once(tmp_path, monkeypatch):
@@ -252,14 +258,10 @@ def test_a_real_checkpointer_raises_a_boundary_failure_once(tmp_path, monkeypatc
     model, opt, sched = H.build()
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=3,
                              scheduler=sched, block_bytes=4096)
-    handles = []
     with pytest.raises(CheckpointFailedError, match="injected at group 2"):
-        H.train_steps(model, opt, sched, 0, 4, ck, force={2},
-                      on_boundary=lambda s, h: h and handles.append(h))
-    H.train_steps(model, opt, sched, 3, 6, ck)  # not raised again
-    with pytest.raises(CheckpointFailedError, match="injected"):
-        handles[0].wait(30)
+        H.train_steps(model, opt, sched, 0, 4, ck, at={4})  # raised at the boundary of 4
+    H.train_steps(model, opt, sched, 4, 7, ck)  # not raised again
     monkeypatch.setattr(Capture, "enqueue_group", real)
-    H.train_steps(model, opt, sched, 6, 10, ck, force={7})
+    H.train_steps(model, opt, sched, 7, 12, ck, at={11})
     ck.close()
-    assert storage.list_checkpoints(str(tmp_path)) == ["step-000000009"]
+    assert storage.list_checkpoints(str(tmp_path)) == ["step-000000011"]

@@ -51,7 +51,7 @@ def test_no_interval_is_never_due():
 def test_auto_waits_for_the_first_measured_checkpoint(clock):
     s = Schedule(Config(directory="x", interval="auto", mtbf=3600.0, first_auto_step=3))
     assert [n for n in range(1, 4) if s.due(n)] == [3]
-    s.started(3)
+    s.asked(3)
     steps(s, clock, 4, 0.25, 0.25)  # step time 0.5 s
     assert not any(s.due(n) for n in range(4, 10_000, 7))  # no stall measured yet
     s.durable(2.0)
@@ -63,7 +63,7 @@ def test_auto_waits_for_the_first_measured_checkpoint(clock):
 
 def test_auto_is_recomputed_only_after_each_durable_checkpoint(clock):
     s = Schedule(Config(directory="x", interval="auto", mtbf=3600.0, first_auto_step=1))
-    s.started(1)
+    s.asked(1)
     steps(s, clock, 3, 0.5, 0.5)  # 1 s per step
     s.durable(8.0)
     s.due(2)
@@ -82,7 +82,7 @@ def test_auto_is_recomputed_only_after_each_durable_checkpoint(clock):
 
 def test_auto_without_a_measured_step_time_waits(clock):
     s = Schedule(Config(directory="x", interval="auto", mtbf=3600.0, first_auto_step=1))
-    s.started(1)
+    s.asked(1)
     s.durable(1.0)
     assert not s.due(1000) and s.auto_interval is None
     steps(s, clock, 1, 0.5, 0.5)
@@ -133,3 +133,16 @@ def test_choose_k_counts_the_gradients_the_replay_needs(clock, grad_bytes, expec
     s = Schedule(Config(directory="x"))
     steps(s, clock, 3, 0.125, 1.0)
     assert s.choose_k(320, grad_bytes, 1024.0) == expected
+
+
+def test_the_spacing_of_the_users_saves_is_learned():
+    s = Schedule(Config(directory="x"))
+    assert s.spacing() is None and not s.expected(10)
+    s.asked(10)
+    assert s.spacing() is None  # one save says nothing about the next
+    s.asked(20)
+    assert s.spacing() == 10 and s.expected(30) and not s.expected(29)
+    s.announce(33)
+    assert s.due(33) and s.expected(33)
+    s.asked(33)
+    assert not s.due(33) and s.spacing() == 13 and s.expected(46)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .._lists import has_none
-from ..errors import ConfigError, ConsistencyError, HookOrderError
+from ..errors import ConfigError, ConsistencyError, HookOrderError, UnsupportedOptimizerError
 from ..job import Job
 from ..replay.adapters import AdamAdapter
 from ..replay.records import StepRecord
@@ -332,7 +332,7 @@ class Capture:
             return None
         why = self.adapter.unsupported_step()
         if why:
-            raise ConfigError(f"this optimizer step cannot be replayed: {why}")
+            raise UnsupportedOptimizerError(f"this optimizer step cannot be replayed: {why}")
         stepped = {(j, gi) for gi in groups}
         new_step = all(r[0] != j for r in job.capture.recorded)
         if stepped & job.capture.recorded:
@@ -467,7 +467,7 @@ class Reads:
 def _live_gradients(plan, slots: list) -> Dict[int, torch.Tensor]:
     """Slot -> the ``.grad`` of each parameter of ``slots`` that has one, read with a few
     list operations (the step pre-hook's cost per tensor is kept to the reads it needs);
-    ConfigError for a gradient the replay cannot use."""
+    UnsupportedOptimizerError for a gradient the replay cannot use."""
     params = plan.params()
     tensors = [params[si].grad for si in slots]
     if has_none(tensors):  # not trained at this step: not stepped either
@@ -477,7 +477,7 @@ def _live_gradients(plan, slots: list) -> Dict[int, torch.Tensor]:
         si, g = next((si, g) for si, g in zip(slots, tensors) if g.dtype != torch.float32
                      or g.layout != torch.strided)  # the replay modes: fp32 params
         layout = "dense" if g.layout == torch.strided else str(g.layout).replace("torch.", "")
-        raise ConfigError(f"the gradient of {plan.slots[si].name!r} is a {layout} {g.dtype} "
-                          "tensor; the replay needs dense torch.float32 gradients (use "
-                          "mode='async-o' for this model)")
+        raise UnsupportedOptimizerError(
+            f"the gradient of {plan.slots[si].name!r} is a {layout} {g.dtype} tensor; the "
+            "replay needs dense torch.float32 gradients (mode='async-o' copies at the step)")
     return dict(zip(slots, tensors))

@@ -116,6 +116,9 @@ class DirectoryLock:
         """Drop the lock (idempotent). The file stays: removing it would race with a new
         holder that has just opened it."""
         self._stop.set()
+        beat = getattr(self, "_heartbeat", None)
+        if beat is not None and beat is not threading.current_thread():
+            beat.join()  # a close() leaves no gockpt thread behind
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # closing the last descriptor of the open file releases the flock

@@ -15,10 +15,12 @@ def make_model():
     return model, torch.optim.AdamW(model.parameters())
 
 
-def train(directory, model, opt, steps=8, inputs=16, mode="gockpt-o", overlap_steps=2):
-    """Train ``steps`` steps on random inputs, a checkpoint every 3 steps."""
-    ck = gockpt.Checkpointer(model, opt, str(directory), mode=mode, overlap_steps=overlap_steps,
-                             interval=3)
+def train(directory, model, opt, steps=8, inputs=16, mode="gockpt-o", overlap_steps=2,
+          at=(4, 7)):
+    """Train ``steps`` steps on random inputs, checkpoints at the steps ``at``."""
+    ck = gockpt.Checkpointer(model, opt, str(directory), mode=mode, overlap_steps=overlap_steps)
+    for step in at:
+        ck.plan_checkpoint(step)
     for step in range(steps):
         loss = model(torch.randn(8, inputs)).pow(2).mean()
         ck.backward_begin()

@@ -129,7 +129,7 @@ def real_run(tmp_path_factory):
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     train(path, model, torch.optim.AdamW(model.parameters()), steps=10, inputs=64, mode="async",
-          overlap_steps=None)
+          overlap_steps=None, at=(3, 6, 9))
     return str(path)
 
 

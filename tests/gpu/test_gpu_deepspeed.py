@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deepspeed_cases import check_checkpoint_and_resume, runs  # noqa: E402
 
-GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # F = SAVE_AT + 2
+GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # window 16..18
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -1,8 +1,9 @@
 """gockpt.integrations.deepspeed: engine.save_checkpoint / load_checkpoint through gockpt.
 
 Each case trains a tiny model with DeepSpeed's CPU accelerator in fresh processes (1 or 2 gloo
-ranks, tests/deepspeed_worker.py): uninterrupted, patched with a checkpoint at step 18, and
-resumed from it.  Step 18 is chosen on purpose: from t = 19 DeepSpeed's CPU Adam running
+ranks, tests/deepspeed_worker.py): uninterrupted, patched with checkpoints at steps 6, 12, 18
+(the last one expected from their spacing), and resumed from 18.  Step 18 is chosen on
+purpose: from t = 19 DeepSpeed's CPU Adam running
 product beta2^t differs from pow(beta2, t), so a resume that does not rebuild the op's state
 would drift (see gockpt/integrations/deepspeed/state.py: warm_cpu_adam).
 """
@@ -22,7 +23,7 @@ from gockpt.integrations import deepspeed as gockpt_ds  # noqa: E402
 from gockpt.integrations.deepspeed.patch import holds_gockpt_checkpoint, watch_unscale  # noqa: E402
 from gockpt.integrations.deepspeed.state import _numbers_of, restore_engine  # noqa: E402
 
-GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # F = SAVE_AT + 2
+GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # window 16..18
 
 
 @pytest.mark.parametrize("stage,world,extra", [

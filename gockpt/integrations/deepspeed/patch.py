@@ -4,7 +4,7 @@ gockpt ``save_checkpoint``/``load_checkpoint``.
 The step boundary (where a checkpoint may start or reach version F) is the end of a real
 optimizer step, but DeepSpeed users call ``engine.save_checkpoint`` only when they want one.  So
 the boundary is left *pending* after ``step()`` and recorded by whichever comes first: the
-user's ``save_checkpoint`` (which starts a checkpoint there), the next ``forward``/``backward``,
+user's ``save_checkpoint`` (the checkpoint of that step), the next ``forward``/``backward``,
 ``wait()``, or the end of the process -- always before anything can change the state again.
 """
 
@@ -35,7 +35,6 @@ class EnginePatch:
         self.ck: Optional[Checkpointer] = None
         self.state: Optional[EngineState] = None
         self.layout: Optional[dict] = None  # fp32_layout, taken once
-        self.record = None  # the small state of the checkpoint in flight, called at its F
         self.pending = False        # a step ended; its boundary is not recorded yet
         self.in_backward = False    # backward_begin called for the step under way
         self.warned_latest = False
@@ -73,8 +72,7 @@ class EnginePatch:
         """Record a pending step boundary."""
         if self.pending:
             self.pending = False
-            # the Checkpointer calls extra_state at the boundary of F, whichever that is
-            self.ck.save_checkpoint(self.engine.global_steps, self.record)
+            self.ck.save_checkpoint(self.engine.global_steps)  # a boundary, no save asked
 
     # ------------------------------------------------------------------ save / load / wait
 
@@ -100,8 +98,9 @@ class EnginePatch:
                               "save at the same step, or a save before the first step")
         self.pending = False
         engine, layout = self.engine, self.layout
-        self.record = lambda: engine_record(engine, client_state, layout)
-        handle = self.ck.save_checkpoint(engine.global_steps, self.record, force=True,
+        handle = self.ck.save_checkpoint(engine.global_steps,
+                                         lambda: engine_record(engine, client_state, layout),
+                                         force=True,
                                          name=None if tag is None else str(tag))
         return handle is not None
 
@@ -132,7 +131,7 @@ class EnginePatch:
         try:
             if self.pending:
                 self.pending = False
-                ck.save_checkpoint(self.engine.global_steps, self.record)
+                ck.save_checkpoint(self.engine.global_steps)
         finally:
             self.in_backward = False
             ck.close()
