@@ -1,17 +1,19 @@
 """One rank of the DeepSpeed tests (tests/deepspeed_cases.py, started by tests/dist_ranks.py):
 trains a tiny model with a DeepSpeed engine on its accelerator (the CPU here, CUDA on a GPU
 machine) and writes what the test compares.  Scenario keys beyond the run: "stage", "steps",
-"save_at" (a step or a list of steps), "gas", "clip", "options", "gockpt_section", "fp32_accumulation",
-"two_groups", "torch_adam" (torch's AdamW as base optimizer), "fp16" (with dynamic loss
-scaling), "inf_at" (a step whose loss is multiplied by inf: an overflow step under fp16).
+"save_at" (a step or a list of steps), "gas", "clip", "options", "gockpt_section",
+"fp32_accumulation", "two_groups", "torch_adam" (torch's AdamW as base optimizer), "betas"
+(AdamW's), "fp16" (with dynamic loss scaling), "inf_at" (a step whose loss is multiplied by
+inf: an overflow step under fp16).
 
     deepspeed_worker.py OUT SCENARIO       SCENARIO: JSON {"run": ..., "stage": ..., ...}
 
 runs: "plain" (no gockpt), "patched" (gockpt, no checkpoint), "save" (gockpt, a checkpoint
 at each step of "save_at", client_state given as a dict of values as DeepSpeed users do; the
-live state at the last one is dumped), "resume" (a fresh engine loads the
-checkpoint and trains on), "native-save" / "native-load" (DeepSpeed's own checkpoints, loaded
-through the patched engine).  Each rank writes OUT/<run>-rank<r>.pt: losses and states.
+live state at the last one is dumped), "resume" (a fresh engine loads the checkpoint in
+"load_dir" and trains on, saving again at the steps of "resave_at" into "resave_dir"),
+"native-save" / "native-load" (DeepSpeed's own checkpoints, loaded through the patched
+engine).  Each rank writes OUT/<run>-rank<r>.pt: losses and states.
 """
 
 import json
@@ -34,6 +36,7 @@ def build(sc):
            "gradient_accumulation_steps": sc.get("gas", 1),
            "gradient_clipping": sc.get("clip", 0.05),
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1,
+                                                     "betas": sc.get("betas", [0.9, 0.999]),
                                                      "torch_adam": sc.get("torch_adam", False)}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5,
                                                          "warmup_max_lr": 3e-3}},
@@ -98,10 +101,23 @@ def main():
     engine = build(sc)
     out = {"losses": []}
     if run in ("resume", "native-load"):
-        path, client = engine.load_checkpoint(ck_dir)
+        # "load_dir": where to load from (default the "save" run's); "resave_at": steps the
+        # resumed run saves again (into "resave_dir"), the live state at the last one dumped
+        path, client = engine.load_checkpoint(os.path.join(out_dir, sc.get("load_dir", "ckpt")))
         out["client"] = client
         out["loaded"] = live_state(engine)
-        train(engine, sc, client["data_pos"] + 1, sc["steps"], out)
+        resaves = sc.get("resave_at", [])
+        resave_dir = os.path.join(out_dir, sc.get("resave_dir", "ckpt2"))
+
+        def again(step):
+            if step in resaves:
+                engine.save_checkpoint(resave_dir, client_state={"data_pos": step, "rank": rank})
+            if resaves and step == resaves[-1]:
+                out["live"] = live_state(engine)
+
+        train(engine, sc, client["data_pos"] + 1, sc["steps"], out, again)
+        if resaves:
+            gockpt_ds.wait(engine)
     else:
         saves = sc["save_at"] if isinstance(sc["save_at"], list) else [sc["save_at"]]
 

@@ -4,8 +4,13 @@ The op keeps ``beta1^t``, ``beta2^t`` as float32 running products in one process
 per mode (docs/arithmetics.md), so the bias corrections of a step depend on the op's history,
 not on t alone.  The adapter mirrors that object: a step pre-hook of its own (registered before
 the Checkpointer's) replays ``IncrementStep`` for every group at every step, checkpoint or not.
-Its state when the adapter is built is read from the op itself by a probe that cannot change
-it: a call on scratch values at the op's current step returns before touching the products.
+Its state when the adapter is built (a DeepSpeed engine builds its Checkpointer at the first
+save, in the middle of training) is read from the op itself by a probe that cannot change it:
+a call on scratch values at the op's current step returns before touching the products, and
+its outputs are compared with the replay of each history the process may have had.  When no
+history matches, the steps are reported as not replayable (the checkpoint is copied at its
+step, with a warning) and the op is read again before the next step: training never stops
+for it.
 """
 
 from __future__ import annotations
@@ -80,7 +85,9 @@ class DeepSpeedCpuAdamAdapter:
                                       "DeepSpeed's FusedAdam is replayed for CPU float32 only "
                                       "(its CUDA kernel is built with --use_fast_math)")
         self.mode = bool(getattr(optimizer, "adam_w_mode", True))
-        self.mirror = self._probe_mirror(refuse)
+        self.why_not: Optional[str] = None  # why the op's state is not known (no replay now)
+        self._resync_next = False
+        self.mirror: Optional[_OpMirror] = self._read_op_state()
         self.current: Dict[int, tuple] = {}
         self._hook = optimizer.register_step_pre_hook(self._before_step)
 
@@ -101,39 +108,41 @@ class DeepSpeedCpuAdamAdapter:
         return out
 
     def _before_step(self, optimizer, args, kwargs) -> None:
+        steps = self._group_steps()
+        if self.mirror is None and self._resync_next:  # the op still has the last update's
+            self._resync_next = False                  # products: read them before this step
+            self.mirror = self._read_op_state()
         self.current = {}
-        for gi, t in self._group_steps().items():
+        if self.mirror is None:
+            return
+        for gi, t in steps.items():
             b1, b2 = optimizer.param_groups[gi]["betas"]
             self.current[gi] = self.mirror.increment(t, b1, b2)
 
-    def _probe_mirror(self, refuse) -> _OpMirror:
+    def _read_op_state(self) -> Optional[_OpMirror]:
+        """The mirror of the op's products after the last update, read from the op (None when
+        no reading is certain). The last update called the op at the largest step count of
+        this optimizer's state with the groups' betas, which must all be equal (with several
+        betas the op would have switched between them): there, IncrementStep returns at once,
+        so a call on scratch values reads the products without changing them."""
         steps = [int(st["step"]) for st in self.optimizer.state.values() if "step" in st]
         if not steps:
+            self.why_not = None
             return _OpMirror()  # no step yet in this process's op (or a fresh one)
-        t = max(steps)
-        g = self.optimizer.param_groups[0]
-        b = (float(g["betas"][0]), float(g["betas"][1]))
-        candidates = [_chain(b, t), tuple(float(x) for x in _pow((F32(b[0]), F32(b[1])), t))]
-        scratch = _scratch(64)
-        got = [x.clone() for x in scratch]
-        # At the op's current step with its betas, IncrementStep returns at once: the
-        # products are read, not changed.
-        run_cpu_adam_op(self.optimizer, *got, lr=1e-3, betas=b, eps=1e-8, weight_decay=0.0,
-                        step=t)
-        found = []
-        for powers in candidates:
-            want = [x.clone() for x in scratch]
-            arithmetic.replay_step(f"cpu/deepspeed/FusedAdam/adam_w_mode={self.mode}",
-                                   *want[:3], want[3], lr=1e-3, betas=b, eps=1e-8,
-                                   weight_decay=0.0, step=t, beta_powers=powers,
-                                   simd_width=self.width)
-            if all(torch.equal(x, y) for x, y in zip(want[:3], got[:3])):
-                found.append(powers)
-        if not found or len(set(found)) > 1:
-            refuse(self.optimizer, f"the state of DeepSpeed's CPU Adam op at step {t} is "
-                                   "neither the running product from step 1 nor pow(beta, t) "
-                                   "(another optimizer shares it, or its betas changed)")
-        return _OpMirror((F32(b[0]), F32(b[1])), t, found[0])
+        betas = {(float(g["betas"][0]), float(g["betas"][1])) for g in self.optimizer.param_groups}
+        if len(betas) != 1:
+            self.why_not = "its param groups have different betas"
+            return None
+        t, b = max(steps), betas.pop()
+        powers = _probe_powers(self.optimizer, self.mode, self.width, b, t, _histories(b, t))
+        if powers is None:
+            self.why_not = (f"the state of DeepSpeed's CPU Adam op at step {t} is neither the "
+                            "running product from step 1 nor one started by pow(beta, s) "
+                            f"at a step s >= {max(1, t - _RESUME_WINDOW)} (another optimizer "
+                            "shares it, or its betas changed)")
+            return None
+        self.why_not = None
+        return _OpMirror((F32(b[0]), F32(b[1])), t, powers)
 
     # ------------------------------------------------------------------ the adapter protocol
 
@@ -157,7 +166,39 @@ class DeepSpeedCpuAdamAdapter:
         return False
 
     def unsupported_step(self) -> Optional[str]:
+        """Why this step cannot be replayed: the op's running products are not known (the
+        checkpoint is then copied at its step). The op is read again before the next step."""
+        if self.mirror is None:
+            self._resync_next = True
+            return self.why_not
         return None
+
+
+# How far back a process's first step (the op's pow) is looked for.
+_RESUME_WINDOW = 4096
+
+
+def _histories(betas, t: int) -> list:
+    """The op's possible (beta1^t, beta2^t) after step t, most likely first: the running
+    product from step 1 (a process that stepped 1..t, or resumed through gockpt, which
+    rebuilds it), then pow(beta, s) followed by the product from s to t, for s from t down
+    to ``t - _RESUME_WINDOW`` (a process whose first step was s: DeepSpeed's own resume)."""
+    b = np.array([F32(betas[0]), F32(betas[1])], dtype=np.float32)
+    first = max(1, t - _RESUME_WINDOW)
+    s = np.arange(first, t + 1)
+    # pow(float, size_t) in double, rounded to float: what IncrementStep does at a jump
+    runs = np.stack([np.power(np.float64(x), s.astype(np.float64)) for x in b],
+                    axis=1).astype(np.float32)
+    for u in range(first + 1, t + 1):  # step u multiplies the runs started before it
+        runs[:u - first] *= b
+    out = [tuple(float(x) for x in _chain(betas, t))]
+    seen = {out[0]}
+    for row in runs[::-1]:
+        pair = (float(row[0]), float(row[1]))
+        if pair not in seen:
+            seen.add(pair)
+            out.append(pair)
+    return out
 
 
 def _chain(betas, t: int) -> tuple:
@@ -169,10 +210,38 @@ def _chain(betas, t: int) -> tuple:
     return powers
 
 
+def _probe_powers(optimizer, mode: bool, width: int, betas, t: int, candidates):
+    """Which of the ``candidates`` (beta1^t, beta2^t) DeepSpeed's op holds at step ``t``: the
+    op's call at its current step on scratch values against the replay with each. The scratch
+    makes the bias corrections visible to the last bit: parameters 0 and lr 1, so that each
+    output is ``(m / den) / (1 - beta1^t)`` rounded once, ``den = sqrt(v) / sqrt(1 - beta2^t)``
+    (with parameters near 1 and lr 1e-3 a bias correction one ulp off changes nothing, and two
+    different products both matched: betas 0.95 to 0.99 were refused). Candidates that give
+    the same outputs give the same update at this step; the running product from step 1 is
+    then taken, as it is what a process that stepped 1..t holds. None: none matches."""
+    candidates = [tuple(float(x) for x in c) for c in candidates]
+    scratch = _scratch(_PROBE_ELEMENTS)
+    got = [x.clone() for x in scratch]
+    run_cpu_adam_op(optimizer, *got, lr=1.0, betas=betas, eps=0.0, weight_decay=0.0, step=t)
+    for powers in candidates:  # the running product first
+        want = [x.clone() for x in scratch]
+        arithmetic.replay_step(f"cpu/deepspeed/FusedAdam/adam_w_mode={mode}", *want[:3],
+                               want[3], lr=1.0, betas=betas, eps=0.0, weight_decay=0.0,
+                               step=t, beta_powers=powers, simd_width=width)
+        if all(torch.equal(x, y) for x, y in zip(want[:3], got[:3])):
+            return powers
+    return None
+
+
+# SIMD blocks of every width plus a scalar tail (the op's two code paths), with enough
+# distinct values that a bias correction one ulp off changes some output.
+_PROBE_ELEMENTS = 1024 + 7
+
+
 def _scratch(n: int):
     rng = np.random.default_rng(12345)
-    p = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    p = torch.zeros(n)
     m = torch.from_numpy((rng.standard_normal(n) * 1e-2).astype(np.float32))
-    v = torch.from_numpy((rng.random(n) * 1e-3).astype(np.float32))
+    v = torch.from_numpy((rng.random(n) * 1e-3 + 1e-6).astype(np.float32))  # den > 0
     g = torch.from_numpy((rng.standard_normal(n) * 1e-1).astype(np.float32))
     return [p, m, v, g]

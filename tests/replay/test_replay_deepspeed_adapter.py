@@ -56,3 +56,112 @@ def test_refused_where_the_replay_is_not_exact():
     _, opt = fused_adam(bias_correction=False)
     with pytest.raises(UnsupportedOptimizerError, match="bias_correction"):
         adapter_for(opt)
+
+
+def _next_update_is_replayed_bitwise(p, opt, adapter):
+    """The real next step against the replay of it with the adapter's beta powers."""
+    from gockpt.replay import arithmetic
+    st = opt.state[p]
+    want = [p.detach().clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone()]
+    p.grad = torch.randn_like(p)
+    g = p.grad.clone()
+    opt.step()
+    group = opt.param_groups[0]
+    arithmetic.replay_step("cpu/deepspeed/FusedAdam/adam_w_mode=True", *want, g,
+                           lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                           weight_decay=group["weight_decay"], step=int(st["step"]),
+                           beta_powers=adapter.current[0], simd_width=adapter.width)
+    return all(torch.equal(a, b) for a, b in zip(want, [p.detach(), st["exp_avg"],
+                                                         st["exp_avg_sq"]]))
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.98), (0.9, 0.99), (0.9, 0.999)])
+@pytest.mark.parametrize("steps", [6, 12, 30, 200])
+def test_the_probe_reads_the_products_of_the_betas_llms_use(betas, steps):
+    # Parameters near 1 and lr 1e-3 hid one ulp of a bias correction: with betas below 0.999
+    # both candidates matched and the op's state was refused as unknown.
+    torch.manual_seed(0)
+    p, opt = fused_adam()
+    opt.param_groups[0]["betas"] = betas
+    train(p, opt, steps)
+    adapter = adapter_for(opt)
+    assert adapter.unsupported_step() is None
+    assert tuple(map(float, adapter.mirror.powers)) == _chain(betas, steps)
+    assert _next_update_is_replayed_bitwise(p, opt, adapter)
+    adapter.close()
+
+
+@pytest.mark.parametrize("first", [1000, 5000])
+def test_a_process_that_resumed_natively_is_read_too(first):
+    # DeepSpeed's own resume: the fresh process's first step jumps to t, the op takes pow(beta,
+    # t) there and the running product from then on.
+    torch.manual_seed(0)
+    p, opt = fused_adam()
+    train(p, opt, 1)
+    opt.state[p]["step"] = first - 1
+    train(p, opt, 25)
+    adapter = adapter_for(opt)
+    assert adapter.unsupported_step() is None
+    for _ in range(3):  # the mirror keeps following the op
+        assert _next_update_is_replayed_bitwise(p, opt, adapter)
+    adapter.close()
+
+
+def test_an_op_state_that_cannot_be_read_is_not_replayed_and_read_again_later(monkeypatch):
+    # Not a refusal at construction (a DeepSpeed engine builds its Checkpointer at the first
+    # save, in the middle of training): the steps are reported as not replayable (the
+    # checkpoint is then copied at its step), and the op is read again before the next step.
+    import gockpt.replay.deepspeed_adapter as da
+    torch.manual_seed(0)
+    p, opt = fused_adam()
+    train(p, opt, 7)
+    real = da._probe_powers
+    monkeypatch.setattr(da, "_probe_powers", lambda *a, **k: None)
+    adapter = adapter_for(opt)
+    assert adapter.mirror is None
+    assert "neither the running product" in adapter.unsupported_step()
+    monkeypatch.setattr(da, "_probe_powers", real)
+    assert _next_update_is_replayed_bitwise(p, opt, adapter)  # read before that step
+    assert adapter.unsupported_step() is None
+    adapter.close()
+
+
+def test_training_goes_on_and_each_checkpoint_is_copied_at_its_step(tmp_path, monkeypatch):
+    # A custom loop on DeepSpeed's FusedAdam in gockpt-o whose op cannot be read: the window
+    # is refused with a warning, the checkpoint is copied at its step (K = 1), training
+    # goes on, and every checkpoint is its step's state.
+    import warnings
+    import gockpt
+    import gockpt.replay.deepspeed_adapter as da
+    from gockpt import testing
+    monkeypatch.setattr(da, "_probe_powers", lambda *a, **k: None)
+    torch.manual_seed(0)
+    p, opt = fused_adam()
+    opt.param_groups[0]["betas"] = (0.9, 0.95)
+    train(p, opt, 5)  # the op has stepped before the Checkpointer exists
+    model = torch.nn.ParameterList([p])
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=3,
+                             block_bytes=128, interval=4)
+    live = {}
+    with pytest.warns(UserWarning, match="the replay cannot follow .*neither the running"):
+        for step in range(5, 14):
+            ck.backward_begin()
+            p.grad = torch.randn_like(p)
+            ck.update_begin()
+            opt.step()
+            ck.save_checkpoint(step + 1)
+            snap = testing.snapshot(model, opt)
+            live[step + 1] = (snap["model"], snap["optimizer"])
+        ck.close()
+    records = gockpt.metrics.read(str(tmp_path))
+    assert [(m["final_step"], m["overlap_steps"]) for m in records] == [(8, 1), (12, 1)]
+    for step in (8, 12):
+        q = torch.nn.Parameter(torch.zeros(100))
+        from deepspeed.ops.adam import FusedAdam
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            o = FusedAdam([q], lr=1e-3, betas=(0.9, 0.95))
+        fresh = torch.nn.ParameterList([q])
+        gockpt.load(str(tmp_path), fresh, o, tag=f"step-{step:09d}", restore_rng=False)
+        snap = testing.snapshot(fresh, o)
+        assert testing.first_difference(live[step], (snap["model"], snap["optimizer"])) is None
