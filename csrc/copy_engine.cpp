@@ -18,18 +18,14 @@ constexpr int kMaxSegsPerPiece = 4096;
 
 }  // namespace
 
-// One submission: copy segments or digest segments, and how far the worker got.
+// One submission: copy segments, and how far the worker got.
 struct CopyEngine::Job {
   int64_t ticket = 0;
-  bool is_digest = false;
   std::vector<CopySegment> copies;
-  std::vector<DigestSegment> digests;
-  std::vector<Digest> sums;  // digest: per segment, the sum over its pieces so far
-  uint64_t* out = nullptr;
   Cursor next;
 
-  size_t count() const { return is_digest ? digests.size() : copies.size(); }
-  int64_t units(size_t i) const { return is_digest ? digests[i].nwords : copies[i].nbytes; }
+  size_t count() const { return copies.size(); }
+  int64_t units(size_t i) const { return copies[i].nbytes; }
 };
 
 CopyEngine::CopyEngine(double link_bytes_per_s, int64_t piece_bytes)
@@ -48,18 +44,9 @@ int64_t CopyEngine::submit(int priority, std::vector<CopySegment> segs) {
   return enqueue(priority, std::move(job));
 }
 
-int64_t CopyEngine::submit_digest(int priority, std::vector<DigestSegment> segs, uint64_t* out) {
-  auto job = std::make_unique<Job>();
-  job->is_digest = true;
-  job->digests = std::move(segs);
-  job->sums.resize(job->digests.size());
-  job->out = out;
-  return enqueue(priority, std::move(job));
-}
-
 int64_t CopyEngine::enqueue(int priority, std::unique_ptr<Job> job) {
   int64_t nbytes = 0;
-  for (size_t i = 0; i < job->count(); ++i) nbytes += job->units(i) * (job->is_digest ? 4 : 1);
+  for (size_t i = 0; i < job->count(); ++i) nbytes += job->units(i);
   std::lock_guard<std::mutex> lk(mu_);
   if (closed_) throw std::runtime_error("gockpt copy engine is closed");
   const int64_t id = next_ticket_++;
@@ -74,11 +61,11 @@ int64_t CopyEngine::enqueue(int priority, std::unique_ptr<Job> job) {
   return id;
 }
 
-// The end of the next piece of job: up to piece_bytes (a digest: piece_bytes / 4 words) from
-// job.next, whole tiny segments or part of a big one.
+// The end of the next piece of job: up to piece_bytes from job.next, whole tiny segments or
+// part of a big one.
 CopyEngine::Cursor CopyEngine::take_piece(Job& job) const {
   Cursor c = job.next;
-  int64_t budget = job.is_digest ? piece_bytes_ / 4 : piece_bytes_;
+  int64_t budget = piece_bytes_;
   for (int segs = 0; c.seg < job.count() && segs < kMaxSegsPerPiece; ++segs) {
     const int64_t left = job.units(c.seg) - c.off;
     if (left > budget) {
@@ -94,7 +81,7 @@ CopyEngine::Cursor CopyEngine::take_piece(Job& job) const {
 }
 
 // Runs [from, to) of job; returns the nanoseconds it took (pacing included) and sets *copied
-// to the bytes copied (0 for a digest).
+// to the bytes copied.
 int64_t CopyEngine::run_piece(Job& job, Cursor from, Cursor to, int64_t* copied) {
   const Clock::time_point t0 = Clock::now();
   int64_t bytes = 0;
@@ -102,17 +89,12 @@ int64_t CopyEngine::run_piece(Job& job, Cursor from, Cursor to, int64_t* copied)
     const int64_t lo = s == from.seg ? from.off : 0;
     const int64_t hi = s == to.seg ? to.off : job.units(s);
     if (hi <= lo) continue;
-    if (job.is_digest) {
-      const DigestSegment& d = job.digests[s];
-      job.sums[s] += digest(d.src + lo, hi - lo, d.first + lo);
-    } else {
-      const CopySegment& c = job.copies[s];
-      std::memcpy(static_cast<char*>(c.dst) + lo, static_cast<const char*>(c.src) + lo,
-                  static_cast<size_t>(hi - lo));
-      bytes += hi - lo;
-    }
+    const CopySegment& c = job.copies[s];
+    std::memcpy(static_cast<char*>(c.dst) + lo, static_cast<const char*>(c.src) + lo,
+                static_cast<size_t>(hi - lo));
+    bytes += hi - lo;
   }
-  if (!job.is_digest && rate_ > 0) {
+  if (rate_ > 0) {
     // The piece occupies the link for bytes / rate from when the link was free (rounded up to
     // whole nanoseconds: seconds() is never below bytes / rate).
     const Clock::time_point start = std::max(t0, link_free_at_);
@@ -124,15 +106,8 @@ int64_t CopyEngine::run_piece(Job& job, Cursor from, Cursor to, int64_t* copied)
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
 }
 
-void CopyEngine::finish(Job& job) {
-  for (size_t i = 0; i < job.sums.size(); ++i) {
-    job.out[2 * i] = job.sums[i].d1;
-    job.out[2 * i + 1] = job.sums[i].d2;
-  }
-}
-
 // The worker: the first job of the best non-empty priority, one piece at a time, re-choosing
-// after every piece.  Only this thread touches a queued job's cursor and sums.
+// after every piece.  Only this thread touches a queued job's cursor.
 void CopyEngine::work() {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
@@ -151,17 +126,14 @@ void CopyEngine::work() {
     lk.unlock();
     int64_t copied = 0;
     const int64_t ns = run_piece(job, from, job.next, &copied);
-    if (last && job.is_digest) finish(job);
     lk.lock();
     auto it = tickets_.find(job.ticket);  // present: release() waits for completion
     if (it != tickets_.end()) {
       it->second.ns += ns;
       if (last) it->second.done = true;
     }
-    if (!job.is_digest) {
-      bytes_done_ += copied;
-      copy_ns_ += ns;
-    }
+    bytes_done_ += copied;
+    copy_ns_ += ns;
     if (last) cv_done_.notify_all();
   }
 }

@@ -1,4 +1,4 @@
-// The copy engine: one worker thread running queued host memory copies and digests by
+// The copy engine: one worker thread running queued host memory copies by
 // priority (0 before 1; first in, first out within a priority), in pieces of at most
 // piece_bytes, so work of a better priority submitted meanwhile waits for at most one piece.
 // Optionally paced like a link of a given rate (an emulated PCIe-like device link for CPU-only
@@ -17,8 +17,6 @@
 #include <utility>
 #include <vector>
 
-#include "digest.h"
-
 namespace gockpt {
 
 struct CopySegment {
@@ -27,16 +25,10 @@ struct CopySegment {
   int64_t nbytes;
 };
 
-struct DigestSegment {
-  const uint32_t* src;
-  int64_t nwords;
-  int64_t first;  // element index of src[0]
-};
-
 class CopyEngine {
  public:
   // link_bytes_per_s > 0: every copy piece occupies the link for bytes / rate seconds (the
-  // worker sleeps until the link is free again); digests are not paced.  0: no pacing.
+  // worker sleeps until the link is free again).  0: no pacing.
   CopyEngine(double link_bytes_per_s, int64_t piece_bytes);
   ~CopyEngine();  // close()
   CopyEngine(const CopyEngine&) = delete;
@@ -45,22 +37,18 @@ class CopyEngine {
   // Queue memcpy(dst, src, nbytes) for every segment; returns the ticket id.  The memory must
   // stay valid until the ticket is done.  Throws std::runtime_error after close().
   int64_t submit(int priority, std::vector<CopySegment> segs);
-  // Queue the digests of segs; when the ticket completes, out[2i], out[2i+1] hold segment i's
-  // (out must stay valid until then).
-  int64_t submit_digest(int priority, std::vector<DigestSegment> segs, uint64_t* out);
 
   // done/wait on a ticket already released (or never issued) report it done: release() only
   // forgets completed tickets.
   bool done(int64_t ticket) const;
   void wait(int64_t ticket) const;
-  // Worker time spent on the ticket so far (excluding queueing) and the bytes it copies (or
-  // reads, for a digest); std::invalid_argument for an unknown ticket.
+  // Worker time spent on the ticket so far (excluding queueing) and the bytes it copies;
+  // std::invalid_argument for an unknown ticket.
   double seconds(int64_t ticket) const;
   int64_t nbytes(int64_t ticket) const;
   // Waits for the ticket, then forgets it.  Unknown ids: no-op.
   void release(int64_t ticket);
-  // Copies only (digests model a reduction on the device, not link traffic): bytes copied and
-  // worker seconds spent copying, since construction.
+  // Bytes copied and worker seconds spent copying, since construction.
   std::pair<int64_t, double> stats() const;
   // Finish all queued work and join the worker.  Idempotent.
   void close();
@@ -70,7 +58,7 @@ class CopyEngine {
   struct Job;
   struct Cursor {
     size_t seg = 0;
-    int64_t off = 0;  // next unit (byte or word) of segment seg
+    int64_t off = 0;  // next byte of segment seg
   };
   struct TicketInfo {
     int64_t nbytes = 0;
@@ -81,7 +69,6 @@ class CopyEngine {
   int64_t enqueue(int priority, std::unique_ptr<Job> job);
   Cursor take_piece(Job& job) const;
   int64_t run_piece(Job& job, Cursor from, Cursor to, int64_t* copied);
-  void finish(Job& job);
   void work();
 
   const double rate_;

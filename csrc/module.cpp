@@ -106,7 +106,7 @@ PYBIND11_MODULE(_C, mod) {
           "powf as CUDA's libdevice computes it (the fused kernel's bias corrections).");
   mod.def("isa", []() { return std::string(isa_name(resolved_isa())); });
   io::bind_io(mod);        // parallel checkpoint I/O and crc32c (section below)
-  batch::bind_batch(mod);  // batched replay, digests, copy engine (last section)
+  batch::bind_batch(mod);  // batched replay, copy engine (last section)
 }
 
 // ============================================================================ checkpoint I/O
@@ -242,22 +242,18 @@ void bind_io(py::module_& m) {
 }  // namespace gockpt
 
 // ============================================================================ batched work
-// Bindings of the batched replay (adam_replay.h), the digest (digest.h) and the copy engine
-// (copy_engine.h), wrapped by gockpt/replay/arithmetic.py, gockpt/replay/digest.py and
-// gockpt/capture/transfer.py. Segment tables arrive as numpy int64 arrays (addresses as ints),
-// read or copied while the GIL is held; the work runs with the GIL released. Outputs are
-// uint64 numpy arrays the caller allocates (checked, never converted: a copy would lose the
-// results).
+// Bindings of the batched replay (adam_replay.h) and the copy engine (copy_engine.h), wrapped
+// by gockpt/replay/arithmetic.py and gockpt/capture/transfer.py. Segment tables arrive as numpy
+// int64 arrays (addresses as ints), read or copied while the GIL is held; the work runs with the
+// GIL released.
 
 #include <pybind11/numpy.h>
 
 #include <unistd.h>
 
 #include <memory>
-#include <unordered_map>
 
 #include "copy_engine.h"
-#include "digest.h"
 
 namespace gockpt {
 namespace batch {
@@ -282,15 +278,6 @@ void check_non_negative(const char* name, const I64& a) {
   for (int64_t i = 0; i < a.size(); ++i)
     if (d[i] < 0)
       throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] is negative");
-}
-
-// The data of `out`, a writable C-contiguous uint64 array of 2n elements.
-uint64_t* digest_out(py::array& out, int64_t n) {
-  if (!out.dtype().is(py::dtype::of<uint64_t>()) || !(out.flags() & py::array::c_style) ||
-      !out.writeable() || out.size() != 2 * n)
-    throw std::invalid_argument("out must be a writable C-contiguous uint64 array of " +
-                                std::to_string(2 * n) + " elements");
-  return static_cast<uint64_t*>(out.mutable_data());
 }
 
 void bind_replay_batch(py::module_& m) {
@@ -344,40 +331,10 @@ void bind_replay_batch(py::module_& m) {
       "float(g) * float(grad_mul[arg[i]]).");
 }
 
-void bind_digest(py::module_& m) {
-  m.def(
-      "digest",
-      [](uintptr_t src, int64_t nwords, int64_t first) {
-        if (nwords < 0) throw std::invalid_argument("nwords must be >= 0");
-        Digest d;
-        {
-          py::gil_scoped_release release;
-          d = digest(reinterpret_cast<const uint32_t*>(src), nwords, first);
-        }
-        return py::make_tuple(d.d1, d.d2);
-      },
-      py::arg("src"), py::arg("nwords"), py::arg("first"),
-      "(d1, d2): digest of nwords uint32 words at address src, the first at element index first "
-      "(csrc/digest.h).");
-  m.def(
-      "digest_batch",
-      [](const I64& src, const I64& nwords, const I64& first, py::array out, int threads) {
-        const int64_t n = common_length({{"src", &src}, {"nwords", &nwords}, {"first", &first}});
-        check_non_negative("nwords", nwords);
-        uint64_t* o = digest_out(out, n);
-        py::gil_scoped_release release;
-        digest_batch(src.data(), nwords.data(), first.data(), n, o, threads);
-      },
-      py::arg("src"), py::arg("nwords"), py::arg("first"), py::arg("out"), py::arg("threads"),
-      "Digests of many segments into out[2i], out[2i+1], on up to `threads` threads.");
-}
-
-// The engine plus the digest output arrays of its tickets, kept alive until release() (the
-// worker writes them when a ticket completes).
+// The engine, and the process that made it.
 struct PyCopyEngine {
   std::unique_ptr<CopyEngine> owned;
   CopyEngine& engine;
-  std::unordered_map<int64_t, py::array> outs;
   const pid_t owner = getpid();
   PyCopyEngine(double rate, int64_t piece_bytes)
       : owned(new CopyEngine(rate, piece_bytes)), engine(*owned) {}
@@ -387,10 +344,9 @@ struct PyCopyEngine {
       // worker thread is the parent's, and its locks may record waiters that never run here
       // (joining, or destroying them, would hang). Leave the memory; the child exits soon.
       (void)owned.release();
-      for (auto& kv : outs) (void)kv.second.release();
       return;
     }
-    engine.close();  // before outs go: queued digests still write them
+    engine.close();
   }
 };
 
@@ -405,48 +361,25 @@ int64_t submit_copies(PyCopyEngine& e, int priority, const I64& dst, const I64& 
   return e.engine.submit(priority, std::move(segs));
 }
 
-int64_t submit_digests(PyCopyEngine& e, int priority, const I64& src, const I64& nwords,
-                       const I64& first, py::array out) {
-  const int64_t n = common_length({{"src", &src}, {"nwords", &nwords}, {"first", &first}});
-  check_non_negative("nwords", nwords);
-  uint64_t* o = digest_out(out, n);
-  std::vector<DigestSegment> segs(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i)
-    segs[i] = {ptr<const uint32_t>(static_cast<uintptr_t>(src.data()[i])), nwords.data()[i],
-               first.data()[i]};
-  const int64_t id = e.engine.submit_digest(priority, std::move(segs), o);
-  if (n > 0) e.outs.emplace(id, std::move(out));
-  return id;
-}
-
 void bind_copy_engine(py::module_& m) {
   using E = PyCopyEngine;
   py::class_<E>(m, "CopyEngine",
-                "One worker thread running queued host copies and digests by priority "
+                "One worker thread running queued host copies by priority "
                 "(csrc/copy_engine.h); wrapped by gockpt/capture/transfer.py.")
       .def(py::init<double, int64_t>(), py::arg("link_bytes_per_s") = 0.0,
            py::arg("piece_bytes") = int64_t{1} << 20)
       .def("submit", &submit_copies, py::arg("priority"), py::arg("dst"), py::arg("src"),
            py::arg("nbytes"), "Queue memcpy(dst[i], src[i], nbytes[i]); returns a ticket id.")
-      .def("submit_digest", &submit_digests, py::arg("priority"), py::arg("src"),
-           py::arg("nwords"), py::arg("first"), py::arg("out"),
-           "Queue digests; out[2i], out[2i+1] are written when the ticket completes.")
       .def("done", [](const E& e, int64_t t) { return e.engine.done(t); }, py::arg("ticket"))
       .def("wait", [](const E& e, int64_t t) { e.engine.wait(t); }, py::arg("ticket"),
            py::call_guard<py::gil_scoped_release>())
       .def("seconds", [](const E& e, int64_t t) { return e.engine.seconds(t); }, py::arg("ticket"))
       .def("nbytes", [](const E& e, int64_t t) { return e.engine.nbytes(t); }, py::arg("ticket"))
-      .def("release",
-           [](E& e, int64_t t) {
-             {
-               py::gil_scoped_release release;
-               e.engine.release(t);
-             }
-             e.outs.erase(t);
-           },
-           py::arg("ticket"), "Wait for the ticket, then forget it (unknown ids: no-op).")
+      .def("release", [](E& e, int64_t t) { e.engine.release(t); }, py::arg("ticket"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Wait for the ticket, then forget it (unknown ids: no-op).")
       .def("stats", [](const E& e) { return e.engine.stats(); },
-           "(bytes copied, seconds spent copying); digests not included.")
+           "(bytes copied, seconds spent copying).")
       .def("close", [](E& e) { e.engine.close(); }, py::call_guard<py::gil_scoped_release>(),
            "Finish queued work and join the worker; idempotent.");
 }
@@ -455,7 +388,6 @@ void bind_copy_engine(py::module_& m) {
 
 void bind_batch(py::module_& m) {
   bind_replay_batch(m);
-  bind_digest(m);
   bind_copy_engine(m);
 }
 

@@ -1,6 +1,6 @@
 // Batches of segments on the replay's persistent thread pool: cutting a batch into pieces and
 // tasks (parallel.cpp) and running the tasks (parallel_tasks, in adam_replay.cpp next to the
-// pool).  Used by the batched replay and the batched digest.
+// pool).  Used by the batched replay.
 #pragma once
 #include <cstdint>
 #include <vector>

@@ -7,7 +7,8 @@ Trains a GPT-like model (experiments/model.py, sized by flags) with each scheme 
 ``none`` (no checkpoints), ``reference`` (a copy-only schedule: the state copied on a side
 stream into host buffers allocated beforehand, the next optimizer step waiting for it; nothing
 persisted), ``sync``, ``async``, ``async-o``, ``gockpt`` and ``gockpt-o`` (K chosen and fixed),
-and DCP ``async_save`` with a pinned DefaultStager (CUDA only) -- and reports, per scheme, the
+DCP ``async_save`` with a pinned DefaultStager (CUDA only), and ``async`` / ``gockpt-o`` (fixed
+K) without the verification against the live state (``*-noverify``: what it costs) -- and reports, per scheme, the
 wall-time overhead over ``none``, the time the loop lost per checkpoint (median, first, by
 hook; measured here: time inside the hooks and the waits of the optimizer step beyond its own
 cost), time to staged and to durable, copy GB/s and host memory.
@@ -92,14 +93,14 @@ def run_all(setup: "Setup", args) -> dict:
         if name not in RUNS:
             raise SystemExit(f"bench_gpu: unknown run {name!r}; runs: {', '.join(RUNS)}")
         if name == "dcp-async" and setup.device != "cuda":
-            print(f"  {name:<12} skipped: DCP's copy does not go through the emulated link")
+            print(f"  {name:<20} skipped: DCP's copy does not go through the emulated link")
             continue
         if name == "none":
             setup.calibrate()
-        print(f"  {name:<12} ...", end="", flush=True)
+        print(f"  {name:<20} ...", end="", flush=True)
         results[name] = RUNS[name](setup)
         r = results[name]
-        print(f"\r  {name:<12} blocked/ckpt {fmt(r['blocked_median_s'])}  overhead "
+        print(f"\r  {name:<20} blocked/ckpt {fmt(r['blocked_median_s'])}  overhead "
               f"{r['overhead_vs_none']:+.1%}", flush=True)
     return results
 
@@ -111,8 +112,9 @@ def fmt(x) -> str:
 def print_table(setup, results: dict) -> None:
     print()
     print(setup.headline())
-    print(f"{'run':<14}{'blocked/ckpt':>13}{'first':>11}{'vs async':>9}{'vs ref':>8}"
-          f"{'overhead':>10}{'staged':>9}{'durable':>9}{'copy GB/s':>10}{'host MB':>9}")
+    print(f"{'run':<20}{'blocked/ckpt':>13}{'first':>11}{'vs async':>9}{'vs ref':>8}"
+          f"{'overhead':>10}{'staged':>9}{'durable':>9}{'copy GB/s':>10}{'host MB':>9}"
+          f"{'verify':>11}")
     base = results.get("async", {}).get("blocked_median_s")
     ref = results.get("reference", {}).get("blocked_median_s")
     for name, r in results.items():
@@ -125,8 +127,9 @@ def print_table(setup, results: dict) -> None:
             f"{r['time_to_durable_median_s']:.2f}s"
         gbps = "-" if not r["copy_gbps"] else f"{r['copy_gbps']:.2f}"
         host = "-" if not r["host_bytes"] else f"{r['host_bytes'] / 1e6:.0f}"
-        print(f"{name:<14}{fmt(b):>13}{fmt(r['blocked_first_s']):>11}{ratio}{vref}"
-              f"{r['overhead_vs_none']:>+10.1%}{staged:>9}{durable:>9}{gbps:>10}{host:>9}")
+        print(f"{name:<20}{fmt(b):>13}{fmt(r['blocked_first_s']):>11}{ratio}{vref}"
+              f"{r['overhead_vs_none']:>+10.1%}{staged:>9}{durable:>9}{gbps:>10}{host:>9}"
+              f"{fmt(r.get('verify_median_s')):>11}")
 
 
 if __name__ == "__main__":

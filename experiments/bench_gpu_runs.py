@@ -164,13 +164,14 @@ class _GockptHooks:
             self.windows.append(range(step - 1, h.final_step + 1))
 
 
-def gockpt_run(mode: str, k: Optional[int]) -> Callable[[Setup], dict]:
+def gockpt_run(mode: str, k: Optional[int], verify: bool = True) -> Callable[[Setup], dict]:
     def run(setup: Setup) -> dict:
         model, opt = setup.build()
-        directory = os.path.join(setup.work, f"{mode}-{k}")
+        directory = os.path.join(setup.work, f"{mode}-{k}-{verify}")
         options = {"emulate_link_gbps": setup.link_gbps} if setup.device == "cpu" else {}
         ck = gockpt.Checkpointer(model, opt, directory, mode=mode, overlap_steps=k,
-                                 interval=setup.args.every, on_busy="wait", **options)
+                                 interval=setup.args.every, on_busy="wait", verify=verify,
+                                 **options)
         windows: list = []
         timing = train(setup, model, opt, _GockptHooks(ck, windows))
         timing.windows = windows
@@ -195,6 +196,8 @@ def _from_metrics(directory: str, host: int) -> dict:
             "time_to_durable_median_s": statistics.median(r["time_to_durable_s"]
                                                           for r in records),
             "copy_gbps": statistics.median(copied) / 1e9 if copied else None,
+            # the verification against the live state: its background time per checkpoint
+            "verify_median_s": statistics.median(r.get("verify_s", 0.0) for r in records),
             "host_bytes": host}
 
 
@@ -354,6 +357,9 @@ RUNS = {
     "gockpt-o": gockpt_run("gockpt-o", None),
     "gockpt-o-k": None,  # filled below with --k
     "dcp-async": run_dcp_async,
+    # the same without the verification against the live state (Config.verify=False): its cost
+    "async-noverify": gockpt_run("async", None, verify=False),
+    "gockpt-o-k-noverify": None,
 }
 
 
@@ -361,4 +367,9 @@ def _fixed_k(setup: Setup) -> dict:
     return gockpt_run("gockpt-o", setup.args.k)(setup)
 
 
+def _fixed_k_unverified(setup: Setup) -> dict:
+    return gockpt_run("gockpt-o", setup.args.k, verify=False)(setup)
+
+
 RUNS["gockpt-o-k"] = _fixed_k
+RUNS["gockpt-o-k-noverify"] = _fixed_k_unverified

@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gockpt import storage  # noqa: E402
 from gockpt.storage import io as _io  # noqa: E402
 from gockpt.storage import pagecache  # noqa: E402
+from gockpt.storage.format import fsync_path  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -86,13 +87,6 @@ def make_state(gib: float, seed: int = 0) -> dict:
 def nbytes(state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def drop_caches(paths) -> str:

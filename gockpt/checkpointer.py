@@ -31,6 +31,7 @@ import torch
 
 from . import storage
 from .capture.copies import Capture
+from .capture.digest import LiveDigests
 from .capture.device import device_for
 from .capture.names import is_replicated
 from .capture.plan import build_plan, check_layouts, fingerprint, stepped_groups
@@ -131,8 +132,10 @@ class Checkpointer:
                                    host_bytes=lambda: self.host_bytes,
                                    on_durable=lambda job: self.schedule.durable(
                                        job.metrics.blocked_s))
+        self.digester = LiveDigests(self.device) if self.config.verify else None
         self.pipeline = Pipeline(self.config, self.capture, self.replayer, self.persister,
-                                 lambda step: _checkpoint_path(self.config.directory, step))
+                                 lambda step: _checkpoint_path(self.config.directory, step),
+                                 self.digester)
         self.loop = Loop()
         self._thread = threading.get_ident()  # the training thread: it builds the Checkpointer
         self._job: Optional[Job] = None
@@ -166,6 +169,7 @@ class Checkpointer:
         self.loop.expect("update_begin", BACKWARD)
         self.schedule.reached_update()
         with self._charged("update_begin"):
+            self.pipeline.before_update()
             job = self._job
             if job is not None and job.capturing and job.error is None:
                 self.pipeline.land(job, job.window_step(self.loop.boundary))
@@ -340,6 +344,8 @@ class Checkpointer:
                 self._staging._thread.join()
                 self._staging = None
             self.engine.close()
+            if self.digester is not None:
+                self.digester.close()
             self.lock.release()
             for hook in self._hooks:
                 hook.remove()

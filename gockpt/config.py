@@ -47,11 +47,15 @@ class Config:
     """Size of one block of fp32 state: the unit of copy and replay (default 4 MiB)."""
 
     verify: bool = True
-    """Check every replayed block against the live state at F before committing: the device
-    digests the live tensors under the next forward/backward, the host digests its replayed
-    copy, and they must agree. Tensors that differ were written outside the attached optimizer:
-    that checkpoint is not committed (a warning names them) and they are copied directly at F
-    from then on. ``False`` trusts the replay (not recommended)."""
+    """Check every stored parameter and optimizer state tensor against the live state at F
+    before committing, in every mode: the training device digests the live tensors, read
+    through torch as the framework presents them, under the next forward/backward (the next
+    update waits for it), the staged host copy is digested after the replay, and they must
+    agree (:mod:`gockpt.capture.digest`). Tensors that differ were written outside the
+    attached optimizer, or in place while being read: that checkpoint is not committed (a
+    warning names them) and they are copied directly at F from then on; a copied tensor that
+    differs fails the checkpoint. The digests are stored, and ``load`` / ``verify`` check the
+    data against them. ``False`` trusts the copy and the replay (not recommended)."""
 
     self_check: float = 0.0
     """Fraction of replayed blocks also compared with a direct copy taken at version F (at

@@ -116,9 +116,8 @@ class CaptureBook:
     state_replaced: bool = False
     """An optimizer state read by this checkpoint was replaced before F (the next checkpoint
     reads the new one)."""
-    digests: object = None
-    """The digests of the live replayed blocks at F: (table, rows per role, ticket, the
-    tensors they read as gockpt.capture.copies.Reads)."""
+    live_digests: object = None
+    """The digests of the live tensors at F (gockpt.capture.copies.LiveDigestBook)."""
     states: Optional[list] = None
     """Per slot: the optimizer's state dict, looked up once (gockpt.capture.copies)."""
     missing_states: List[int] = field(default_factory=list)
@@ -191,6 +190,10 @@ class Job:
         self.on_fail: Optional[Callable[["Job"], None]] = None
         self.on_final: Optional[Callable[["Job", List[Block]], None]] = None
         """Called with blocks as they reach F (streaming persistence), if set."""
+        self.digests: Dict[Tuple[int, Optional[str]], str] = {}
+        """(slot, None for the parameter or a state key) -> the digest of that tensor at F,
+        verified against the staged copy (set by the pipeline before the job is staged; the
+        manifest stores them)."""
 
     # ------------------------------------------------------------------ the window
 

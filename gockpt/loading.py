@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from . import storage
+from .capture.digest import as_pairs, digests, to_hex
 from .capture.names import Names, is_replicated
 from .capture.plan import memory_order
 from .storage import manifest as manifest_mod
@@ -67,6 +68,8 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
                                    verify=verify)
     model_small = _check_small(path, manifest, tensors, target, expected, optimizer)
     _read_params(path, manifest, tensors, target, verify)
+    if verify:
+        check_digests(path, manifest, tensors)
     try:
         sd = {name: ref.resolve(tensors) for name, ref in expected.items()}
         sd.update(model_small)
@@ -132,6 +135,29 @@ def _read_params(path, manifest, tensors, target, verify) -> None:
         raise CorruptCheckpointError(
             f"{exc}; the model's parameters may be partly overwritten: load an intact "
             "checkpoint (gockpt.load(..., tag=...)) before training on") from exc
+
+
+def check_digests(path: str, manifest: manifest_mod.Manifest, tensors: dict) -> None:
+    """The tensors read (``tensors``: stored name -> the stored tensor) against the digests
+    the checkpoint recorded of the live state at F: CorruptCheckpointError naming those that
+    differ. The checksums prove the bytes are the ones written; this proves they are the
+    training state, whatever path they took (copy, replay, layout, write, read)."""
+    bad = [what for what, ok in digest_matches(manifest, tensors) if not ok]
+    if bad:
+        raise CorruptCheckpointError(
+            f"checkpoint {path}: {', '.join(bad[:5])}{' and others' if len(bad) > 5 else ''} "
+            "do not hold the training state the checkpoint was taken from (their digest differs "
+            "from the live tensors' at that step, though their checksums match): do not train "
+            "on it; load an earlier checkpoint (tag=...) and please report this")
+
+
+def digest_matches(manifest: manifest_mod.Manifest, tensors: dict):
+    """(what, whether its digest matches) of every parameter and optimizer state tensor with
+    a recorded digest whose stored tensor is in ``tensors``."""
+    checks = [c for c in manifest.digest_checks() if c[1].tensor in tensors]
+    with torch.no_grad():
+        got = as_pairs(digests([manifest.stored_range(ref, tensors) for _, ref, _ in checks]))
+    return [(what, to_hex(pair) == want) for (what, _, want), pair in zip(checks, got)]
 
 
 def _check_params(path, target, expected, manifest) -> None:

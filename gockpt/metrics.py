@@ -30,9 +30,11 @@ class CheckpointMetrics:
     time_to_durable_s: float = 0.0
     self_check_blocks: int = 0
     self_check_mismatches: int = 0
-    verify_blocks: int = 0        # replayed blocks checked against the live state by digest
+    verify_tensors: int = 0       # tensors checked against the live state at F by digest
     verify_mismatches: int = 0
-    verify_s: float = 0.0         # digest time, device (live) + host (replayed)
+    verify_live_s: float = 0.0    # digests of the live tensors (a background thread; on a GPU
+                                  # the time to queue them on a side stream)
+    verify_s: float = 0.0         # verify_live_s + digests of the staged copy and comparison
     step_time_s: float = 0.0
     host_bytes: int = 0
 

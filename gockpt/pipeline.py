@@ -16,9 +16,10 @@ import contextlib
 import os
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from .capture.copies import Capture
+from .capture.digest import LiveDigests
 from .config import Config
 from .errors import CheckpointFailedError, ConsistencyError, GockptError
 from .job import Job
@@ -32,10 +33,13 @@ class Pipeline:
     """Moves jobs through capture -> replay -> self-check -> persist."""
 
     def __init__(self, config: Config, capture: Capture, replayer: Optional[Replayer],
-                 persister: Persister, path_of: Callable[[int], str]):
+                 persister: Persister, path_of: Callable[[int], str],
+                 digester: Optional[LiveDigests] = None):
         self.config, self.policy = config, config.policy
         self.capture, self.replayer, self.persister = capture, replayer, persister
         self.path_of = path_of  # step -> directory of its checkpoint
+        self.digester = digester  # None: Config.verify is off
+        self._digests_to_wait: List[Job] = []  # live digests the next update must not overtake
 
     # ------------------------------------------------------------------ at boundaries
 
@@ -92,14 +96,25 @@ class Pipeline:
         self.capture.freeze_small(job, step, extra_state)
         if self.replayer is not None:
             selfcheck.sample(job, job.plan, self.capture.optimizer, self.config.self_check)
-            if self.config.verify:
-                self.capture.digest_replayed(job)
+        if self.digester is not None:
+            self.capture.digest_live(job, self.digester)
+            self._digests_to_wait.append(job)
         at_f = self.capture.copy_at_f(job)
         if job.on_final is not None:
             self.persister.queue_open(job)
             job.on_final(job, at_f)
 
     # ------------------------------------------------------------------ in a step
+
+    def before_update(self) -> None:
+        """update_begin (any job): the live digests taken at the last F must have read the
+        state before the optimizer changes it."""
+        jobs, self._digests_to_wait = self._digests_to_wait, []
+        for job in jobs:
+            try:
+                job.capture.live_digests.wait_before_update(self.capture.engine.device)
+            except BaseException as exc:
+                job.fail(exc)
 
     def land(self, job: Job, j: int) -> None:
         """update_begin of window step ``j``: group j must have landed; after the last group
@@ -139,11 +154,12 @@ class Pipeline:
         landed on the next checkpoint's fresh copies, whose verification then failed)."""
         book = job.capture
         tickets = [*book.tickets.values(), *book.grad_tickets]
-        if book.digests is not None:
-            tickets.append(book.digests[2])
         for ticket in tickets:
             with contextlib.suppress(Exception):  # the job has failed already
                 ticket.wait()
+        if book.live_digests is not None:
+            for ticket in book.live_digests.tickets():
+                ticket.reads_done.wait()
         if self.replayer is not None:
             passed = threading.Event()
             self.replayer.barrier(passed.set)
@@ -157,21 +173,28 @@ class Pipeline:
             self.persister.queue_captured(job)  # the last group is at F: write it
         if self.replayer is not None:
             self.replayer.barrier(lambda: self.after_replay(job))
-        else:
+        elif self.policy.persists_inline:
             self.after_replay(job)
+        else:  # the checks of the copy run off the training thread, then the write
+            self.persister.queue_call(lambda: self.after_replay(job, on_persist_thread=True))
 
-    def after_replay(self, job: Job) -> None:
-        """Every block is at version F (runs on the replay thread, or inline without replay)."""
+    def after_replay(self, job: Job, on_persist_thread: bool = False) -> None:
+        """Every block is at version F (runs on the replay thread; without a replay on the
+        persist thread, or inline in sync mode): checked against the live state, staged,
+        then persisted (queued, or right here on the persist thread)."""
         if job.error is not None:
             return
         try:
-            selfcheck.verify(job, job.plan, self.config.self_check_strict)
+            job.digests = selfcheck.verify(job, job.plan, self.config.self_check_strict,
+                                           replayed=self.replayer is not None)
         except BaseException as exc:
             job.fail(exc)
             return
         job.metrics.time_to_staged_s = time.perf_counter() - job.t_start
         job.staged()
-        if not self.policy.persists_inline:  # else the Checkpointer persists it after the hook
+        if on_persist_thread:
+            self.persister.persist(job)
+        elif not self.policy.persists_inline:  # else the Checkpointer persists it after the hook
             self.persister.queue_persist(job)
 
 

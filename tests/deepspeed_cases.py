@@ -1,7 +1,9 @@
 """The DeepSpeed acceptance cases, shared by tests/integrations/test_deepspeed.py (CPU
 accelerator) and tests/gpu/test_gpu_deepspeed.py (a CUDA engine): each trains a tiny model in
 fresh processes (tests/deepspeed_worker.py) uninterrupted, patched with a checkpoint, and
-resumed from it, and compares bit patterns."""
+resumed from it, and compares bit patterns.  ``check_export_to_deepspeed`` (for
+tests/integrations/test_deepspeed_export.py): the checkpoint exported in DeepSpeed's own
+layout, loaded by DeepSpeed without gockpt."""
 
 import json
 import os
@@ -80,3 +82,82 @@ def assert_fp32_export_matches(tmp_path, live):
     for name, t in fp32.items():
         assert t.dtype == torch.float32 and t.shape == weights[name].shape
         assert torch.equal(t.to(weights[name].dtype), weights[name].cpu()), name
+
+
+def check_export_to_deepspeed(tmp_path, stage, world, extra, save_at, steps,
+                              against="uninterrupted"):
+    """``gockpt export --to deepspeed`` of the patched run's checkpoint at ``save_at``: the
+    files are those DeepSpeed's own ``save_checkpoint`` writes at that step (same names, keys,
+    types and bits), and a DeepSpeed without gockpt (tests/deepspeed_worker.py "plain-load")
+    loads them in fresh processes and trains on bit for bit -- like the uninterrupted run
+    (``against="uninterrupted"``), or like DeepSpeed's own checkpoint of that step loaded the
+    same way (``"native-load"``: where DeepSpeed's own resume is not bitwise, see
+    tests/integrations/test_deepspeed_export.py).  Returns the export directory."""
+    from gockpt.cli import main
+    scenario = dict(stage=stage, steps=steps, save_at=save_at, **extra)
+    for d in ("native", "gockpt", "load", "native-load"):
+        (tmp_path / d).mkdir()
+    native = runs(tmp_path / "native", world, **scenario)("native-save")  # plain DeepSpeed
+    saved = runs(tmp_path / "gockpt", world, **scenario)("save")
+    config = tmp_path / "ds_config.json"  # the config the run trained with, as DeepSpeed kept it
+    config.write_text(json.dumps(torch.load(
+        next((tmp_path / "native" / "ckpt").glob("*/mp_rank_00_model_states.pt")),
+        weights_only=False, map_location="cpu")["ds_config"]))
+    out = tmp_path / "export"
+    assert main(["export", str(tmp_path / "gockpt" / "ckpt"), "--to", "deepspeed", str(out),
+                 "--ds-config", str(config)]) == 0
+    assert_same_deepspeed_checkpoint(tmp_path / "native" / "ckpt", out)
+    loaded = runs(tmp_path / "load", world, **scenario, load_dir=str(out))("plain-load")
+    reference = native if against == "uninterrupted" else runs(
+        tmp_path / "native-load", world, **scenario,
+        load_dir=str(tmp_path / "native" / "ckpt"))("plain-load")
+    first = save_at * extra.get("gas", 1) if against == "uninterrupted" else 0
+    for r in range(world):
+        assert_states_equal(loaded[r]["loaded"], saved[r]["live"], f"rank {r}: loaded vs live")
+        assert loaded[r]["client"]["data_pos"] == save_at and loaded[r]["client"]["rank"] == 0
+        assert loaded[r]["losses"] == reference[r]["losses"][first:], f"rank {r}: losses"
+        assert_states_equal(loaded[r]["final"], reference[r]["final"], f"rank {r}: vs {against}")
+    return out
+
+
+def assert_same_deepspeed_checkpoint(native, export):
+    """Two DeepSpeed checkpoint directories hold the same files, and each file the same
+    objects: keys in the same order, the same types (DeepSpeed's loss scaler, enums, fragment
+    addresses included, compared by their attributes), tensors of the same dtype, shape and
+    bits.  (Not the module dict's ``_metadata``, which the export leaves out: see
+    gockpt/cli/export_deepspeed.py.)"""
+    tag = (native / "latest").read_text().strip()
+    assert (export / "latest").read_text().strip() == tag
+    assert sorted(p.name for p in native.iterdir()) == sorted(p.name for p in export.iterdir())
+    names = sorted(p.name for p in (native / tag).iterdir())
+    assert sorted(p.name for p in (export / tag).iterdir()) == names
+    problems = []
+    for name in names:
+        a, b = (torch.load(d / tag / name, weights_only=False, map_location="cpu")
+                for d in (native, export))
+        _differences(a, b, name, problems)
+    assert not problems, "the export is not DeepSpeed's own checkpoint:\n" + "\n".join(problems)
+
+
+def _differences(a, b, where, out):
+    if type(a) is not type(b):
+        out.append(f"{where}: {type(a).__name__} here, {type(b).__name__} in the export")
+    elif torch.is_tensor(a):
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(
+                a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+            out.append(f"{where}: tensor {a.dtype} {tuple(a.shape)} differs from the export's "
+                       f"{b.dtype} {tuple(b.shape)}")
+    elif isinstance(a, dict):
+        if list(a) != list(b):
+            out.append(f"{where}: keys {list(a)}, the export's {list(b)}")
+        for k in a.keys() & b.keys():
+            _differences(a[k], b[k], f"{where}[{k!r}]", out)
+    elif isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+        if len(a) != len(b):
+            out.append(f"{where}: {len(a)} items, the export's {len(b)}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            _differences(x, y, f"{where}[{i}]", out)
+    elif hasattr(a, "__dict__") and not isinstance(a, type):  # DeepSpeed's objects
+        _differences(vars(a), vars(b), f"{where}.__dict__", out)
+    elif a != b:
+        out.append(f"{where}: {a!r}, the export's {b!r}")

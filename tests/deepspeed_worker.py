@@ -13,7 +13,10 @@ at each step of "save_at", client_state given as a dict of values as DeepSpeed u
 live state at the last one is dumped), "resume" (a fresh engine loads the checkpoint in
 "load_dir" and trains on, saving again at the steps of "resave_at" into "resave_dir"),
 "native-save" / "native-load" (DeepSpeed's own checkpoints, loaded through the patched
-engine).  Each rank writes OUT/<run>-rank<r>.pt: losses and states.
+engine), "plain-load" (DeepSpeed alone -- gockpt not installed, and not even importable until
+the load is done -- loads the DeepSpeed checkpoint in "load_dir", e.g. one written by
+`gockpt export --to deepspeed`, and trains on).  Each rank writes OUT/<run>-rank<r>.pt: losses
+and states.
 """
 
 import json
@@ -91,19 +94,34 @@ def live_state(engine):
                                            engine.skipped_steps]}
 
 
+class NoGockpt:
+    """An import hook that refuses gockpt: the plain-load run builds and loads without it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "gockpt":
+            raise ImportError(f"{name}: imported while DeepSpeed alone builds and loads")
+        return None
+
+
 def main():
     out_dir, sc = sys.argv[1], json.loads(sys.argv[2])
-    from gockpt.integrations import deepspeed as gockpt_ds
+    if sc["run"] == "plain-load":
+        sys.meta_path.insert(0, NoGockpt())
+    else:
+        from gockpt.integrations import deepspeed as gockpt_ds
     run, rank = sc["run"], int(os.environ["RANK"])
     ck_dir = os.path.join(out_dir, "ckpt")
     if run in ("patched", "save", "resume", "native-load"):
         gockpt_ds.install(**sc.get("options", {}))
     engine = build(sc)
     out = {"losses": []}
-    if run in ("resume", "native-load"):
+    if run in ("resume", "native-load", "plain-load"):
         # "load_dir": where to load from (default the "save" run's); "resave_at": steps the
         # resumed run saves again (into "resave_dir"), the live state at the last one dumped
         path, client = engine.load_checkpoint(os.path.join(out_dir, sc.get("load_dir", "ckpt")))
+        if run == "plain-load":  # loaded without gockpt; its snapshots below may import it
+            assert path is not None and not any(m.split(".")[0] == "gockpt" for m in sys.modules)
+            sys.meta_path[:] = [h for h in sys.meta_path if not isinstance(h, NoGockpt)]
         out["client"] = client
         out["loaded"] = live_state(engine)
         resaves = sc.get("resave_at", [])

@@ -13,3 +13,20 @@ def failing_writer(after_writes: int, err: int):
             self._data_writer.inject_fault(after_writes, err)
 
     return FailingWriter
+
+
+def misplacing_writer(tensor: str):
+    """A ``storage_writer`` plugin that writes zeros instead of the stored tensor ``tensor``
+    (its checksums are computed on the zeros, so they match): bytes that are intact on disk
+    yet are not the training state -- what only the digests recorded at F can tell."""
+    import torch
+
+    class MisplacingWriter(storage.CheckpointWriter):
+        def write(self, name, t, *, start=0):
+            super().write(name, torch.zeros_like(t) if name == tensor else t, start=start)
+
+        def write_tensors(self, tensors):
+            return super().write_tensors({n: torch.zeros_like(t) if n == tensor else t
+                                          for n, t in tensors.items()})
+
+    return MisplacingWriter

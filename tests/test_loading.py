@@ -163,3 +163,56 @@ def test_a_corrupt_small_tensor_is_found_before_the_model_is_touched(saved, tmp_
     with pytest.raises(gockpt.CorruptCheckpointError, match=small):
         gockpt.load(str(tmp_path / "copy"), model, opt, scheduler=sched)
     H.assert_same(before, dict(model.state_dict()))
+
+
+def many_small(seed=0):
+    """40 small parameters: stored as one pack per role."""
+    torch.manual_seed(seed)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(5)) for _ in range(40)])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), None
+
+
+@pytest.mark.parametrize("build,stored", [(H.build, "model/hidden.weight"),
+                                          (H.build, "optim/0/exp_avg_sq"),
+                                          (many_small, "pack/model/F32"),
+                                          (many_small, "pack/optim/exp_avg/F32")])
+def test_intact_bytes_that_are_not_the_training_state_are_refused(tmp_path, build, stored):
+    # A storage plugin writes zeros for one stored tensor: its checksums match (computed on
+    # what was written), only the digests of the live tensors at F, recorded in the manifest,
+    # tell. Packed small tensors are checked too (each by its own range).
+    from faulty_storage import misplacing_writer
+    H.seed_all(0)
+    model, opt, sched = build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="async", scheduler=sched,
+                             storage_writer=misplacing_writer(stored))
+    for step in range(3):
+        ck.backward_begin()
+        sum(p.square().sum() for p in model.parameters()).backward()
+        ck.update_begin()
+        opt.step()
+        opt.zero_grad()
+        ck.save_checkpoint(step + 1, force=step == 2)
+    ck.close()
+    manifest = read_json(tmp_path / storage.checkpoint_name(3) / "manifest.json")
+    assert stored in manifest["tensors"], sorted(manifest["tensors"])
+    m, o, s = build(seed=123)
+    with pytest.raises(gockpt.CorruptCheckpointError,
+                       match="do not hold the training state the checkpoint was taken from"):
+        gockpt.load(str(tmp_path), m, o, scheduler=s)
+    report = gockpt.verify(str(tmp_path))
+    assert not report.ok
+    [bad] = report.checkpoints[0].bad
+    assert bad.tensor == stored and "differ from the live state at step 3" in bad.error
+    gockpt.load(str(tmp_path), m, o, scheduler=s, verify=False)  # asked not to check
+
+
+def test_every_stored_parameter_and_state_has_its_digest(saved):
+    root, _ = saved
+    manifest = read_json(os.path.join(root, storage.checkpoint_name(5), "manifest.json"))
+    assert set(manifest["model"]["digests"]) == set(manifest["model"]["params"])
+    assert {i: set(d) for i, d in manifest["optimizer"]["digests"].items()} == \
+        {i: set(r) for i, r in manifest["optimizer"]["aligned"].items()}
+    m = gockpt.metrics.read(root)[-1]
+    assert m["verify_tensors"] == len(manifest["model"]["params"]) + \
+        sum(len(r) for r in manifest["optimizer"]["aligned"].values())
+    assert m["verify_mismatches"] == 0 and m["verify_s"] > 0

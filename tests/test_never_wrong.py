@@ -345,6 +345,67 @@ def test_a_clamp_after_the_step_is_caught_by_the_verification(tmp_path, verify):
         assert wrong == run.committed() == [h.final_step for h in run.handles]
 
 
+def wrong_source(monkeypatch, name: str, keep: list):
+    """A copy path whose source address for parameter ``name`` is wrong (other memory of the
+    right size, zeros): the fault the verification must catch whatever the mode -- and that
+    every check reading through the copy's own addresses misses, since it reads the same
+    wrong memory (FSDP2's DTensors were checkpointed as zeros that way)."""
+    from gockpt.capture.copies import Capture
+    real = Capture._live_bases
+
+    def live_bases(self, job, slots, roles):
+        bases, read, copies = real(self, job, slots, roles)
+        si = [s.name for s in job.plan.slots].index(name)
+        if None in bases and bases[None][si]:
+            zeros = torch.zeros(job.plan.slots[si].numel)
+            keep.append(zeros)
+            bases[None][si] = zeros.data_ptr()
+        return bases, read, copies
+
+    monkeypatch.setattr(Capture, "_live_bases", live_bases)
+
+
+@pytest.mark.parametrize("mode,k", MODES)
+def test_a_copy_of_the_wrong_memory_is_never_committed(tmp_path, mode, k, monkeypatch):
+    import warnings
+    keep = []
+    wrong_source(monkeypatch, "2.weight", keep)
+    model, opt = clamped_model()
+    x = torch.randn(24, 5, 16, generator=torch.Generator().manual_seed(2))
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode=mode, overlap_steps=k,
+                             block_bytes=512)
+    for step in (4, 11):
+        ck.plan_checkpoint(step)
+    said, handles = [], []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(14):
+            for hook in ("backward_begin", "update_begin", "save_checkpoint"):
+                if hook == "update_begin":
+                    model(x[step]).square().mean().backward()
+                try:
+                    h = getattr(ck, hook)(*((step + 1,) if hook == "save_checkpoint" else ()))
+                except gockpt.CheckpointFailedError as exc:  # surfaces at the next hook
+                    said.append(str(exc))
+                    h = None
+                if hook == "update_begin":
+                    opt.step()
+                    opt.zero_grad()
+                elif h is not None:
+                    handles.append(h)
+        try:
+            ck.close()
+        except gockpt.CheckpointFailedError as exc:
+            said.append(str(exc))
+    # (a save at which the first failure surfaces raises it instead of starting one)
+    assert [h.final_step for h in handles] in ([4], [4, 11])
+    assert all(h.error is not None for h in handles)
+    assert storage.list_checkpoints(str(tmp_path)) == []  # nothing wrong was committed
+    said += [str(w.message) for w in seen]
+    assert any("staged copy of 2.weight differs" in m or "2.weight differ from their replay" in m
+               for m in said), said
+
+
 def backbone_model():
     torch.manual_seed(0)
     model = nn.ModuleDict({"backbone": nn.Linear(8, 8), "head": nn.Linear(8, 48)})

@@ -40,7 +40,7 @@ class FakeCapture:
         self.log.append(("copy_rest",))
         job.captured()
 
-    def digest_replayed(self, job):
+    def digest_live(self, job, digester):
         self.log.append(("digest",))
 
     def copy_at_f(self, job):
@@ -87,6 +87,7 @@ class FakeReplayer:
 class FakePersister:
     def __init__(self, log):
         self.log = log
+        self.calls = []
 
     def queue_open(self, job):
         self.log.append(("open",))
@@ -96,6 +97,10 @@ class FakePersister:
 
     def queue_persist(self, job):
         self.log.append(("queue persist",))
+
+    def queue_call(self, fn):
+        self.log.append(("call",))
+        self.calls.append(fn)
 
     def persist(self, job):
         self.log.append(("persist inline",))
@@ -110,7 +115,7 @@ def make(mode="gockpt-o", k=3, fail=None, start=5):
     replayer = FakeReplayer(log) if config.policy.replays else None
     persister = FakePersister(log)
     pipe = Pipeline(config, FakeCapture(log, fail), replayer, persister,
-                    lambda step: f"/ck/step-{step}")
+                    lambda step: f"/ck/step-{step}", digester=object())
     job = Job(start, k, start, [[] for _ in range(k)], mode, "/ck/p")
     if config.policy.streams:
         job.on_final = persister.blocks_final
@@ -154,16 +159,20 @@ def test_sync_copies_everything_at_begin_and_leaves_the_persist_to_the_hook():
     pipe, job, log = make(mode="sync", k=1)
     pipe.begin(job, 5, 5, None)
     # the Checkpointer persists it inline once save_checkpoint has charged its time
-    assert log == [("freeze", 5, None), ("copy at F",), ("enqueue", 1), ("copy_rest",)]
+    assert log == [("freeze", 5, None), ("digest",), ("copy at F",), ("enqueue", 1),
+                   ("copy_rest",)]
     assert job.state is State.STAGED
 
 
-def test_async_copies_everything_at_begin_and_persists_in_the_background():
+def test_async_copies_everything_at_begin_and_checks_and_persists_in_the_background():
     pipe, job, log = make(mode="async", k=1)
     pipe.begin(job, 5, 5, None)
-    assert log == [("freeze", 5, None), ("copy at F",), ("open",), ("blocks final", 0),
-                   ("enqueue", 1), ("copy_rest",),
-                   ("write captured",), ("queue persist",)]
+    assert log == [("freeze", 5, None), ("digest",), ("copy at F",), ("open",),
+                   ("blocks final", 0), ("enqueue", 1), ("copy_rest",),
+                   ("write captured",), ("call",)]
+    assert job.state is State.CAPTURED  # checked against the live state off the hook
+    pipe.persister.calls.pop()()
+    assert log[-1] == ("persist inline",) and job.state is State.STAGED
 
 
 @pytest.mark.parametrize("mode,waits_in_step", [("gockpt", True), ("gockpt-o", False)])

@@ -13,7 +13,7 @@ Four kinds of capture feed one checkpoint:
 from __future__ import annotations
 
 import operator
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from ..replay.records import StepRecord
 from ..storage import tree
 from ..storage.manifest import SmallSection, small_prefix
 from . import smallstate
+from .digest import LiveDigests, Ticket as DigestTicket
 from .plan import fingerprint, flat
 from .segments import BlockTable
 from .staging import GradPool, HostCopy
@@ -202,33 +203,38 @@ class Capture:
             self._zero_buf = torch.zeros(max(nbytes, 1 << 16), dtype=torch.uint8)
         return self._zero_buf.data_ptr()
 
-    def digest_replayed(self, job: Job) -> None:
-        """At the boundary of F: queue the digests (gockpt.replay.digest) of the live tensors
-        of every block captured so far -- the blocks the replay brings to F -- to be compared
-        with the replayed host copy. They run under the next forward/backward like a copy, and
-        a write during it is found by :meth:`land_group`, as for the last group."""
-        if not job.capture.captured:
-            return
-        table = job.capture.captured_table()
-        roles = (None,) + tuple(k for k in job.host.roles() if k in self.adapter.state_keys)
-        live, read, copies = self._live_bases(job, table.slots, roles)
-        if copies:  # laid out unlike the parameter: verified by the sampled self-check
-            return
-        rows = [(key, np.flatnonzero(live[key][table.slot] != 0)) for key in roles]
-        if self.engine.device.asynchronous_copies:  # a reduction on the device
-            tensors = {(si, key): t for key, (have, ts) in zip(roles, read.columns)
-                       for si, t in zip(have, ts)}
-            ticket = self.engine.device.digest_blocks(
-                [(key, [(tensors[(si, key)], job.plan.slots[si].dims, st) for si, st in
-                        zip(table.slot[have].tolist(), table.start[have].tolist())])
-                 for key, have in rows], job.plan.block_elems)
-        else:
-            every = np.concatenate([r for _, r in rows])  # no state yet: nothing to check
-            src = np.concatenate([live[key][table.slot[have]] + table.start[have] * 4
-                                  for key, have in rows])
-            ticket = self.engine.submit_digests(src, table.numel[every], table.start[every],
-                                                STATE)
-        job.capture.digests = (table, rows, ticket, read)
+    def digest_live(self, job: Job, digester: LiveDigests) -> None:
+        """At the boundary of F, after the small state is frozen: queue the digests
+        (:mod:`gockpt.capture.digest`) of every tensor this checkpoint stores -- each
+        parameter and each aligned optimizer state tensor, read through torch as the
+        framework presents them, not by the addresses the copies use -- to be compared with
+        the staged host copy before anything is committed. The slots copied at F (written
+        in place during forward/backward, or not optimized) are digested now, before the
+        next step can write them; the others under the next forward/backward, waited for
+        before the next update (:meth:`LiveDigestBook.wait_before_update`)."""
+        plan, host = job.plan, job.host
+        states = self._states(job)
+        entries: List[Tuple[int, Optional[str]]] = []
+        tensors: List[torch.Tensor] = []
+        for si, slot in enumerate(plan.slots):
+            entries.append((si, None))
+            tensors.append(slot.param)
+            st = states[si]
+            if st is not None and not slot.static:
+                for key in host.keys[si]:
+                    if key in st:
+                        entries.append((si, key))
+                        tensors.append(st[key])
+        at_f = [i for i, (si, _) in enumerate(entries) if plan.slots[si].at_f]
+        later = [i for i, (si, _) in enumerate(entries) if not plan.slots[si].at_f]
+        views = [flat(t, plan.slots[si].dims) for (si, _), t in zip(entries, tensors)]
+        book = LiveDigestBook(entries, Reads([([si for si, _ in entries], tensors)]))
+        for part in (at_f, later):
+            if part:
+                book.parts.append((part, digester.submit([views[i] for i in part])))
+        if at_f:  # their copies are taken at F: read them before anything can change them
+            self.engine.device.order_after_digests(book.parts[0][1])
+        job.capture.live_digests = book
 
     def _pairs(self, job: Job, blocks, states: list) -> list:
         """(host destination, live source) of every tensor of ``blocks`` (for a device whose
@@ -258,9 +264,6 @@ class Capture:
             return
         ticket.wait()
         written = book.reads[j].written() if j in book.reads else set()
-        if j == job.k and book.digests is not None:  # taken in the same window
-            book.digests[2].wait()
-            written |= book.digests[3].written()
         written = sorted({job.plan.slots[si].name for si in written})
         if written:
             book.written_outside.update(written)
@@ -443,6 +446,44 @@ def _same_dicts(state: dict, seen: tuple) -> bool:
     mapping, values = seen
     return mapping is state and len(state) == len(values) and \
         all(map(operator.is_, state.values(), values))
+
+
+class LiveDigestBook:
+    """The digests of the live tensors at F of one checkpoint: ``entries`` (slot, None for
+    the parameter or a state key) in order, ``parts``: (entry positions, their digest
+    ticket), and the tensors as :class:`Reads` (an in-place write since F tells a torn read
+    from a wrong copy)."""
+
+    def __init__(self, entries: List[Tuple[int, Optional[str]]], reads: "Reads"):
+        self.entries, self.reads = entries, reads
+        self.parts: List[Tuple[List[int], DigestTicket]] = []
+        self._written: Optional[set] = None  # taken before the next update
+
+    def tickets(self) -> List[DigestTicket]:
+        return [t for _, t in self.parts]
+
+    def wait_before_update(self, device) -> None:
+        """The next optimizer update must not run before the digests have read the tensors;
+        what was written in place until now is noted (the update itself writes them too)."""
+        for ticket in self.tickets():
+            device.order_after_digests(ticket)
+        self._written = self.reads.written()
+
+    def pairs(self) -> List[Tuple[int, int]]:
+        """Every entry's digest, in entry order (waits for them)."""
+        out: List = [None] * len(self.entries)
+        for positions, ticket in self.parts:
+            for i, pair in zip(positions, ticket.pairs()):
+                out[i] = pair
+        return out
+
+    def written(self) -> set:
+        """The slots of the tensors written in place after F while the digests read them
+        (until the next update: from then on the optimizer writes them)."""
+        return self._written if self._written is not None else self.reads.written()
+
+    def seconds(self) -> float:
+        return sum(t.seconds for t in self.tickets())
 
 
 class Reads:

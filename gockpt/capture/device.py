@@ -7,6 +7,8 @@ Everything above this module is written once for both.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -28,6 +30,21 @@ class HostDevice:
         """Training work issued from now on must not run before ``ticket``'s copies have
         landed. The CPU has no stream to order on: the training thread waits."""
         ticket.wait()
+
+    def mark(self):
+        """A marker of the training work issued so far (the CPU runs it as it is issued)."""
+        return None
+
+    @contextlib.contextmanager
+    def behind(self, mark):
+        """Run work (a digest thread's) after what ``mark`` marks: here, at once. Yields a
+        dict that gets no event: the work is done when the block ends."""
+        yield {}
+
+    def order_after_digests(self, ticket) -> None:
+        """The next update must not run before ``ticket``'s digests have read the live
+        tensors: the training thread waits for them."""
+        ticket.reads_done.wait()
 
     def device_arena(self, dtype: torch.dtype, sizes):
         """An arena in device memory (here: host memory standing for it)."""
@@ -71,32 +88,34 @@ class CudaDevice:
         elif ticket.error is not None:
             raise ticket.error
 
-    def digest_blocks(self, per_role, block: int) -> _DeviceDigests:
-        """Digests of the live blocks ``per_role`` = [(key, [(tensor, dims, start), ...])],
-        rows in that order, computed on the state stream behind the work queued so far on the
-        compute stream (the state at this boundary) and copied to pinned host memory."""
-        from ..replay.digest import block_digests_torch
-        from .plan import flat
+    def mark(self):
+        """An event behind the work queued so far on the compute stream (the state now)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        done = torch.cuda.Event()
-        stream = self.state_stream
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            parts, offset, index = [], {}, []
-            for _, blocks in per_role:
-                for t, dims, start in blocks:
-                    if id(t) not in offset:  # every block of that tensor, in one pass
-                        offset[id(t)] = sum(len(p) for p in parts)
-                        parts.append(block_digests_torch(flat(t, dims), block))
-                    index.append(offset[id(t)] + start // block)
-            digests = torch.cat(parts)[torch.tensor(index, device=self.device)] if index \
-                else torch.empty(0, 2, dtype=torch.int64, device=self.device)
-            host = torch.empty(digests.shape, dtype=torch.int64, pin_memory=True)
-            host.copy_(digests, non_blocking=True)
-            done.record(stream)
-        return _DeviceDigests(host, done)
+    @contextlib.contextmanager
+    def behind(self, mark):
+        """Queue the block's work on a side stream behind ``mark`` (from any thread); the
+        yielded dict gets ``"event"``, recorded behind that work."""
+        if self._digest_stream is None:
+            self._digest_stream = torch.cuda.Stream(device=self.device, priority=0)
+        stream, done = self._digest_stream, {}
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_event(mark)
+            yield done
+            event = torch.cuda.Event()
+            event.record(stream)
+            done["event"] = event
+
+    def order_after_digests(self, ticket) -> None:
+        """Kernels queued on the compute stream from now on wait for ``ticket``'s digests to
+        have read the live tensors (on the GPU; the CPU waits only until they are queued)."""
+        ticket.reads_done.wait()
+        if ticket.done_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(ticket.done_event)
+
+    _digest_stream = None
 
     def enqueue(self, pairs, high_priority: bool):
         """Enqueue device-to-host copies behind the work already queued on the current stream;
@@ -114,19 +133,6 @@ class CudaDevice:
                 src.record_stream(stream)
             done.record(stream)
         return done
-
-
-class _DeviceDigests:
-    """Digests computed on the GPU, on their way to pinned host memory."""
-
-    seconds = 0.0
-
-    def __init__(self, host: torch.Tensor, done):
-        self.host, self.done = host, done
-
-    def wait(self):
-        self.done.synchronize()
-        return self.host.numpy().view("uint64")
 
 
 def device_for(tensors) -> "HostDevice | CudaDevice":

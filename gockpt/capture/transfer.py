@@ -1,4 +1,4 @@
-"""Copy engine: one priority queue of device-to-host copies (and host digests).
+"""Copy engine: one priority queue of device-to-host copies.
 
 Gradient copies (small, needed soon by the replay) always go before state copies. On the CPU
 the C++ engine (``_C.CopyEngine``, csrc/copy_engine.h) runs them on its own thread in pieces of
@@ -91,18 +91,6 @@ class Ticket:
                 pass
 
 
-class DigestTicket(Ticket):
-    """Completion of one group of digests; ``wait()`` returns them."""
-
-    _out = np.empty(0, dtype=np.uint64)  # set by CopyEngine.submit_digests
-
-    def wait(self) -> np.ndarray:
-        """Block until done; the uint64 array of shape (n, 2), row i = (d1, d2) of segment i."""
-        out = self._out
-        super().wait()
-        return out.reshape(-1, 2)
-
-
 def _pair_error(i: int, d: torch.Tensor, s: torch.Tensor) -> str:
     if not (d.is_contiguous() and s.is_contiguous()):
         return f"copy {i}: dst and src must be contiguous"
@@ -175,18 +163,6 @@ class CopyEngine:
         check_non_negative("nbytes", nbytes)
         ticket = Ticket(len(dst), int(nbytes.sum()))
         return self._start(ticket, None, self._engine.submit(int(priority), dst, src, nbytes))
-
-    def submit_digests(self, src, nwords, first, priority: int) -> DigestTicket:
-        """Queue the digests (gockpt.replay.digest) of ``nwords[i]`` float32 words at host
-        address ``src[i]`` whose first has element index ``first[i]``; ``wait()`` returns them
-        as a uint64 array of shape (n, 2).  Digests are not paced (a device-side reduction)."""
-        src, nwords, first = int64_arrays(("src", src), ("nwords", nwords), ("first", first))
-        check_non_negative("nwords", nwords)
-        check_non_negative("first", first)
-        ticket = DigestTicket(len(src), 4 * int(nwords.sum()))
-        ticket._out = out = np.empty(2 * len(src), dtype=np.uint64)
-        return self._start(ticket, out,
-                           self._engine.submit_digest(int(priority), src, nwords, first, out))
 
     def _start(self, ticket: Ticket, keep, engine_id: int) -> Ticket:
         ticket._engine, ticket._id, ticket._keep = self._engine, engine_id, keep

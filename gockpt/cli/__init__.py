@@ -4,7 +4,8 @@ Subcommands::
 
     gockpt inspect PATH [--rank R] [--json]   step, mode, tensors, sizes, ranks, timings
     gockpt verify  PATH [--all] [--json]      every checksum; names each bad file and tensor
-    gockpt export  PATH --to {safetensors,torch} OUT [--rank R] [--force]
+    gockpt export  PATH --to {safetensors,torch,fp32} OUT [--rank R] [--force]
+    gockpt export  PATH --to deepspeed OUT_DIR --ds-config CONFIG [--force]
     gockpt list    DIR  [--json]              checkpoints, which is latest, ranks, leftovers
     gockpt clean   DIR                        remove leftovers of processes that died
 
@@ -25,7 +26,8 @@ when the data layout or the checksum scheme changes; ``verify`` prints what
 :func:`gockpt.verify` reports.
 
 One module per command: :mod:`.inspect` (its data built by :mod:`.summary`), :mod:`.verify`,
-:mod:`.export`, :mod:`.listing` (list and clean); :mod:`.common` holds what they share.
+:mod:`.export` (DeepSpeed targets in :mod:`.export_fp32` and :mod:`.export_deepspeed`),
+:mod:`.listing` (list and clean); :mod:`.common` holds what they share.
 :mod:`.interval` is the separate console script ``gockpt-interval`` (the checkpoint interval
 that minimises wasted time; also ``python -m gockpt.interval``).
 """
@@ -73,13 +75,23 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("export", help="write consolidated weights other tools load without gockpt")
     s.add_argument("path", metavar="PATH")
-    s.add_argument("--to", required=True, choices=("safetensors", "torch", "fp32"),
+    s.add_argument("--to", required=True, choices=("safetensors", "torch", "fp32", "deepspeed"),
                    help="safetensors: the model's state_dict (tied parameters as copies); "
                         "torch: torch.save({'model', 'optimizer', 'step'[, 'scheduler']}); "
                         "fp32: the consolidated fp32 master weights of a DeepSpeed checkpoint "
-                        "(every rank's part; safetensors)")
+                        "(every rank's part; safetensors); deepspeed: a checkpoint written "
+                        "through gockpt.integrations.deepspeed in DeepSpeed's own layout "
+                        "(OUT a directory: OUT/latest, OUT/global_step<N>/ with the model "
+                        "states and every rank's ZeRO partition) that engine.load_checkpoint(OUT) "
+                        "of a DeepSpeed without gockpt loads; needs --ds-config")
     s.add_argument("out", metavar="OUT")
-    s.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    s.add_argument("--force", action="store_true",
+                   help="overwrite OUT if it exists (--to deepspeed: write into a non-empty "
+                        "OUT, replacing its global_step<N>/ and latest)")
+    s.add_argument("--ds-config", metavar="CONFIG",
+                   help="--to deepspeed: the DeepSpeed config (JSON) the run trained with; "
+                        "stored in the checkpoint as DeepSpeed does, and the ZeRO stage and "
+                        "gradient clipping taken from it (a gockpt checkpoint does not hold them)")
     s.add_argument("--rank", type=int, metavar="R",
                    help="checkpoint written by several ranks: export rank R's part (default 0)")
     s.set_defaults(func=cmd_export)

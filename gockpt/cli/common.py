@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from .. import storage
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..storage.verify import Part
+from ..storage.verify import Part, read_parts
 
 PROG = "gockpt"
 
@@ -72,6 +72,19 @@ def select_part(path: str, parts: List[Part], rank: int) -> Part:
         raise BadCheckpoint(f"{path}: part {part.name} (rank {rank}) is missing or "
                             f"unreadable: {part.error}")
     return part
+
+
+def every_part(path: str, data: dict, what: str) -> list:
+    """(path, manifest data) of every rank's part of the checkpoint at ``path`` (itself for a
+    checkpoint written by one process); BadCheckpoint naming each part missing or wrong."""
+    parts = read_parts(path, data)
+    if parts is None:
+        return [(path, data)]
+    bad = [f"{q.name}: {q.error or '; '.join(q.problems)}" for q in parts
+           if q.data is None or q.problems]
+    if bad:
+        raise BadCheckpoint(f"{path}: {what} needs every rank's part: {'; '.join(bad)}")
+    return [(q.path, q.data) for q in parts]
 
 
 def no_rank_for_single(path: str, rank: Optional[int]) -> None:

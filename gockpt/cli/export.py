@@ -1,5 +1,7 @@
 """``gockpt export``: consolidated weights that other tools load without gockpt (safetensors:
-the model's ``state_dict``; torch: ``torch.save`` of model, optimizer, step and scheduler)."""
+the model's ``state_dict``; torch: ``torch.save`` of model, optimizer, step and scheduler;
+fp32: DeepSpeed's fp32 master weights, ``export_fp32.py``; deepspeed: DeepSpeed's own checkpoint
+directory, ``export_deepspeed.py``)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,17 @@ from ..storage.commit import replace_file
 from ..storage.manifest import Manifest
 from ..storage.verify import read_parts
 from .export_fp32 import consolidated_fp32
-from .common import (BadCheckpoint, UsageError, human, no_rank_for_single, one_line,
-                     read_manifest, resolve_checkpoint, select_part, warn)
+from .common import (BadCheckpoint, UsageError, every_part, human, no_rank_for_single,
+                     one_line, read_manifest, resolve_checkpoint, select_part, warn)
 
 
 def cmd_export(args) -> int:
-    """``gockpt export PATH --to {safetensors,torch} OUT [--rank R] [--force]``."""
+    """``gockpt export PATH --to {safetensors,torch,fp32} OUT [--rank R] [--force]``, or
+    ``--to deepspeed OUT_DIR --ds-config CONFIG`` (a directory)."""
+    if args.to == "deepspeed":
+        return _export_deepspeed(args)
+    if getattr(args, "ds_config", None) is not None:
+        raise UsageError("--ds-config is for --to deepspeed")
     if os.path.isdir(args.out):
         raise UsageError(f"{args.out}: is a directory; give the output file name")
     if os.path.exists(args.out) and not args.force:
@@ -58,16 +65,7 @@ def _export_fp32(args) -> int:
     """Every rank's fp32 fragments, put together (gockpt.integrations.deepspeed checkpoints)."""
     path, _run, warns = resolve_checkpoint(args.path)
     warn(warns)
-    data = read_manifest(path)
-    parts = read_parts(path, data)
-    if parts is None:
-        sources = [(path, data)]
-    else:
-        bad = [f"{q.name}: {q.error or '; '.join(q.problems)}" for q in parts
-               if q.data is None or q.problems]
-        if bad:
-            raise BadCheckpoint(f"{path}: --to fp32 needs every rank's part: {'; '.join(bad)}")
-        sources = [(q.path, q.data) for q in parts]
+    sources = every_part(path, read_manifest(path), "--to fp32")
     sd = consolidated_fp32(sources)
     step = Manifest.from_json(*sources[0]).step
     meta = {"format": "pt", "gockpt_step": str(step), "gockpt_source": os.path.abspath(path),
@@ -76,6 +74,38 @@ def _export_fp32(args) -> int:
     nbytes = sum(t.numel() * t.element_size() for t in written.values())
     print(f"wrote {args.out}: fp32 master weights of step {step} from {os.path.abspath(path)} "
           f"({len(sources)} part(s), {len(written)} parameters, {human(nbytes)})")
+    return 0
+
+
+def _export_deepspeed(args) -> int:
+    """Every rank's part in DeepSpeed's own layout (gockpt.integrations.deepspeed checkpoints)."""
+    from . import export_deepspeed  # imports DeepSpeed: only for this target
+
+    if args.ds_config is None:
+        raise UsageError("--to deepspeed needs --ds-config CONFIG: the DeepSpeed config (JSON) "
+                         "the run trained with; a gockpt checkpoint does not hold it (ZeRO "
+                         "stage, gradient clipping), DeepSpeed's does")
+    if args.rank is not None:
+        raise UsageError("--to deepspeed writes every rank's part; --rank does not apply")
+    out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"{out}: not a directory; --to deepspeed writes a checkpoint directory")
+    if os.path.isdir(out) and os.listdir(out) and not args.force:
+        raise UsageError(f"{out}: exists and is not empty; pass --force to write into it")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{out}: directory {parent} does not exist")
+    path, _run, warns = resolve_checkpoint(args.path)
+    warn(warns)
+    where, source = os.path.realpath(out), os.path.realpath(path)
+    if where in (source, os.path.dirname(source)) or where.startswith(source + os.sep):
+        raise UsageError(f"{out}: is the gockpt checkpoint or its run directory; its 'latest' "
+                         "would name the export. Give another directory")
+    export = export_deepspeed.build(every_part(path, read_manifest(path), "--to deepspeed"),
+                                    args.ds_config)
+    export_deepspeed.write(out, export, args.force)
+    print(f"wrote {out}: {export_deepspeed.describe(export)} from {os.path.abspath(path)}; "
+          f"'latest' names it: engine.load_checkpoint({out!r})")
     return 0
 
 

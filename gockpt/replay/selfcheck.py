@@ -1,11 +1,16 @@
-"""The checks that every replayed byte is the live state at F, before anything is committed.
+"""The checks that every stored byte is the live state at F, before anything is committed.
 
-* **Digests** (always, unless ``Config.verify=False``): at the boundary of F the device digests
-  the live tensors of every replayed block (:meth:`Capture.digest_replayed`); after the replay
-  the host digests its copy (:func:`gockpt.replay.digest.digest_segments`), and they must agree.
-  A mismatch names the tensors written outside the replayed optimizer (a second optimizer, an
-  in-place clamp, ...): that checkpoint is not committed, and those tensors are copied directly
-  at F from then on.
+* **Digests** (always, unless ``Config.verify=False``), in every mode: at the boundary of F the
+  live tensors -- every parameter and aligned optimizer state tensor, read through torch as
+  the framework presents them -- are digested on their device (:meth:`Capture.digest_live`);
+  once every block is at F the staged host copy is digested by the same function
+  (:mod:`gockpt.capture.digest`), and they must agree. The digests share nothing with the
+  copy path (addresses, queues, kernels), so a copy of the wrong memory is caught as surely
+  as a replay that went wrong. A mismatch names the tensors: written in place since F (a torn
+  reading) or outside the replayed optimizer (a second optimizer, an in-place clamp, ...),
+  they are copied directly at F from then on; a copied tensor that differs fails the
+  checkpoint. The verified digests go into the manifest, so that ``load`` and ``verify``
+  check the data end to end against what training had.
 * **Sampled direct copies** (``Config.self_check``, a fraction): a few replayed blocks copied
   at F and compared bit for bit -- a debugging aid for the replay itself; a mismatch fails the
   checkpoint with an error.
@@ -16,15 +21,14 @@ from __future__ import annotations
 import random
 import time
 import warnings
-
-import numpy as np
+from typing import Dict
 
 import torch
 
+from ..capture.digest import as_pairs, digests, to_hex
 from ..capture.plan import Plan, flat
 from ..errors import ConsistencyError
 from ..job import Job
-from .digest import digest_segments
 
 
 def sample(job: Job, plan: Plan, optimizer: torch.optim.Optimizer, fraction: float) -> None:
@@ -46,36 +50,64 @@ def sample(job: Job, plan: Plan, optimizer: torch.optim.Optimizer, fraction: flo
         job.capture.samples.append((b, direct))
 
 
-def verify(job: Job, plan: Plan, strict: bool) -> None:
-    """After the replay: the sampled direct copies, then the digests; raises
+def verify(job: Job, plan: Plan, strict: bool, replayed: bool = True) -> Dict:
+    """After the replay (``replayed``: this mode replays): the sampled direct copies, then the
+    digests; returns the verified digests, (slot, None or state key) -> hex; raises
     ConsistencyError on a mismatch (sampled copies: warns instead unless ``strict``)."""
     _compare_samples(job, plan, strict)
-    _compare_digests(job, plan)
+    return _compare_digests(job, plan, replayed)
 
 
-def _compare_digests(job: Job, plan: Plan) -> None:
-    """The host copy's digests of the replayed blocks against the live ones taken at F."""
-    if job.capture.digests is None:
-        return
-    table, rows, ticket, _ = job.capture.digests
+def _compare_digests(job: Job, plan: Plan, replayed: bool) -> Dict:
+    """The staged host copy's digests against the live ones taken at F."""
+    book = job.capture.live_digests
+    if book is None:
+        return {}
+    live = book.pairs()
     t0 = time.perf_counter()
-    live = ticket.wait()
-    every = np.concatenate([r for _, r in rows])
-    host = digest_segments(
-        np.concatenate([job.host.bases(k)[0][table.slot[r]] + table.start[r] * 4
-                        for k, r in rows]), table.numel[every], table.start[every])
-    bad = np.flatnonzero((live != host).any(axis=1))
+    host = job.host
+    staged = as_pairs(digests([host.param[si] if key is None else host.state[si][key]
+                               for si, key in book.entries]))
+    bad = [e for e, x, y in zip(book.entries, live, staged) if x != y]
     m = job.metrics
-    m.verify_blocks, m.verify_mismatches = len(table), len(bad)
-    m.verify_s = ticket.seconds + time.perf_counter() - t0
-    if len(bad):
-        names = sorted({plan.slots[s].name for s in table.slot[every[bad]].tolist()})
-        job.capture.written_outside.update(names)
-        raise ConsistencyError(
-            f"{', '.join(names[:5])}{' and others' if len(names) > 5 else ''} differ from their "
-            f"replay at step {job.handle.final_step} ({len(bad)} of {len(every)} "
-            "replayed blocks): something other than the attached optimizer wrote them (a "
-            "second optimizer, an in-place clamp or renorm, add_param_group, ...)")
+    m.verify_tensors, m.verify_mismatches = len(book.entries), len(bad)
+    m.verify_live_s = book.seconds()
+    m.verify_s = m.verify_live_s + time.perf_counter() - t0
+    if bad:
+        _refuse(job, plan, bad, len(book.entries), book.written(), replayed)
+    return {e: to_hex(pair) for e, pair in zip(book.entries, live)}
+
+
+def _refuse(job: Job, plan: Plan, bad, total: int, written: set, replayed: bool) -> None:
+    """ConsistencyError naming the ``bad`` entries, by what explains them; those that a copy at
+    F fixes are marked to be copied at F from now on."""
+    step = job.handle.final_step
+
+    def names(entries):
+        out = sorted({plan.slots[si].name for si, _ in entries})
+        return f"{', '.join(out[:5])}{' and others' if len(out) > 5 else ''}"
+
+    torn = [e for e in bad if e[0] in written]
+    moved = [e for e in bad if e[0] not in written and replayed and not plan.slots[e[0]].at_f]
+    copied = [e for e in bad if e not in torn and e not in moved]
+    job.capture.written_outside.update(plan.slots[si].name for si, _ in torn + moved)
+    reasons = []
+    if torn:
+        reasons.append(f"{names(torn)} {'was' if len(torn) == 1 else 'were'} written in place "
+                       f"after step {step} while gockpt read {'it' if len(torn) == 1 else 'them'}"
+                       " (an in-place write outside the optimizer, e.g. "
+                       "nn.Embedding(max_norm=...))")
+    if moved:
+        reasons.append(f"{names(moved)} differ from their replay at step {step} ({len(moved)} "
+                       f"of {total} tensors): something other than the attached optimizer "
+                       "wrote them (a second optimizer, an in-place clamp or renorm, "
+                       "add_param_group, ...)")
+    if copied:
+        reasons.append(f"the staged copy of {names(copied)} differs from the live tensor at "
+                       f"step {step} as torch presents it: gockpt copied other memory than the "
+                       "tensor holds (a tensor subclass or storage it cannot address, or a bug "
+                       "in gockpt: please report it)")
+    raise ConsistencyError("; ".join(reasons))
 
 
 def _compare_samples(job: Job, plan: Plan, strict: bool) -> None:

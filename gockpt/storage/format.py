@@ -112,6 +112,11 @@ def fsync_dir(path: str) -> None:
     """fsync a directory, so that the entries created or renamed in it are durable."""
     if os.name == "nt":
         return  # Windows cannot open a directory as a file; its renames are journaled anyway
+    fsync_path(path)
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file (or, on POSIX, a directory) by its path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -6,8 +6,10 @@ parts written by several ranks, and their validation. The one module that knows 
 
     step, start_step, mode, overlap_steps   which version F, captured how
     rank, world_size                        this part's place among the ranks
-    model      {"params": {state_dict name: stored tensor}, "aliases": {tied name: name}}
-    optimizer  {"class": name, "aligned": {state index: [keys stored as tensors]}}
+    model      {"params": {state_dict name: stored tensor}, "aliases": {tied name: name},
+                "digests": {state_dict name: digest of the live tensor at F}}
+    optimizer  {"class": name, "aligned": {state index: {key: stored tensor}},
+                "digests": {state index: {key: digest}}}
     small      everything small at F, as gockpt.storage.tree-encoded JSON:
                model (buffers), optimizer (param groups, steps), scheduler, rng, extra_state
     metrics    what the checkpoint cost (gockpt.metrics.CheckpointMetrics)
@@ -22,10 +24,12 @@ checkpoint and the field.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..capture.digest import is_hex
 from ..errors import CorruptCheckpointError, LoadError
 from . import tree
 from .refs import TensorRef
@@ -80,6 +84,10 @@ class ModelSection:
     """``state_dict`` name of each planned parameter -> where it is stored."""
     aliases: Dict[str, str] = field(default_factory=dict)
     """Extra ``state_dict`` names of tied parameters -> their canonical name."""
+    digests: Dict[str, str] = field(default_factory=dict)
+    """``state_dict`` name -> the digest (:mod:`gockpt.capture.digest`, 32 hex digits) of the
+    live parameter at F, in its stored (memory) order; empty in checkpoints written without
+    verification or by earlier versions."""
 
     def expected(self) -> Dict[str, TensorRef]:
         """Every ``state_dict`` name the parameters answer to (aliases included) -> ref."""
@@ -98,6 +106,8 @@ class OptimizerSection:
     aligned: Dict[int, Dict[str, TensorRef]] = field(default_factory=dict)
     """Optimizer state index -> key -> where that state tensor (of the parameter's shape) is
     stored."""
+    digests: Dict[int, Dict[str, str]] = field(default_factory=dict)
+    """Optimizer state index -> key -> the digest of the live state tensor at F."""
 
 
 class _Absent:
@@ -163,7 +173,8 @@ class Manifest:
                "overlap_steps": self.overlap_steps, "rank": self.rank,
                "world_size": self.world_size,
                "model": {"params": {n: r.to_json() for n, r in self.model.params.items()},
-                         "aliases": dict(self.model.aliases)},
+                         "aliases": dict(self.model.aliases),
+                         "digests": dict(self.model.digests)},
                # shallow: asdict() would deep-copy thousands of encoded values
                "small": {s: getattr(self.small, s) for s in SMALL_SECTIONS},
                "metrics": dict(self.metrics)}
@@ -172,7 +183,9 @@ class Manifest:
         if self.optimizer is not None:
             out["optimizer"] = {"class": self.optimizer.cls,
                                 "aligned": {str(i): {k: r.to_json() for k, r in refs.items()}
-                                            for i, refs in self.optimizer.aligned.items()}}
+                                            for i, refs in self.optimizer.aligned.items()},
+                                "digests": {str(i): dict(d) for i, d in
+                                            self.optimizer.digests.items()}}
         return out
 
     @classmethod
@@ -194,6 +207,9 @@ class Manifest:
         params = _refs(model.get("params")) if isinstance(model, dict) else None
         if params is None or not _str_map(model.get("aliases", {})):
             raise bad("the 'model' section is missing or malformed")
+        model_digests = _digests(model.get("digests", {}))
+        if model_digests is None or not set(model_digests) <= set(params):
+            raise bad("the model's 'digests' are malformed or name parameters it does not have")
         small = data.get("small")
         if not isinstance(small, dict) or any(s not in small for s in SMALL_SECTIONS):
             raise bad("the 'small' section is missing or incomplete")
@@ -203,7 +219,12 @@ class Manifest:
             aligned = _aligned(opt.get("aligned", {})) if isinstance(opt, dict) else None
             if aligned is None or not isinstance(opt.get("class"), (str, type(None))):
                 raise bad("the 'optimizer' section is malformed")
-            optimizer = OptimizerSection(opt.get("class") or "", aligned)
+            state_digests = _state_digests(opt.get("digests", {}))
+            if state_digests is None or any(not set(d) <= set(aligned.get(i, {}))
+                                            for i, d in state_digests.items()):
+                raise bad("the optimizer's 'digests' are malformed or name state it does not "
+                          "store")
+            optimizer = OptimizerSection(opt.get("class") or "", aligned, state_digests)
         for key in ("rank", "world_size"):
             if key in data and not _is_int(data[key]):
                 raise bad(f"{key!r} is {data[key]!r:.40}, expected an int")
@@ -212,7 +233,7 @@ class Manifest:
         metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else {}
         return cls(step=data["step"], start_step=data["start_step"], mode=data["mode"],
                    overlap_steps=data["overlap_steps"],
-                   model=ModelSection(params, dict(model.get("aliases", {}))),
+                   model=ModelSection(params, dict(model.get("aliases", {})), model_digests),
                    small=SmallSection(**{s: small[s] for s in SMALL_SECTIONS}),
                    optimizer=optimizer, rank=data.get("rank", 0),
                    world_size=data.get("world_size", 1),
@@ -233,6 +254,24 @@ class Manifest:
                 raise bad(f"{what}: reference into {ref.tensor!r}: {problem}")
         return self
 
+    def digest_checks(self) -> List[Tuple[str, TensorRef, str]]:
+        """(what, reference, digest) of every parameter and optimizer state tensor whose
+        digest at F the checkpoint recorded (``what`` names it for a message)."""
+        checks = [(f"parameter {name!r}", self.model.params[name], d)
+                  for name, d in self.model.digests.items() if name in self.model.params]
+        if self.optimizer is not None:
+            for idx, by_key in self.optimizer.digests.items():
+                refs = self.optimizer.aligned.get(idx, {})
+                checks += [(f"optimizer state [{idx}][{key!r}]", refs[key], d)
+                           for key, d in by_key.items() if key in refs]
+        return checks
+
+    def stored_range(self, ref: TensorRef, tensors: dict):
+        """The elements ``ref`` refers to in its stored tensor (read into ``tensors``), flat,
+        in stored (memory) order: what its digest was taken of."""
+        numel = math.prod(self.logical_shape(ref))
+        return tensors[ref.tensor].reshape(-1)[ref.offset:ref.offset + numel]
+
     def logical_shape(self, ref: TensorRef) -> Tuple[int, ...]:
         """The shape of the tensor ``ref`` refers to (from the tensor table, nothing read)."""
         return ref.logical_shape(self.tensors[ref.tensor]["shape"])
@@ -252,11 +291,13 @@ class Manifest:
         params, aliases = _refs(get("model").get("params")), get("model").get("aliases", {})
         opt = data.get("optimizer")
         optimizer = None if not isinstance(opt, dict) else OptimizerSection(
-            opt.get("class") or "", _aligned(opt.get("aligned") or {}) or {})
+            opt.get("class") or "", _aligned(opt.get("aligned") or {}) or {},
+            _state_digests(opt.get("digests") or {}) or {})
         scalars = ("step", "start_step", "mode", "overlap_steps", "rank", "world_size")
         return cls(**{k: data.get(k) for k in scalars},
                    model=ModelSection(params or {},
-                                      dict(aliases) if _str_map(aliases) else {}),
+                                      dict(aliases) if _str_map(aliases) else {},
+                                      _digests(get("model").get("digests") or {}) or {}),
                    small=SmallSection(**{s: get("small").get(s, ABSENT) for s in SMALL_SECTIONS}),
                    optimizer=optimizer, tensors=data.get("tensors", {}),
                    metrics=data["metrics"] if isinstance(data.get("metrics"), dict) else None)
@@ -404,6 +445,21 @@ def _refs(x) -> Optional[Dict[str, TensorRef]]:
         return None
     out = {k: TensorRef.from_json(v) for k, v in x.items() if isinstance(k, str)}
     return None if len(out) != len(x) or None in out.values() else out
+
+
+def _digests(x) -> Optional[Dict[str, str]]:
+    """A map of names to digests; None if malformed."""
+    if not isinstance(x, dict) or not all(isinstance(k, str) and is_hex(v) for k, v in x.items()):
+        return None
+    return dict(x)
+
+
+def _state_digests(x) -> Optional[Dict[int, Dict[str, str]]]:
+    """An optimizer section's ``digests``: index -> key -> digest; None if malformed."""
+    if not isinstance(x, dict) or not all(_is_index(i) for i in x):
+        return None
+    out = {int(i): _digests(d) for i, d in x.items()}
+    return None if None in out.values() else out
 
 
 def _str_map(x) -> bool:

@@ -1,6 +1,7 @@
 """The last stage: version F from host memory to a committed checkpoint on storage.
 
-One background thread ("gockpt-persist") takes three kinds of work, in order, per job:
+One background thread ("gockpt-persist") takes three kinds of work, in order, per job (and
+calls handed to it, :meth:`Persister.queue_call`):
 
     open       at the boundary of F: the layout and small state are known, the writer opens
     captured   every block is captured: the last group and the static blocks are final
@@ -70,23 +71,38 @@ class Persister:
     def queue_persist(self, job: Job) -> None:
         self._queue.put(("persist", job))
 
+    def queue_call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the persist thread, in order with the jobs' work (the checks of a
+        checkpoint copied without a replay, which then queue its persist)."""
+        self._queue.put(("call", fn))
+
     def close(self) -> None:
         """Finish the queued work and stop the thread."""
         self._queue.put(None)
         self._thread.join()
 
     def _run(self) -> None:
+        closing = False
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            what, job = item
-            if what == "open":
-                self._open_writer(job)
-            elif what == "captured":
-                self._write_captured(job)
+            if closing:  # close() asked: finish what is queued, also what the work queued
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    return
             else:
-                self.persist(job)
+                item = self._queue.get()
+            if item is None:
+                closing = True
+                continue
+            what, arg = item
+            if what == "call":
+                arg()
+            elif what == "open":
+                self._open_writer(arg)
+            elif what == "captured":
+                self._write_captured(arg)
+            else:
+                self.persist(arg)
 
     # ------------------------------------------------------------------ streaming
 
@@ -243,8 +259,11 @@ class Persister:
                 step=job.handle.final_step, start_step=m.start_step, mode=self.config.mode,
                 overlap_steps=job.k, rank=self.ranks.rank, world_size=self.ranks.world_size,
                 replicated=bool(self.config.replicated),
-                model=ModelSection(self._layout(job).param_refs, job.plan.aliases),
-                optimizer=OptimizerSection(self.optimizer_class, self._layout(job).state_refs),
+                model=ModelSection(self._layout(job).param_refs, job.plan.aliases,
+                                   {job.plan.slots[si].name: d for (si, key), d in
+                                    job.digests.items() if key is None}),
+                optimizer=OptimizerSection(self.optimizer_class, self._layout(job).state_refs,
+                                           _state_digests(job)),
                 small=job.capture.small, metrics=m.to_dict())
             t_commit = time.perf_counter()
             path = writer.commit(manifest.to_json(), update_latest=update_latest)
@@ -254,3 +273,12 @@ class Persister:
         except BaseException:
             writer.abort()
             raise
+
+
+def _state_digests(job: Job) -> Dict[int, Dict[str, str]]:
+    """The verified digests of the optimizer state, by state index and key."""
+    out: Dict[int, Dict[str, str]] = {}
+    for (si, key), d in job.digests.items():
+        if key is not None:
+            out.setdefault(job.plan.slots[si].opt_index, {})[key] = d
+    return out

@@ -1,4 +1,5 @@
 """Checking committed checkpoints without loading them: every block checksum of every tensor,
+the digests of the parameters and optimizer state against those of the live tensors at F,
 that the manifest's references resolve and the small state decodes, and, for a checkpoint
 written by several ranks, that every listed part is there and consistent with the others.
 
@@ -12,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
+from ..capture.digest import as_pairs, digests, to_hex
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from .commit import is_committed, list_checkpoints, resolve
 from .manifest import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor, parts_of
@@ -226,8 +228,12 @@ def _verify_checkpoint(path: str, *, parts: bool = True) -> CheckpointReport:
 
 
 def _verify_tensors(path: str, m: Manifest, report: CheckpointReport) -> dict:
-    """Read and checksum every tensor into ``report``; returns the small-state tensors."""
+    """Read and checksum every tensor into ``report``, and check the digests of the
+    parameters and optimizer state tensors stored in it; returns the small-state tensors."""
     small = {}
+    by_tensor: dict = {}
+    for check in m.digest_checks():
+        by_tensor.setdefault(check[1].tensor, []).append(check)
     for name, e in m.tensors.items():
         try:
             t = read_tensors(path, m, names=[name], verify=True)[name]
@@ -237,11 +243,27 @@ def _verify_tensors(path: str, m: Manifest, report: CheckpointReport) -> dict:
         except OSError as exc:
             report.bad.append(BadTensor(name, e["file"], f"cannot read: {_one_line(exc)}"))
             continue
+        wrong = _digest_mismatches(m, name, t, by_tensor.get(name, []))
+        if wrong:
+            report.bad.append(BadTensor(
+                name, e["file"], f"checkpoint {path!r}: tensor {name!r}: {', '.join(wrong[:5])}"
+                f"{' and others' if len(wrong) > 5 else ''} differ from the live state at step "
+                f"{m.step} (their digest; the checksums match)"))
+            continue
         report.tensors += 1
         report.bytes += e["nbytes"]
         if is_small_tensor(name):
             small[name] = t
     return small
+
+
+def _digest_mismatches(m: Manifest, name: str, t, checks) -> List[str]:
+    """What of ``checks`` (refs into stored tensor ``name``, read as ``t``) does not match
+    the digest recorded at F."""
+    if not checks:
+        return []
+    got = as_pairs(digests([m.stored_range(ref, {name: t}) for _, ref, _ in checks]))
+    return [what for (what, _, want), pair in zip(checks, got) if to_hex(pair) != want]
 
 
 def _reference_problems(m: Manifest) -> List[str]:

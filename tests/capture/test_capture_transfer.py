@@ -1,5 +1,5 @@
 """The copy engine (gockpt.capture.transfer over _C.CopyEngine): copies land bit for bit,
-gradients overtake state, pacing, digests, close()."""
+gradients overtake state, pacing, close()."""
 import gc
 import threading
 
@@ -10,7 +10,6 @@ import torch
 from gockpt import _C
 from gockpt.capture.device import HostDevice
 from gockpt.capture.transfer import GRADIENT, PIECE_BYTES, STATE, CopyEngine, Ticket
-from gockpt.replay.digest import digest, digest_torch
 
 MIB = 1 << 20
 
@@ -77,24 +76,6 @@ def test_pacing_lower_bound():
     engine.close()
 
 
-def test_digests_equal_the_reference():
-    t = torch.from_numpy(np.random.default_rng(1).standard_normal(700001, dtype=np.float32))
-    t[3] = float("nan")
-    segs = [(0, 10), (10, 10), (10, 700001), (5, 9)]  # one over several 1 MiB pieces
-    src = np.array([t.data_ptr() + 4 * a for a, _ in segs], dtype=np.int64)
-    nwords = np.array([b - a for a, b in segs], dtype=np.int64)
-    first = np.array([a + 100 for a, _ in segs], dtype=np.int64)
-    engine = CopyEngine(HostDevice(), link_gbps=1.0)  # digests are not paced
-    ticket = engine.submit_digests(src, nwords, first, STATE)
-    got = ticket.wait()
-    assert got.dtype == np.uint64 and got.shape == (4, 2) and ticket.nbytes == 4 * nwords.sum()
-    for k, (a, b) in enumerate(segs):
-        want = digest_torch(t[a:b], a + 100)
-        assert tuple(int(x) for x in got[k]) == want == digest(t[a:b], a + 100)
-    assert engine.submit_digests([], [], [], STATE).wait().shape == (0, 2)
-    engine.close()
-
-
 def test_close_finishes_queued_work_and_refuses_more():
     engine = CopyEngine(HostDevice(), link_gbps=1.0)
     src = torch.randn(MIB)  # 4 MiB: ~4 ms paced
@@ -108,8 +89,6 @@ def test_close_finishes_queued_work_and_refuses_more():
         engine.submit([(dsts[0], src)], STATE)
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit_segments([0], [0], [0], GRADIENT)
-    with pytest.raises(RuntimeError, match="closed"):
-        engine.submit_digests([src.data_ptr()], [4], [0], STATE)
 
 
 def test_submissions_from_several_threads():

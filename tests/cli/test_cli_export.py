@@ -1,5 +1,7 @@
-"""Tests of `gockpt export` (gockpt/cli/export.py): files that plain torch and safetensors load."""
+"""Tests of `gockpt export` (gockpt/cli/export.py): files that plain torch and safetensors load,
+and the usage of `--to deepspeed` (gockpt/cli/export_deepspeed.py)."""
 
+import json
 import os
 
 import pytest
@@ -159,3 +161,75 @@ def test_export_fp32_of_a_checkpoint_not_written_through_deepspeed(run_dir, tmp_
     rc, out, err = run(capsys, "export", run_dir, "--to", "fp32", str(out_file))
     assert rc == 1 and "gockpt.integrations.deepspeed" in err and "--to safetensors" in err
     assert not out_file.exists()
+
+
+# ---------------------------------------------------------------- --to deepspeed, its usage
+# (the export of real DeepSpeed checkpoints, loaded by DeepSpeed without gockpt:
+# tests/integrations/test_deepspeed_export.py)
+
+BF16_ZERO1 = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+              "bf16": {"enabled": True}}
+
+
+@pytest.fixture
+def ds_config(tmp_path):
+    def write(cfg=BF16_ZERO1, text=None):
+        path = tmp_path / "ds_config.json"
+        path.write_text(text if text is not None else json.dumps(cfg))
+        return str(path)
+    return write
+
+
+def test_export_deepspeed_needs_a_config_and_a_directory(run_dir, tmp_path, ds_config, capsys):
+    out = tmp_path / "ds"
+    rc, _, err = run(capsys, "export", run_dir, "--to", "deepspeed", str(out))
+    assert rc == 2 and "--ds-config" in err and not out.exists()
+    some_file = tmp_path / "f"
+    some_file.write_text("keep")
+    rc, _, err = run(capsys, "export", run_dir, "--to", "deepspeed", str(some_file),
+                     "--ds-config", ds_config())
+    assert rc == 2 and "not a directory" in err and some_file.read_text() == "keep"
+    out.mkdir()
+    (out / "mine").write_text("keep")
+    rc, _, err = run(capsys, "export", run_dir, "--to", "deepspeed", str(out),
+                     "--ds-config", ds_config())
+    assert rc == 2 and "--force" in err and os.listdir(out) == ["mine"]
+    rc, _, err = run(capsys, "export", run_dir, "--to", "deepspeed", str(tmp_path / "a"),
+                     "--ds-config", ds_config(), "--rank", "1")
+    assert rc == 2 and "every rank's part" in err
+    rc, _, err = run(capsys, "export", run_dir, "--to", "torch", str(tmp_path / "b.pt"),
+                     "--ds-config", ds_config())
+    assert rc == 2 and "--ds-config is for --to deepspeed" in err
+    rc, _, err = run(capsys, "export", run_dir, "--to", "deepspeed", str(tmp_path / "no" / "c"),
+                     "--ds-config", ds_config())
+    assert rc == 2 and "does not exist" in err
+    rc, _, err = run(capsys, "export", run_dir, "--to", "deepspeed", str(tmp_path / "d"),
+                     "--ds-config", str(tmp_path / "missing.json"))
+    assert rc == 2 and "missing.json" in err and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("cfg,text,match", [
+    (None, "{not json", "not JSON"),
+    (None, "[1, 2]", "not a JSON object"),
+    ({**BF16_ZERO1, "zero_optimization": {"stage": 3}}, None, "ZeRO stage 3"),
+    ({**BF16_ZERO1, "zero_optimization": {"stage": "auto"}}, None, "not 'auto'"),
+    ({**BF16_ZERO1, "zero_optimization": {"stage": 1, "elastic_checkpoint": True}}, None,
+     "elastic_checkpoint"),
+    ({"zero_optimization": {"stage": 1}}, None, "fp32 training"),
+])
+def test_export_deepspeed_refuses_a_config_it_cannot_honour(run_dir, tmp_path, ds_config,
+                                                            capsys, cfg, text, match):
+    path = ds_config(cfg, text)
+    rc, _, err = run(capsys, "export", run_dir, "--to", "deepspeed", str(tmp_path / "o"),
+                     "--ds-config", path)
+    assert rc == 2 and match in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_export_deepspeed_of_a_checkpoint_not_written_through_deepspeed(run_dir, tmp_path,
+                                                                       ds_config, capsys):
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "o"
+    rc, _, err = run(capsys, "export", run_dir, "--to", "deepspeed", str(out),
+                     "--ds-config", ds_config())
+    assert rc == 1 and "gockpt.integrations.deepspeed" in err and not out.exists()

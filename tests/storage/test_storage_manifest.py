@@ -59,6 +59,31 @@ def test_to_json_from_json_round_trip():
     assert back.logical_shape(back.model.params["c.weight"]) == (2, 3)
 
 
+D = "0123456789abcdef" * 2  # a digest as the manifest spells it
+
+
+def test_digests_round_trip_and_are_checked():
+    m = sample_manifest(model=M.ModelSection({"a.weight": ref("model/a.weight")}, {},
+                                             {"a.weight": D}),
+                        optimizer=M.OptimizerSection("AdamW", {0: {"exp_avg": ref(
+                            "optim/0/exp_avg")}}, {0: {"exp_avg": D}}))
+    back = M.Manifest.from_json("ck", as_read(m))
+    assert back == m
+    assert [(what, r.tensor) for what, r, _ in back.digest_checks()] == [
+        ("parameter 'a.weight'", "model/a.weight"),
+        ("optimizer state [0]['exp_avg']", "optim/0/exp_avg")]
+    for section, key, value in [("model", None, {"a.weight": D.upper()}),
+                                ("model", None, {"nope": D}),
+                                ("model", None, ["a.weight"]),
+                                ("optimizer", None, {"0": {"exp_avg_sq": D}}),
+                                ("optimizer", None, {"x": {"exp_avg": D}})]:
+        data = as_read(m)
+        data[section]["digests"] = value
+        with pytest.raises(CorruptCheckpointError, match="'digests' are malformed"):
+            M.Manifest.from_json("ck", data)
+    assert M.Manifest.from_json("ck", as_read(sample_manifest())).model.digests == {}
+
+
 def test_from_json_reads_the_earlier_format():
     data = as_read(sample_manifest())
     data["model"]["params"] = {"a.weight": "model/a.weight"}
