@@ -50,6 +50,7 @@ void Fd::reset() {
 }
 
 int pwrite_all(int fd, const uint8_t* p, uint64_t n, uint64_t off) {
+  if (!fits_off(off, n)) return EOVERFLOW;
   while (n) {
     ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(off));
     if (w < 0) {
@@ -65,6 +66,7 @@ int pwrite_all(int fd, const uint8_t* p, uint64_t n, uint64_t off) {
 }
 
 int64_t pread_full(int fd, uint8_t* p, uint64_t n, uint64_t off) {
+  if (!fits_off(off, n)) return -EOVERFLOW;
   uint64_t got = 0;
   while (got < n) {
     ssize_t r = ::pread(fd, p + got, n - got, static_cast<off_t>(off + got));

@@ -17,6 +17,12 @@ constexpr uint64_t kIoBytes = 16ull << 20;  // target size of one pread/pwrite (
 
 inline uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 inline uint64_t round_down(uint64_t x, uint64_t a) { return x / a * a; }
+// Whether [off, off + n) is a range of file offsets (signed 64-bit off_t), computed without
+// overflow: pread/pwrite would take a wrapped or negative offset for anything else.
+inline bool fits_off(uint64_t off, uint64_t n) {
+  constexpr uint64_t kMax = 0x7fffffffffffffffull;
+  return off <= kMax && n <= kMax - off;
+}
 inline bool aligned_ptr(const void* p) { return (reinterpret_cast<uintptr_t>(p) & (kAlign - 1)) == 0; }
 
 // An OS error with its errno (translated to Python's OSError).
@@ -65,9 +71,10 @@ class Fd {
   int fd_ = -1;
 };
 
-// Writes all n bytes at offset off: 0 or errno.
+// Writes all n bytes at offset off: 0 or errno (EOVERFLOW: the range is not a file range).
 int pwrite_all(int fd, const uint8_t* p, uint64_t n, uint64_t off);
-// Reads up to n bytes at offset off, stopping early only at end of file: bytes read, or -errno.
+// Reads up to n bytes at offset off, stopping early only at end of file: bytes read, or -errno
+// (-EOVERFLOW: the range is not a file range).
 int64_t pread_full(int fd, uint8_t* p, uint64_t n, uint64_t off);
 // Threads for threads <= 0: the hardware concurrency (2 if unknown).
 int resolve_threads(int threads);

@@ -23,7 +23,7 @@ struct ReadItem {
 
 // What read_into() found.
 struct ReadResult {
-  int err = 0;                // 0 or the errno of the first failed read (msg says where)
+  int err = 0;                // 0, the errno of the first failed read, or EINVAL for an unsound item
   std::string msg;
   int64_t bad_item = -1;      // the item whose read failed, or -1
   bool direct = false;        // whether O_DIRECT was used
@@ -32,7 +32,9 @@ struct ReadResult {
 };
 
 // pread every item's bytes into item.dst (several threads, O_DIRECT when possible), checking
-// each chunk's crc32c against item.crcs when verify.
+// each chunk's crc32c against item.crcs when verify. Every item is checked first (a chunk size
+// > 0, file offsets within off_t, an address range that does not wrap, one checksum per chunk
+// when verifying): if one is not, nothing is read and err is EINVAL with bad_item and msg.
 ReadResult read_into(const std::string& path, const std::vector<ReadItem>& items, bool verify,
                      int threads, bool direct);
 

@@ -6,8 +6,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from .errors import ConfigError
+from .errors import ConfigError, StorageError
 from .modes import MODES, POLICIES, ModePolicy
+from .paths import real_directory
 
 GRAD_TRANSPORTS = ("fp32", "bf16")
 
@@ -17,8 +18,10 @@ class Config:
 
     directory: str
     """Root directory of the run's checkpoints: one sub-directory per checkpoint, a ``latest``
-    pointer and ``metrics.jsonl``. Created if missing; must be writable. Made absolute when the
-    Checkpointer is built. One Checkpointer (one job) writes a directory at a time."""
+    pointer and ``metrics.jsonl``. Created if missing; must be writable. Resolved when the
+    Checkpointer is built, as the kernel resolves a path (:mod:`gockpt.paths`: absolute, links
+    followed, ``..`` only after a name that exists), so that ``gockpt.load`` and the tools find
+    it under the same string. One Checkpointer (one job) writes a directory at a time."""
 
     mode: str = "gockpt-o"
     """What may block training (see :mod:`gockpt.modes`): ``sync`` copies and writes at the step
@@ -115,8 +118,16 @@ class Config:
     def __post_init__(self):
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
             raise ConfigError(f"directory must be a path, got {self.directory!r}")
-        # Absolute now: a later os.chdir() in the training script must not move checkpoints.
-        self.directory = os.path.abspath(os.fspath(self.directory))
+        # Resolved now, as the kernel resolves it (gockpt.paths: the directory gockpt.load and
+        # the tools find under the same string); a later os.chdir() must not move checkpoints.
+        try:
+            self.directory = real_directory(self.directory)
+        except FileNotFoundError as exc:  # x/.. with no x: the string names no directory
+            raise ConfigError(f"directory {os.fspath(self.directory)!r}: {exc.strerror}") from exc
+        except OSError as exc:  # a file on the way, no permission: not a place to write
+            raise StorageError(f"checkpoint directory {os.fspath(self.directory)!r} is not a "
+                               f"writable directory ({exc.strerror or exc}); pass a path you "
+                               "can write to") from exc
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         if self.overlap_steps is not None:

@@ -14,6 +14,8 @@ from .capture.plan import memory_order
 from .storage import manifest as manifest_mod
 from .capture import smallstate
 from .errors import CorruptCheckpointError, GockptError, LoadError
+from .paths import directory_to_read
+from .storage.format import MANIFEST_FILE
 
 
 @dataclass
@@ -48,7 +50,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         CorruptCheckpointError: a checksum, file or manifest is wrong (names file and tensor).
         LoadError: the checkpoint does not fit ``model`` / ``optimizer``.
     """
-    path = storage.resolve(directory, tag)
+    path = storage.resolve(directory_to_read(directory), tag)  # the kernel's rule: gockpt.paths
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
     path, manifest = manifest_mod.read(
@@ -62,42 +64,45 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     expected = manifest.model.expected()
     _check_params(path, target, expected, manifest)
 
-    # Small state first (cheap): the model's buffers must fit before any parameter is read.
+    # Small state first (cheap): everything small decoded and checked against the targets
+    # before any parameter is read (parameters are read straight into the model).
     tensors = storage.read_tensors(path, manifest,
                                    [n for n in manifest.tensors if manifest_mod.is_small_tensor(n)],
                                    verify=verify)
-    model_small = _check_small(path, manifest, tensors, target, expected, optimizer)
+    small = _check_small(path, manifest, tensors, target, expected, optimizer, scheduler,
+                         restore_rng)
     _read_params(path, manifest, tensors, target, verify)
     if verify:
         check_digests(path, manifest, tensors)
     try:
         sd = {name: ref.resolve(tensors) for name, ref in expected.items()}
-        sd.update(model_small)
+        sd.update(small["model"])
         model.load_state_dict({own[name]: value for name, value in sd.items()})
         if optimizer is not None:
             optimizer.load_state_dict(manifest.optimizer_state_dict(path, tensors, optimizer))
         if scheduler is not None:
-            sched = manifest.small.decode("scheduler", tensors)
-            if sched is None:
-                raise LoadError(f"{path} holds no scheduler state; pass scheduler=None")
-            scheduler.load_state_dict(sched)
+            scheduler.load_state_dict(small["scheduler"])
         if restore_rng:
-            smallstate.restore_rng(manifest.small.decode("rng", tensors))
-        extra = manifest.small.decode("extra_state", tensors)
+            smallstate.restore_rng(small["rng"])
+        extra = small["extra_state"]
         if map_location is not None:
             extra = _to_device(extra, torch.device(map_location))
     except GockptError:
         raise
-    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+    except Exception as exc:  # a state the objects refuse (or the decoders find malformed)
         raise LoadError(f"{path}: cannot restore this checkpoint into the given objects: "
-                        f"{exc}") from exc
+                        f"{type(exc).__name__}: {exc}") from exc
     return Restored(step=manifest.step, extra_state=extra, path=path, manifest=manifest)
 
 
-def _check_small(path, manifest, tensors, target, expected, optimizer) -> dict:
-    """Decode the model's small state and check that it (and the optimizer) fit the targets."""
+def _check_small(path, manifest, tensors, target, expected, optimizer, scheduler,
+                 with_rng: bool) -> dict:
+    """Decode every small section and check that it fits the targets (the model's buffers,
+    the optimizer's state, a scheduler state, RNG states a generator takes): section -> the
+    decoded value."""
+    out = {}
     try:
-        model_small = manifest.small.decode("model", tensors)
+        out["model"] = model_small = manifest.small.decode("model", tensors)
         missing = sorted(set(target) - set(expected) - set(model_small))
         unexpected = sorted((set(expected) | set(model_small)) - set(target))
         if missing or unexpected:
@@ -106,12 +111,74 @@ def _check_small(path, manifest, tensors, target, expected, optimizer) -> dict:
         for name, value in model_small.items():
             _check_shape(path, name, target[name], value)
         if optimizer is not None:
-            manifest.optimizer_state_dict(path, tensors, optimizer, aligned=False)
+            sd = manifest.optimizer_state_dict(path, tensors, optimizer, aligned=False)
+            _check_optimizer_state(path, manifest, sd, optimizer, target)
+        if scheduler is not None:
+            out["scheduler"] = manifest.small.decode("scheduler", tensors)
+            if out["scheduler"] is None:
+                raise LoadError(f"{path} holds no scheduler state; pass scheduler=None")
+            if not isinstance(out["scheduler"], dict):
+                raise ValueError("the scheduler state is not a dict")
+        if with_rng:
+            out["rng"] = manifest.small.decode("rng", tensors)
+            smallstate.check_rng(out["rng"])
+        out["extra_state"] = manifest.small.decode("extra_state", tensors)
     except GockptError:
         raise
-    except (KeyError, ValueError, TypeError) as exc:
-        raise LoadError(f"{path}: cannot decode the model's small state: {exc}") from exc
-    return model_small
+    except Exception as exc:  # malformed values a writer of gockpt's never produces
+        raise CorruptCheckpointError(f"{path}: {MANIFEST_FILE}: the small state does not "
+                                     f"decode: {type(exc).__name__}: {exc}") from exc
+    return out
+
+
+# Optimizers whose state tensors are allocated like their parameter (zeros_like): torch's own,
+# and DeepSpeed's FusedAdam over its fp32 master partitions.
+def _keeps_param_dtype(optimizer) -> bool:
+    module = type(optimizer).__module__
+    return module.startswith("torch.optim") or (
+        type(optimizer).__name__ == "FusedAdam" and module.startswith("deepspeed."))
+
+
+def _check_optimizer_state(path, manifest, sd: dict, optimizer, target) -> None:
+    """The optimizer state of the checkpoint against the optimizer it goes into, before
+    anything is read: every parameter index listed once; every stored state tensor belongs
+    to a parameter, has its shape and (for optimizers that keep state like their
+    parameters) its dtype -- ``load_state_dict`` would cast or broadcast what does not --
+    and an Adam-like state has both moments."""
+    def bad(msg):
+        return CorruptCheckpointError(f"checkpoint {path}: {MANIFEST_FILE}: {msg}")
+
+    listed = [i for g in sd["param_groups"] for i in g["params"]]
+    if sorted(listed) != list(range(len(listed))) or not all(type(i) is int for i in listed):
+        raise bad(f"the optimizer's param groups list parameters {listed[:8]}..., not each of "
+                  f"0..{len(listed) - 1} once")
+    live = {i: p for saved, group in zip(sd["param_groups"], optimizer.param_groups)
+            for i, p in zip(saved["params"], group["params"])}
+    names = {id(t): n for n, t in target.items()}
+    aligned = manifest.optimizer.aligned if manifest.optimizer is not None else {}
+    same_dtype = _keeps_param_dtype(optimizer)
+    for idx, by_key in aligned.items():
+        if idx not in live:
+            raise bad(f"optimizer state [{idx}] belongs to no parameter of the optimizer")
+        p = live[idx]
+        of = f"its parameter {names.get(id(p), f'[{idx}]')!r}"
+        for key, ref in by_key.items():
+            what = f"optimizer state [{idx}][{key!r}] (stored in {ref.tensor!r})"
+            shape = list(manifest.logical_shape(ref))
+            if shape != list(p.shape):
+                raise bad(f"{what} has shape {shape}, {of} {list(p.shape)}")
+            code = manifest.tensors[ref.tensor]["dtype"]
+            if same_dtype and storage.CODE_TO_DTYPE[code] != p.dtype:
+                raise bad(f"{what} is {code}, {of} is {p.dtype} ({type(optimizer).__name__} "
+                          "keeps its state in the parameter's dtype)")
+    moments = {"exp_avg", "exp_avg_sq"}
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or \
+            type(optimizer).__name__ == "FusedAdam":
+        for idx, st in sd["state"].items():
+            missing = moments - set(aligned.get(idx, {})) - set(st)
+            if st and missing:
+                raise bad(f"optimizer state [{idx}] has {sorted(st)} but not "
+                          f"{sorted(missing)}: the checkpoint lost its moments")
 
 
 def _read_params(path, manifest, tensors, target, verify) -> None:
@@ -156,7 +223,7 @@ def digest_matches(manifest: manifest_mod.Manifest, tensors: dict):
     a recorded digest whose stored tensor is in ``tensors``."""
     checks = [c for c in manifest.digest_checks() if c[1].tensor in tensors]
     with torch.no_grad():
-        got = as_pairs(digests([manifest.stored_range(ref, tensors) for _, ref, _ in checks]))
+        got = as_pairs(digests([ref.resolve(tensors) for _, ref, _ in checks]))
     return [(what, to_hex(pair) == want) for (what, _, want), pair in zip(checks, got)]
 
 
@@ -177,10 +244,13 @@ def _check_params(path, target, expected, manifest) -> None:
 
 
 def _check_shape(path, name, want, got) -> None:
-    if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) \
-            and want.shape != got.shape:
-        raise LoadError(f"{path}: buffer {name!r} has shape {list(got.shape)} in the checkpoint "
-                        f"but {list(want.shape)} in the model")
+    if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
+        if want.shape != got.shape:
+            raise LoadError(f"{path}: buffer {name!r} has shape {list(got.shape)} in the "
+                            f"checkpoint but {list(want.shape)} in the model")
+        if want.dtype != got.dtype:  # load_state_dict would cast it without a word
+            raise LoadError(f"{path}: buffer {name!r} is {got.dtype} in the checkpoint but "
+                            f"{want.dtype} in the model")
 
 
 def _to_device(obj, device):

@@ -12,6 +12,7 @@ import torch
 
 import gockpt
 from dist_ranks import run_ranks
+from gockpt.storage.commit import read_latest
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_worker.py")
 # Saves at 6, 12, 18: the first two are copied at once (nothing announced them); from their
@@ -57,7 +58,7 @@ def check_checkpoint_and_resume(tmp_path, stage, world, extra, transport=None):
         gas = extra.get("gas", 1)
         assert resumed[r]["losses"] == plain[r]["losses"][final * gas:]
         assert_states_equal(resumed[r]["final"], plain[r]["final"], f"rank {r}: resumed vs plain")
-    assert open(tmp_path / "ckpt" / "latest").read().strip() == f"step-{final:09d}"
+    assert read_latest(str(tmp_path / "ckpt"))[0] == f"step-{final:09d}"
     assert_fp32_export_matches(tmp_path, saved[0]["live"])
     records = gockpt.metrics.read(str(tmp_path / "ckpt"))
     assert [m["final_step"] for m in records] == SAVES
@@ -86,26 +87,31 @@ def assert_fp32_export_matches(tmp_path, live):
 
 def check_export_to_deepspeed(tmp_path, stage, world, extra, save_at, steps,
                               against="uninterrupted"):
-    """``gockpt export --to deepspeed`` of the patched run's checkpoint at ``save_at``: the
-    files are those DeepSpeed's own ``save_checkpoint`` writes at that step (same names, keys,
-    types and bits), and a DeepSpeed without gockpt (tests/deepspeed_worker.py "plain-load")
-    loads them in fresh processes and trains on bit for bit -- like the uninterrupted run
-    (``against="uninterrupted"``), or like DeepSpeed's own checkpoint of that step loaded the
-    same way (``"native-load"``: where DeepSpeed's own resume is not bitwise, see
-    tests/integrations/test_deepspeed_export.py).  Returns the export directory."""
+    """``gockpt export --to deepspeed`` (without ``--ds-config``: the DeepSpeed config the
+    checkpoint recorded) of the patched run's checkpoint at ``save_at``: the files are those
+    DeepSpeed's own ``save_checkpoint`` writes at that step (same names, keys, types and bits,
+    ``ds_config`` included), and a DeepSpeed without gockpt (tests/deepspeed_worker.py
+    "plain-load") loads them in fresh processes and trains on bit for bit -- like the
+    uninterrupted run (``against="uninterrupted"``), or like DeepSpeed's own checkpoint of that
+    step loaded the same way (``"native-load"``: where DeepSpeed's own resume is not bitwise,
+    see tests/integrations/test_deepspeed_export.py).  Returns the export directory (and leaves
+    DeepSpeed's ``ds_config`` in ``tmp_path/ds_config.json``)."""
     from gockpt.cli import main
     scenario = dict(stage=stage, steps=steps, save_at=save_at, **extra)
     for d in ("native", "gockpt", "load", "native-load"):
         (tmp_path / d).mkdir()
     native = runs(tmp_path / "native", world, **scenario)("native-save")  # plain DeepSpeed
     saved = runs(tmp_path / "gockpt", world, **scenario)("save")
-    config = tmp_path / "ds_config.json"  # the config the run trained with, as DeepSpeed kept it
+    # (the config the run trained with, as DeepSpeed kept it: for the callers' --ds-config)
+    config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(torch.load(
         next((tmp_path / "native" / "ckpt").glob("*/mp_rank_00_model_states.pt")),
         weights_only=False, map_location="cpu")["ds_config"]))
     out = tmp_path / "export"
-    assert main(["export", str(tmp_path / "gockpt" / "ckpt"), "--to", "deepspeed", str(out),
-                 "--ds-config", str(config)]) == 0
+    # Without --ds-config: the config gockpt recorded, written as DeepSpeed writes its own
+    # (ds_config in every file, compared below with DeepSpeed's)
+    assert main(["export", str(tmp_path / "gockpt" / "ckpt"), "--to", "deepspeed",
+                 str(out)]) == 0
     assert_same_deepspeed_checkpoint(tmp_path / "native" / "ckpt", out)
     loaded = runs(tmp_path / "load", world, **scenario, load_dir=str(out))("plain-load")
     reference = native if against == "uninterrupted" else runs(

@@ -247,7 +247,7 @@ def test_a_checkpoint_named_by_the_caller(tmp_path, mode):
                   on_boundary=lambda step, h: h and handles.append(h))
     handles[0].wait()
     assert storage.list_checkpoints(str(tmp_path)) == ["global_step2"]
-    assert open(tmp_path / "latest").read() == "global_step2"
+    assert storage.commit.read_latest(str(tmp_path))[0] == "global_step2"
     with pytest.raises(gockpt.ConfigError, match="exists"):
         H.train_steps(model, opt, sched, 4, 5, ck, names={5: "global_step2"})
     ck.close()

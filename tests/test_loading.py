@@ -153,6 +153,30 @@ def test_a_flipped_byte_names_file_and_tensor(saved, tmp_path):
     assert diff == 1
 
 
+def test_a_chunk_size_beyond_the_reader_is_refused_not_skipped(saved, tmp_path):
+    # block_bytes 2**64 - 4096 (a multiple of 4096, one checksum for the tensor: the manifest
+    # checks pass) wrapped the C++ reader's chunk count to 0: the parameter was neither read
+    # nor checksummed and the fresh model's values stayed (with verify=False, silently).
+    from manifests import rewrite
+
+    root, snaps = saved
+    shutil.copytree(root, tmp_path / "copy")
+    path = storage.resolve(str(tmp_path / "copy"))
+    entry = read_json(os.path.join(path, "manifest.json"))["tensors"]["model/hidden.weight"]
+    assert entry["nbytes"] > 4096 and len(entry["crc32c"]) == 1
+
+    def huge(m):
+        m["tensors"]["model/hidden.weight"]["block_bytes"] = 2**64 - 4096
+
+    rewrite(path, huge)
+    model, opt, sched = fresh()
+    with pytest.raises(gockpt.CorruptCheckpointError, match=r"'model/hidden.weight'.*block_bytes"):
+        gockpt.load(str(tmp_path / "copy"), model, opt, scheduler=sched)
+    model, opt, sched = fresh()
+    gockpt.load(str(tmp_path / "copy"), model, opt, scheduler=sched, verify=False)
+    H.assert_same(snaps[5], H.snapshot(model, opt, sched))
+
+
 def test_a_corrupt_small_tensor_is_found_before_the_model_is_touched(saved, tmp_path):
     root, _ = saved
     tensors = read_json(os.path.join(root, "step-000000005", "manifest.json"))["tensors"]
@@ -216,3 +240,67 @@ def test_every_stored_parameter_and_state_has_its_digest(saved):
     assert m["verify_tensors"] == len(manifest["model"]["params"]) + \
         sum(len(r) for r in manifest["optimizer"]["aligned"].values())
     assert m["verify_mismatches"] == 0 and m["verify_s"] > 0
+
+
+# ------------------------------------------------------------------ one string, one directory
+
+
+def test_one_path_names_one_directory_everywhere(tmp_path, monkeypatch, capsys):
+    # The kernel's rule (gockpt.paths) for the Checkpointer, gockpt.load, gockpt.verify and the
+    # tool: `link/..` is the parent of the link's target, not the directory holding the link.
+    # Before, the Checkpointer normalised the text (link/../run -> ./run) while gockpt.load
+    # asked the kernel (real/run): a checkpoint written there was "not found" under the string
+    # that wrote it.
+    from gockpt.cli import main as gockpt_cli
+
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    monkeypatch.chdir(tmp_path)
+    where = "./link/../run"
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, where, mode="sync", scheduler=sched)
+    assert ck.config.directory == str(tmp_path / "real" / "run")
+    snaps = {}
+    H.train_steps(model, opt, sched, 0, 3, ck, force={2},
+                  on_boundary=lambda s, h: snaps.setdefault(s, H.snapshot(model, opt, sched))
+                  if h is not None else None)
+    ck.close()
+    assert storage.list_checkpoints(str(tmp_path / "real" / "run")) == ["step-000000002"]
+    assert not (tmp_path / "run").exists()
+
+    model2, opt2, sched2 = fresh()
+    restored = gockpt.load(where, model2, opt2, scheduler=sched2)
+    assert restored.path == str(tmp_path / "real" / "run" / "step-000000002")
+    H.assert_same(snaps[2], H.snapshot(model2, opt2, sched2))
+    assert gockpt.verify(where).ok
+    for cmd in (["list", where], ["inspect", where], ["verify", where]):
+        assert gockpt_cli(cmd) == 0, capsys.readouterr().err
+        assert "step-000000002" in capsys.readouterr().out
+    # An output path by the same rule: no `x`, no `x/..`.
+    assert gockpt_cli(["export", where, "--to", "torch", "./x/../o.pt"]) == 2
+    assert "'x' does not exist" in capsys.readouterr().err and not (tmp_path / "o.pt").exists()
+    assert gockpt_cli(["export", where, "--to", "torch", "./link/../o.pt"]) == 0
+    assert (tmp_path / "real" / "o.pt").exists()
+
+
+def test_a_dotdot_after_a_missing_name_is_refused_everywhere(tmp_path, monkeypatch, capsys):
+    # `./x/../ckpt/run` with no `x`: the kernel finds nothing; the Checkpointer used to write
+    # into ./ckpt/run (the text normalised) while gockpt.load said it did not exist.
+    from gockpt.cli import main as gockpt_cli
+
+    monkeypatch.chdir(tmp_path)
+    where = "./x/../ckpt/run"
+    model, opt, _ = H.build()
+    with pytest.raises(gockpt.ConfigError, match=r"'x' does not exist"):
+        gockpt.Checkpointer(model, opt, where, mode="sync")
+    assert os.listdir(tmp_path) == []  # neither ckpt/run nor x created
+    with pytest.raises(gockpt.CheckpointNotFoundError, match=r"'x' does not exist"):
+        gockpt.load(where, model, opt)
+    with pytest.raises(gockpt.CheckpointNotFoundError, match=r"'x' does not exist"):
+        gockpt.verify(where)
+    for cmd in (["list", where], ["inspect", where], ["verify", where], ["clean", where],
+                ["export", where, "--to", "torch", "o.pt"]):
+        assert gockpt_cli(cmd) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "'x' does not exist" in err, (cmd, err)

@@ -227,11 +227,10 @@ class Capture:
                         tensors.append(st[key])
         at_f = [i for i, (si, _) in enumerate(entries) if plan.slots[si].at_f]
         later = [i for i, (si, _) in enumerate(entries) if not plan.slots[si].at_f]
-        views = [flat(t, plan.slots[si].dims) for (si, _), t in zip(entries, tensors)]
         book = LiveDigestBook(entries, Reads([([si for si, _ in entries], tensors)]))
         for part in (at_f, later):
             if part:
-                book.parts.append((part, digester.submit([views[i] for i in part])))
+                book.parts.append((part, digester.submit([tensors[i] for i in part])))
         if at_f:  # their copies are taken at F: read them before anything can change them
             self.engine.device.order_after_digests(book.parts[0][1])
         job.capture.live_digests = book

@@ -6,9 +6,10 @@ the same function, so that a checkpoint is checked end to end against what train
 independently of the copy path (its addresses, its queues, its kernels): a copy that read the
 wrong memory, or wrote the right bytes to the wrong place, shows as a mismatch.
 
-A tensor's bytes, in the order of its elements (callers pass the memory-order view, so no
-copy is made), are read as words of its element size -- signed integers, sign-extended --
-and, with rows of ``ROW`` words and ``r_j`` the sum of row ``j`` (the last one may be short):
+A tensor's elements, in logical (row-major) order whatever its memory layout -- so that a
+layout recorded wrong (a transposed view) shows too; a copy only for a tensor that is not
+contiguous -- are read as words of its element size (signed integers, sign-extended) and,
+with rows of ``ROW`` words and ``r_j`` the sum of row ``j`` (the last one may be short):
 
     a = sum_j r_j                  (mod 2**64)
     b = sum_j r_j * (2*j + 1)      (mod 2**64)
@@ -65,8 +66,7 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     a = torch.zeros(len(ws), dtype=torch.int64, device=device)
     b = torch.zeros(len(ws), dtype=torch.int64, device=device)
     if layout.large:
-        rows = torch.cat([ws[i][:f].view(-1, ROW).sum(1, dtype=torch.int64)
-                          for i, f in layout.large])
+        rows = torch.cat([row_sums(ws[i][:f]) for i, f in layout.large])
         a.index_add_(0, layout.row_owner, rows)
         b.index_add_(0, layout.row_owner, rows * layout.row_weight)
     for dtype, pieces in layout.short.items():  # the small tensors and the last short rows
@@ -76,6 +76,79 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         a += sums
         b += sums * layout.short_weight
     return torch.stack([a, b], dim=1)
+
+
+def row_sums(w: torch.Tensor) -> torch.Tensor:
+    """The exact int64 sums of the rows of ``ROW`` words of ``w`` (1-D, whole rows).
+
+    ``w.view(-1, ROW).sum(1, dtype=torch.int64)`` -- but on the CPU torch sums int32 and int16
+    words into int64 a cast per element (about 1 GB/s here, the whole cost of checking a
+    loaded checkpoint's digests); the same sums from same-dtype int32 ops run at memory speed
+    (:func:`_rows_int32`). Checked once per process against the plain sum on words that
+    overflow every int32 intermediate; any difference and the plain sum is used."""
+    if w.device.type == "cpu" and w.numel() >= ROW and w.dtype in (torch.int32, torch.int16) \
+            and (w.dtype == torch.int32 or w.data_ptr() % 4 == 0) and _fast_rows_ok():
+        return _rows_int32(w)
+    return w.view(-1, ROW).sum(1, dtype=torch.int64)
+
+
+# Words per piece of the fast row sums: a piece and its scratch stay in the core's cache
+# (measured on 2 cores: 2**18 int32 words 11 GB/s; 2**16 7.6; 2**20 8.8).
+_PIECE = 1 << 18
+_scratch = threading.local()
+
+
+def _rows_int32(w: torch.Tensor) -> torch.Tensor:
+    """Row sums of int32 words (or int16 words, read in pairs) with int32 ops only, a piece at
+    a time. Each word is split into its signed high half ``w >> 16`` and the rest; per row of
+    256 words the high halves sum to less than 2**23 and the low halves to less than 2**24,
+    so int32 sums of them are exact:
+
+    * int32 words: ``hi`` = the sum of the high halves; the plain int32 sum of the row is the
+      row's sum mod 2**32 (int32 addition wraps), hence the low halves' sum
+      ``(sum - 65536 * hi) mod 2**32`` and the row's sum ``65536 * hi + low``;
+    * int16 words: an int32 pair holds word 2k in its low half and word 2k + 1 in its high
+      half; the row's sum is the sum of the high halves plus that of the low halves, each
+      sign-extended (``(v << 16) >> 16``)."""
+    pairs = w.dtype == torch.int16
+    v = w.view(torch.int32) if pairs else w
+    per = ROW // 2 if pairs else ROW  # int32 values per row
+    n = v.numel()
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < min(n, _PIECE):
+        buf = _scratch.buf = torch.empty(_PIECE, dtype=torch.int32)
+    hi = torch.empty(n // per, dtype=torch.int32)
+    lo = torch.empty(n // per, dtype=torch.int32)
+    for s in range(0, n, _PIECE):
+        piece = v[s:s + _PIECE]
+        m = piece.numel()
+        b, r = buf[:m], slice(s // per, (s + m) // per)
+        torch.bitwise_right_shift(piece, 16, out=b)
+        torch.sum(b.view(-1, per), 1, dtype=torch.int32, out=hi[r])
+        if pairs:
+            torch.bitwise_left_shift(piece, 16, out=b)
+            b.bitwise_right_shift_(16)
+            torch.sum(b.view(-1, per), 1, dtype=torch.int32, out=lo[r])
+        else:
+            torch.sum(piece.view(-1, per), 1, dtype=torch.int32, out=lo[r])
+    high = hi.to(torch.int64)
+    if pairs:
+        return high + lo
+    high *= 65536
+    return high + ((lo.to(torch.int64) - high) & 0xFFFFFFFF)
+
+
+@functools.lru_cache(maxsize=1)
+def _fast_rows_ok() -> bool:
+    """Whether :func:`_rows_int32` equals the plain int64 sum on this torch (int32 sums that
+    wrap, shifts that sign-extend), on rows of extreme words."""
+    g = torch.Generator().manual_seed(0)
+    for dtype, lo, hi in ((torch.int32, -2**31, 2**31), (torch.int16, -2**15, 2**15)):
+        w = torch.cat([torch.full((ROW,), lo, dtype=dtype), torch.full((ROW,), hi - 1, dtype=dtype),
+                       torch.randint(lo, hi, (6 * ROW,), dtype=dtype, generator=g)])
+        if not torch.equal(_rows_int32(w), w.view(-1, ROW).sum(1, dtype=torch.int64)):
+            return False
+    return True
 
 
 def digest(t: torch.Tensor) -> Tuple[int, int]:

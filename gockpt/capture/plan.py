@@ -345,6 +345,17 @@ def layout_of(name: str, p: torch.Tensor) -> Tuple[int, ...]:
     return dims
 
 
+def logical(slot: Slot, staged: torch.Tensor) -> torch.Tensor:
+    """The staged flat copy of one of ``slot``'s tensors (in the slot's memory order) as the
+    tensor it copies: its shape, its elements where the live tensor has them."""
+    if not slot.dims:
+        return staged.view(slot.param.shape)
+    inverse = [0] * len(slot.dims)
+    for i, d in enumerate(slot.dims):
+        inverse[d] = i
+    return staged.view(slot.stored_shape).permute(inverse)
+
+
 def flat(t: torch.Tensor, dims: Tuple[int, ...] = ()) -> torch.Tensor:
     """``t``'s elements in the memory order ``dims`` (see :func:`memory_order`) as a flat view;
     a flat copy when ``t`` itself is laid out otherwise (e.g. a gradient with other strides)."""

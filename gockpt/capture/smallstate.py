@@ -26,6 +26,20 @@ def capture_rng() -> dict:
     return rng
 
 
+def check_rng(rng) -> None:
+    """Raise (TypeError, ValueError, ...) unless ``rng`` is a state :func:`restore_rng` takes,
+    tried on generators of their own: the process's RNGs are not touched."""
+    if not isinstance(rng, dict) or not {"torch", "numpy", "python"} <= set(rng):
+        raise ValueError("the RNG state lacks torch, numpy or python")
+    torch.Generator().set_state(rng["torch"])
+    np.random.RandomState().set_state(rng["numpy"])
+    random.Random().setstate(rng["python"])
+    cuda = rng.get("cuda", [])
+    if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and
+                                            t.dtype == torch.uint8 for t in cuda):
+        raise ValueError("the CUDA RNG states are not a list of uint8 tensors")
+
+
 def restore_rng(rng: dict) -> None:
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])

@@ -5,7 +5,7 @@ Subcommands::
     gockpt inspect PATH [--rank R] [--json]   step, mode, tensors, sizes, ranks, timings
     gockpt verify  PATH [--all] [--json]      every checksum; names each bad file and tensor
     gockpt export  PATH --to {safetensors,torch,fp32} OUT [--rank R] [--force]
-    gockpt export  PATH --to deepspeed OUT_DIR --ds-config CONFIG [--force]
+    gockpt export  PATH --to deepspeed OUT_DIR [--ds-config CONFIG] [--force]
     gockpt list    DIR  [--json]              checkpoints, which is latest, ranks, leftovers
     gockpt clean   DIR                        remove leftovers of processes that died
 
@@ -35,7 +35,6 @@ that minimises wasted time; also ``python -m gockpt.interval``).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional, Sequence
 
@@ -44,6 +43,7 @@ from .common import PROG, BadCheckpoint, UsageError, one_line
 from .export import cmd_export
 from .inspect import cmd_inspect
 from .listing import cmd_clean, cmd_list
+from .pipe import quiet_on_broken_pipe
 from .verify import cmd_verify
 
 __all__ = ["main"]
@@ -83,15 +83,19 @@ def _parser() -> argparse.ArgumentParser:
                         "through gockpt.integrations.deepspeed in DeepSpeed's own layout "
                         "(OUT a directory: OUT/latest, OUT/global_step<N>/ with the model "
                         "states and every rank's ZeRO partition) that engine.load_checkpoint(OUT) "
-                        "of a DeepSpeed without gockpt loads; needs --ds-config")
+                        "of a DeepSpeed without gockpt loads (with the DeepSpeed config the "
+                        "checkpoint recorded, or --ds-config's)")
     s.add_argument("out", metavar="OUT")
     s.add_argument("--force", action="store_true",
                    help="overwrite OUT if it exists (--to deepspeed: write into a non-empty "
                         "OUT, replacing its global_step<N>/ and latest)")
     s.add_argument("--ds-config", metavar="CONFIG",
-                   help="--to deepspeed: the DeepSpeed config (JSON) the run trained with; "
-                        "stored in the checkpoint as DeepSpeed does, and the ZeRO stage and "
-                        "gradient clipping taken from it (a gockpt checkpoint does not hold them)")
+                   help="--to deepspeed: the DeepSpeed config (JSON) to store in the export "
+                        "(as DeepSpeed does) instead of the one the gockpt checkpoint recorded; "
+                        "it must agree with the recorded one on the ZeRO stage, precision, "
+                        "gradient clipping, fp32 gradient accumulation and offload. Needed "
+                        "only for a checkpoint that records none (an older gockpt's): then "
+                        "the config the run trained with")
     s.add_argument("--rank", type=int, metavar="R",
                    help="checkpoint written by several ranks: export rank R's part (default 0)")
     s.set_defaults(func=cmd_export)
@@ -113,14 +117,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse printed usage and the error (status 2) or --help (0)
         return int(exc.code or 0)
+    return quiet_on_broken_pipe(lambda: _command(args))  # `gockpt inspect ... | head`
+
+
+def _command(args) -> int:
+    """Run the parsed command: its exit status, or a one-line error and its status."""
     try:
         return args.func(args)
-    except BrokenPipeError:  # `gockpt inspect ... | head`
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
-        return 0
+    except BrokenPipeError:  # the reader went away: quiet_on_broken_pipe
+        raise
     except (UsageError, BadCheckpoint, GockptError, OSError) as exc:
         ours = isinstance(exc, (UsageError, BadCheckpoint))  # written as one line
         print(f"{PROG}: error: {exc if ours else one_line(exc)}", file=sys.stderr)

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from .. import storage
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..paths import real_directory
 from ..storage.verify import Part, read_parts
 
 PROG = "gockpt"
@@ -29,15 +30,37 @@ class BadCheckpoint(Exception):
 # ---------------------------------------------------------------------------------- paths
 
 
+def real_path(path: str) -> str:
+    """``path`` resolved as the library resolves a directory (:mod:`gockpt.paths`: by the
+    kernel's rule, absolute, links followed; it need not exist); UsageError saying why it
+    names nothing (a ``..`` after a name that does not exist, a file in the way)."""
+    try:
+        return real_directory(path)
+    except OSError as exc:
+        raise UsageError(f"{path}: {exc.strerror}") from None
+
+
+def existing_directory(path: str) -> str:
+    """:func:`real_path` of a directory that must exist; UsageError otherwise."""
+    real = real_path(path)
+    if not os.path.exists(real):
+        raise UsageError(f"{path}: no such file or directory")
+    if not os.path.isdir(real):
+        raise UsageError(f"{path}: not a directory")
+    return real
+
+
 def resolve_checkpoint(path: str) -> tuple:
     """(checkpoint directory, run directory or None, warnings) for a checkpoint directory or a
-    run directory (then its latest checkpoint); UsageError if it is neither."""
-    if not os.path.exists(path):
+    run directory (then its latest checkpoint); UsageError if it is neither. Both resolved as
+    ``gockpt.load`` resolves its directory (:func:`real_path`)."""
+    real = real_path(path)
+    if not os.path.exists(real):
         raise UsageError(f"{path}: no such file or directory")
-    if not os.path.isdir(path):
+    if not os.path.isdir(real):
         raise UsageError(f"{path}: not a directory (give a checkpoint directory or a run "
                          "directory holding checkpoints)")
-    parent, base = os.path.split(os.path.normpath(os.path.abspath(path)))
+    parent, base = os.path.split(real)
     # A committed checkpoint directory is one that storage.resolve finds by name in its parent.
     try:
         return storage.resolve(parent, base), None, []
@@ -46,11 +69,11 @@ def resolve_checkpoint(path: str) -> tuple:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            found = storage.resolve(path)
+            found = storage.resolve(real)
         except CheckpointNotFoundError as exc:
             raise UsageError(f"{path}: neither a gockpt checkpoint nor a run directory holding "
                              f"one ({one_line(exc)})") from None
-    return found, path, [one_line(w.message) for w in caught]
+    return found, real, [one_line(w.message) for w in caught]
 
 
 def read_manifest(path: str) -> dict:

@@ -15,12 +15,12 @@ from ..storage.manifest import Manifest
 from ..storage.verify import read_parts
 from .export_fp32 import consolidated_fp32
 from .common import (BadCheckpoint, UsageError, every_part, human, no_rank_for_single,
-                     one_line, read_manifest, resolve_checkpoint, select_part, warn)
+                     one_line, read_manifest, real_path, resolve_checkpoint, select_part, warn)
 
 
 def cmd_export(args) -> int:
     """``gockpt export PATH --to {safetensors,torch,fp32} OUT [--rank R] [--force]``, or
-    ``--to deepspeed OUT_DIR --ds-config CONFIG`` (a directory)."""
+    ``--to deepspeed OUT_DIR [--ds-config CONFIG]`` (a directory)."""
     if args.to == "deepspeed":
         return _export_deepspeed(args)
     if getattr(args, "ds_config", None) is not None:
@@ -81,10 +81,6 @@ def _export_deepspeed(args) -> int:
     """Every rank's part in DeepSpeed's own layout (gockpt.integrations.deepspeed checkpoints)."""
     from . import export_deepspeed  # imports DeepSpeed: only for this target
 
-    if args.ds_config is None:
-        raise UsageError("--to deepspeed needs --ds-config CONFIG: the DeepSpeed config (JSON) "
-                         "the run trained with; a gockpt checkpoint does not hold it (ZeRO "
-                         "stage, gradient clipping), DeepSpeed's does")
     if args.rank is not None:
         raise UsageError("--to deepspeed writes every rank's part; --rank does not apply")
     out = args.out
@@ -92,9 +88,7 @@ def _export_deepspeed(args) -> int:
         raise UsageError(f"{out}: not a directory; --to deepspeed writes a checkpoint directory")
     if os.path.isdir(out) and os.listdir(out) and not args.force:
         raise UsageError(f"{out}: exists and is not empty; pass --force to write into it")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{out}: directory {parent} does not exist")
+    _parent_of(out)
     path, _run, warns = resolve_checkpoint(args.path)
     warn(warns)
     where, source = os.path.realpath(out), os.path.realpath(path)
@@ -106,6 +100,8 @@ def _export_deepspeed(args) -> int:
     export_deepspeed.write(out, export, args.force)
     print(f"wrote {out}: {export_deepspeed.describe(export)} from {os.path.abspath(path)}; "
           f"'latest' names it: engine.load_checkpoint({out!r})")
+    for n in export.notes:
+        print(f"note: {n}")
     return 0
 
 
@@ -191,8 +187,15 @@ def _save_torch(out: str, obj: dict, path: str, m: Manifest, tensors: dict) -> t
     return {n: v for n, v in obj["model"].items() if isinstance(v, torch.Tensor)}, what, []
 
 
-def _write(out: str, write) -> None:
-    d = os.path.dirname(os.path.abspath(out))
+def _parent_of(out: str) -> str:
+    """The directory OUT goes into, resolved as every gockpt path is (the kernel's rule:
+    ``x/../out`` needs an ``x``); UsageError if it does not exist."""
+    d = real_path(os.path.dirname(out) or os.curdir)
     if not os.path.isdir(d):
         raise UsageError(f"{out}: directory {d} does not exist")
+    return d
+
+
+def _write(out: str, write) -> None:
+    _parent_of(out)
     replace_file(out, write)

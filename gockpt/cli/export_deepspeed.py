@@ -1,4 +1,4 @@
-"""``gockpt export PATH --to deepspeed OUT_DIR --ds-config CONFIG``: a checkpoint written
+"""``gockpt export PATH --to deepspeed OUT_DIR [--ds-config CONFIG]``: a checkpoint written
 through ``gockpt.integrations.deepspeed`` in DeepSpeed's own layout, for an engine without
 gockpt: ``OUT_DIR/latest`` names ``global_step<N>/``, which holds what DeepSpeed's
 ``engine.save_checkpoint`` writes for the same world size and optimizer wrapper --
@@ -10,13 +10,25 @@ and fp32 master partition, loss scaler, paddings, fragment addresses).  A plain
 checkpoint of that step.
 
 Everything comes from the gockpt checkpoint (read with gockpt's checksummed readers, never
-unpickled) except what it does not hold: the DeepSpeed config, which DeepSpeed stores
-(``ds_config``) and which holds the gradient clipping and the ZeRO stage (1 and 2 leave the
-same state); ``--ds-config`` gives it and is checked against the checkpoint.  The optimizer
-wrapper follows from the loss scaling gockpt recorded (``loss_scale_config``: stage 0's
-``FP16_Optimizer``; ``loss_scaler``: ZeRO's ``DeepSpeedZeroOptimizer``; none:
-``BF16_Optimizer``).  Written with DeepSpeed's own classes (the loss scaler, ``ZeroStageEnum``,
-``fragment_address`` are pickled as DeepSpeed pickles them), so DeepSpeed must be installed.
+unpickled), the DeepSpeed config included: DeepSpeed stores it (``ds_config``) and it decides
+what the files hold -- the ZeRO stage (1 and 2 leave the same state, in other files), the
+precision, the gradient clipping, fp32 gradient accumulation, optimizer offload.  The
+integration records it at each save as DeepSpeed does (``engine.config``; see
+``gockpt.integrations.deepspeed.state.ds_config_record``), without what it cannot store
+without pickle (named in the record: a checkpoint whose recorded config lacks something that
+decides the layout is refused without ``--ds-config``).
+
+``--ds-config CONFIG`` (JSON) is optional.  Given, it is the config written as ``ds_config``,
+and it must agree with the recorded one on what decides the layout (stage, precision,
+clipping, fp32 accumulation, offload; anything else may differ) -- else a usage error naming
+each difference.  Not given, the recorded config is used.  A checkpoint of an older gockpt
+records none: then ``--ds-config`` is needed (the config the run trained with).  Either way
+the config is checked against the checkpoint: its precision must be the module weights', and
+the optimizer wrapper it builds the one gockpt recorded the loss scaling of
+(``loss_scale_config``: stage 0's ``FP16_Optimizer``; ``loss_scaler``: ZeRO's
+``DeepSpeedZeroOptimizer``; none: ``BF16_Optimizer``).  Written with DeepSpeed's own classes
+(the loss scaler, ``ZeroStageEnum``, ``fragment_address`` are pickled as DeepSpeed pickles
+them), so DeepSpeed must be installed.
 
 Two things a gockpt checkpoint does not record.  The ZeRO optimizer's ``overflow`` flag
 (whether step N itself overflowed): with a dynamic loss scaler (fp16) it follows from the
@@ -42,7 +54,7 @@ import stat
 import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -54,6 +66,12 @@ from .common import BadCheckpoint, UsageError, one_line
 
 MASTER = re.compile(r"master_g(\d+)_p(\d+)")  # state.EngineState's names
 RECORD = ("fp32_layout", "counters", "scalers", "client_state")  # state.engine_record's
+# (and "ds_config"/"ds_config_dropped" since gockpt recorded the config; optional here)
+RECORDED = "the DeepSpeed config recorded in the checkpoint"
+# The config's top-level keys that decide the export's layout (a recorded config that lost
+# something under one of them cannot be used alone).
+LAYOUT_KEYS = ("zero_optimization", "bf16", "bfloat16", "fp16", "gradient_clipping",
+               "data_types")
 FP32 = ("fp32", "float32", "float", "torch.float32")
 # The optimizer wrappers DeepSpeed builds, by what gockpt recorded of their loss scaling.
 STAGE0, ZERO, BF16 = "FP16_Optimizer", "DeepSpeedZeroOptimizer", "BF16_Optimizer"
@@ -65,11 +83,26 @@ class Settings:
     """What of the DeepSpeed config decides the checkpoint's layout."""
 
     config: dict
+    source: str  # for messages: "--ds-config PATH" or RECORDED
     stage: int
     dtype: torch.dtype
     clip: float
     fp32_accumulation: bool
     offload: bool
+
+    def differences(self, other: "Settings") -> List[str]:
+        """What decides the layout and differs: 'what: mine (recorded: other's)'."""
+        out = []
+        for what, a, b in (
+                ("zero_optimization.stage", self.stage, other.stage),
+                ("precision", _dtype_name(self.dtype), _dtype_name(other.dtype)),
+                ("gradient_clipping", self.clip, other.clip),
+                ("fp32 gradient accumulation (data_types.grad_accum_dtype)",
+                 self.fp32_accumulation, other.fp32_accumulation),
+                ("optimizer offload", self.offload, other.offload)):
+            if a != b:
+                out.append(f"{what} {a} (recorded: {b})")
+        return out
 
 
 @dataclass
@@ -103,15 +136,21 @@ class Export:
     stage: int
     world: int
     scripts: bool  # DeepSpeed copies zero_to_fp32.py beside a ZeRO checkpoint
+    config_from: str = RECORDED  # where ds_config came from
+    notes: List[str] = field(default_factory=list)
 
 
-def build(sources, config_path: str) -> Export:
-    """``sources``: (path, manifest data) of every rank's part, in rank order."""
-    s = _settings(config_path)  # before anything is read: a wrong config fails at once
+def build(sources, config_path: Optional[str] = None) -> Export:
+    """``sources``: (path, manifest data) of every rank's part, in rank order; ``config_path``:
+    ``--ds-config`` (None: the config recorded in the checkpoint)."""
+    given = None
+    if config_path is not None:  # before anything is read: a wrong config fails at once
+        given = _settings(_load_config(config_path), f"--ds-config {config_path}")
     ds = _deepspeed()
     parts = [_read(path, data) for path, data in sources]
-    _check_dtype(s, parts[0], config_path)
-    kind = _kind(parts[0], s, config_path)
+    s, notes = _choose(given, parts[0])
+    _check_dtype(s, parts[0])
+    kind = _kind(parts[0], s)
     world = len(parts)
     counters = parts[0].record["counters"]
     tag = f"global_step{counters['global_steps']}"
@@ -129,7 +168,8 @@ def build(sources, config_path: str) -> Export:
                 "optimizer_state_dict": osd, "ds_config": s.config, "ds_version": ds.version}
     else:
         model_states["optimizer"] = _stage0_optimizer(parts[0], s, kind)
-    return Export(tag, files, kind, s.stage, world, scripts=kind in (ZERO, BF16))
+    return Export(tag, files, kind, s.stage, world, scripts=kind in (ZERO, BF16),
+                  config_from=s.source, notes=notes)
 
 
 def write(out: str, export: Export, force: bool) -> None:
@@ -209,8 +249,8 @@ def _read(path: str, data: dict) -> Part:
     return part
 
 
-def _settings(config_path: str) -> Settings:
-    """What the DeepSpeed config says; UsageError for what cannot be exported."""
+def _load_config(config_path: str) -> dict:
+    """``--ds-config``'s JSON object."""
     try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
@@ -220,11 +260,59 @@ def _settings(config_path: str) -> Settings:
         raise UsageError(f"--ds-config {config_path}: not JSON ({one_line(exc)})") from None
     if not isinstance(config, dict):
         raise UsageError(f"--ds-config {config_path}: not a JSON object")
+    return config
+
+
+def _choose(given: Optional[Settings], part: Part) -> Tuple[Settings, List[str]]:
+    """The settings to export with, and notes to print: ``--ds-config``'s (``given``) checked
+    against the recorded config, or the recorded config's."""
+    config = part.record.get("ds_config")
+    dropped = part.record.get("ds_config_dropped") or []
+    if not isinstance(config, dict):
+        if given is not None:
+            return given, []
+        why = "was written by a gockpt that did not record it" if "ds_config" not in part.record \
+            else f"could not be recorded ({_dropped_text(dropped)})"
+        raise UsageError(f"{part.path}: the DeepSpeed config {why}; pass --ds-config CONFIG, "
+                         "the DeepSpeed config (JSON) the run trained with")
+    lost = [d for d in dropped if isinstance(d, dict) and d.get("path")
+            and d["path"][0] in LAYOUT_KEYS]
+    if given is None and lost:
+        raise UsageError(f"{part.path}: {RECORDED} lacks what gockpt could not store of it "
+                         f"({_dropped_text(lost)}), which decides the layout; pass --ds-config "
+                         "CONFIG, the DeepSpeed config (JSON) the run trained with")
+    if given is None:
+        s = _settings(config, RECORDED)
+        return s, [f"{RECORDED} lacks {_dropped_text(dropped)} (not storable without pickle); "
+                   "ds_config is written without it"] if dropped else []
+    if lost:
+        return given, [f"--ds-config not checked against {RECORDED}: it lacks "
+                       f"{_dropped_text(lost)}"]
+    differences = given.differences(_settings(config, RECORDED))
+    if differences:
+        raise UsageError(f"{given.source} disagrees with {RECORDED} on what decides the "
+                         f"layout: {'; '.join(differences)}. Leave --ds-config out to export "
+                         "with the recorded config")
+    return given, []
+
+
+def _dropped_text(dropped: list) -> str:
+    def one(d):
+        if not isinstance(d, dict):
+            return repr(d)
+        return f"{'.'.join(map(str, d.get('path') or [])) or 'the config'}: {d.get('type')}"
+    return ", ".join(map(one, dropped[:5])) + (f" and {len(dropped) - 5} more"
+                                                if len(dropped) > 5 else "")
+
+
+def _settings(config: dict, source: str) -> Settings:
+    """What the DeepSpeed config (from ``source``) says; UsageError for what cannot be
+    exported."""
 
     def section(name) -> dict:
         value = config.get(name) or {}
         if not isinstance(value, dict):
-            raise UsageError(f"--ds-config {config_path}: {name!r} is not an object")
+            raise UsageError(f"{source}: {name!r} is not an object")
         return value
 
     zero = section("zero_optimization")
@@ -234,7 +322,7 @@ def _settings(config_path: str) -> Settings:
     clip = config.get("gradient_clipping", 0.0)
     if stage not in (0, 1, 2, 3) or not isinstance(bf16, bool) or not isinstance(fp16, bool) \
             or not isinstance(clip, (int, float)) or isinstance(clip, bool):
-        raise UsageError(f"--ds-config {config_path}: zero_optimization.stage, bf16.enabled, "
+        raise UsageError(f"{source}: zero_optimization.stage, bf16.enabled, "
                          "fp16.enabled and gradient_clipping must be given as values (not 'auto')")
     offload = zero.get("cpu_offload") is True or \
         (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
@@ -245,23 +333,22 @@ def _settings(config_path: str) -> Settings:
         ("NVMe optimizer offload", (zero.get("offload_optimizer") or {}).get("device") == "nvme"),
         ("fp32 training (neither bf16 nor fp16 enabled)", not bf16 and not fp16)) if on]
     if refused:
-        raise UsageError(f"--ds-config {config_path}: --to deepspeed does not export "
-                         f"{refused[0]}")
-    accum = (config.get("data_types") or {}).get("grad_accum_dtype")
-    return Settings(config, stage, torch.bfloat16 if bf16 else torch.float16, clip,
+        raise UsageError(f"{source}: --to deepspeed does not export {refused[0]}")
+    accum = section("data_types").get("grad_accum_dtype")
+    return Settings(config, source, stage, torch.bfloat16 if bf16 else torch.float16, clip,
                     bf16 and accum in FP32, offload)
 
 
-def _check_dtype(s: Settings, part: Part, config_path: str) -> None:
+def _check_dtype(s: Settings, part: Part) -> None:
     """The config's precision must be the module weights'."""
     weights = {t.dtype for n, ref in part.m.model.params.items() if n.startswith("module.")
                for t in [ref.resolve(part.tensors)] if t.is_floating_point()}
     if weights and s.dtype not in weights:
-        raise UsageError(f"--ds-config {config_path} trains in {_dtype_name(s.dtype)}, the "
+        raise UsageError(f"{s.source} trains in {_dtype_name(s.dtype)}, the "
                          f"checkpoint's module weights are {', '.join(map(_dtype_name, weights))}")
 
 
-def _kind(part: Part, s: Settings, config_path: str) -> str:
+def _kind(part: Part, s: Settings) -> str:
     """The optimizer wrapper the config builds, which must be the one that was checkpointed."""
     if s.stage == 0:
         kind = STAGE0 if part.m.optimizer.cls == "FusedAdam" else UNFUSED
@@ -273,7 +360,7 @@ def _kind(part: Part, s: Settings, config_path: str) -> str:
     recorded = STAGE0 if "loss_scale_config" in scalers else ZERO if "loss_scaler" in scalers \
         else BF16
     if recorded != (STAGE0 if kind == UNFUSED else kind):
-        raise UsageError(f"--ds-config {config_path} (ZeRO stage {s.stage}) builds "
+        raise UsageError(f"{s.source} (ZeRO stage {s.stage}) builds "
                          f"{kind}, the checkpoint was written by {_wrapper_of(recorded)}; "
                          "give the config the run trained with")
     return kind
@@ -486,6 +573,8 @@ def describe(export: Export) -> str:
     """One line: what was written."""
     what = f"ZeRO stage {export.stage}" if export.kind in (ZERO, BF16) else "stage 0"
     optim = f" + {export.world} optimizer partition(s)" if export.kind in (ZERO, BF16) else ""
+    config = "the config recorded in the checkpoint" if export.config_from == RECORDED \
+        else export.config_from
     return (f"DeepSpeed checkpoint {export.tag} ({what}, {export.kind}, {export.world} "
-            f"rank(s)): mp_rank_00_model_states.pt{optim}")
+            f"rank(s)): mp_rank_00_model_states.pt{optim}; ds_config: {config}")
 

@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence
 from ..errors import ConfigError
 from ..interval import (IntervalResult, MetricsSummary, analyse, best_integer_steps, positive,
                         summarise_metrics, waste_fraction)
+from .pipe import quiet_on_broken_pipe
 
 __all__ = ["format_table", "to_json", "plot", "run", "main"]
 
@@ -209,8 +210,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse already printed usage and the error (or --help)
         return int(exc.code or 0)
+    return quiet_on_broken_pipe(lambda: _command(args))  # `gockpt-interval ... | head`
+
+
+def _command(args) -> int:
     try:
         print(run(args))
+    except BrokenPipeError:  # the reader went away: quiet_on_broken_pipe
+        raise
     except (ValueError, OSError) as exc:  # ConfigError is a ValueError
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

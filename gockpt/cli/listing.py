@@ -10,16 +10,13 @@ from .. import storage
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
 from ..storage.commit import is_committed
 from ..storage.manifest import Manifest, parts_of
-from .common import UsageError, date, disk_usage, human, iso, mtime, one_line, print_json, table
+from .common import (UsageError, date, disk_usage, existing_directory, human, iso, mtime, one_line,
+                     print_json, table)
 
 
 def cmd_list(args) -> int:
     """``gockpt list DIR [--json]``."""
-    root = args.dir
-    if not os.path.exists(root):
-        raise UsageError(f"{root}: no such file or directory")
-    if not os.path.isdir(root):
-        raise UsageError(f"{root}: not a directory")
+    root = existing_directory(args.dir)
     rows = list_rows(root)
     if args.json:
         print_json([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows])
@@ -30,12 +27,11 @@ def cmd_list(args) -> int:
 
 def cmd_clean(args) -> int:
     """``gockpt clean DIR``: remove the ``.tmp-*`` leftovers of processes no longer running."""
-    if not os.path.isdir(args.dir):
-        raise UsageError(f"{args.dir}: no such directory")
-    removed = storage.cleanup_temporaries(args.dir)
+    root = existing_directory(args.dir)
+    removed = storage.cleanup_temporaries(root)
     for p in removed:
         print(f"removed {p}")
-    left = [n for n in os.listdir(args.dir) if n.startswith(storage.TMP_PREFIX)]
+    left = [n for n in os.listdir(root) if n.startswith(storage.TMP_PREFIX)]
     print(f"{len(removed)} leftover(s) removed" +
           (f"; {len(left)} kept (their writer is still running)" if left else ""))
     return 0

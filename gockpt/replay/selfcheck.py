@@ -26,7 +26,7 @@ from typing import Dict
 import torch
 
 from ..capture.digest import as_pairs, digests, to_hex
-from ..capture.plan import Plan, flat
+from ..capture.plan import Plan, flat, logical
 from ..errors import ConsistencyError
 from ..job import Job
 
@@ -66,8 +66,8 @@ def _compare_digests(job: Job, plan: Plan, replayed: bool) -> Dict:
     live = book.pairs()
     t0 = time.perf_counter()
     host = job.host
-    staged = as_pairs(digests([host.param[si] if key is None else host.state[si][key]
-                               for si, key in book.entries]))
+    staged = as_pairs(digests([logical(plan.slots[si], host.param[si] if key is None
+                                       else host.state[si][key]) for si, key in book.entries]))
     bad = [e for e, x, y in zip(book.entries, live, staged) if x != y]
     m = job.metrics
     m.verify_tensors, m.verify_mismatches = len(book.entries), len(bad)

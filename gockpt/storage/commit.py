@@ -16,7 +16,9 @@ import warnings
 from typing import Callable, Optional
 
 from ..errors import CheckpointNotFoundError, ConfigError, StorageError
-from .format import LATEST_FILE, MANIFEST_FILE, TMP_PREFIX, TMP_RE, check_name, fsync_dir, write_all
+from .format import (LATEST_FILE, LATEST_MAX_BYTES, MANIFEST_FILE, MANIFEST_MAX_BYTES, TMP_PREFIX,
+                     TMP_RE, check_name, fsync_dir, manifest_seal, write_all)
+from .reader import read_small_file
 
 log = logging.getLogger("gockpt")
 
@@ -76,9 +78,41 @@ def replace_file(path: str, write: Callable[[str], None]) -> None:
     fsync_dir(root)
 
 
-def write_latest(root: str, name: str) -> None:
-    """Atomically make ``<root>/latest`` contain ``name``."""
-    replace_file(os.path.join(root, LATEST_FILE), lambda tmp: write_file(tmp, name.encode("utf-8")))
+def write_latest(root: str, name: str, seal: Optional[str] = None) -> None:
+    """Atomically make ``<root>/latest`` name checkpoint ``name``; with ``seal`` (its
+    manifest's, :func:`~.format.manifest_seal`) on a second line, so that a damaged pointer --
+    or one naming another checkpoint -- is told from a good one (without: a plain pointer, as
+    DeepSpeed writes its own)."""
+    text = name if seal is None else f"{name}\n{seal}\n"
+    replace_file(os.path.join(root, LATEST_FILE), lambda tmp: write_file(tmp, text.encode("utf-8")))
+
+
+def read_latest(root: str) -> tuple:
+    """What ``<root>/latest`` says: ``(name, seal)``; ``(None, None)`` when there is no pointer.
+    ``seal`` is None for a plain pointer (one line). Raises ``ValueError`` saying what is
+    wrong with a pointer that is not one (not a regular file, too long, not text, a name that
+    is not a checkpoint name, a malformed seal)."""
+    path = os.path.join(root, LATEST_FILE)
+    try:
+        data = read_small_file(path, LATEST_MAX_BYTES, f"{path!r}")
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        raise ValueError(f"cannot read {path!r}: {e.strerror or e}") from e
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path!r} is not text") from None
+    if len(lines) not in (1, 2) or (len(lines) == 2 and not _is_seal(lines[1])):
+        raise ValueError(f"{path!r} is not a pointer (one checkpoint name, and its manifest's "
+                         "seal)")
+    name = lines[0].strip()
+    check_name(name, f"checkpoint name in {path!r}")
+    return name, lines[1] if len(lines) == 2 else None
+
+
+def _is_seal(x: str) -> bool:
+    return len(x) == 8 and all(c in "0123456789abcdef" for c in x)
 
 
 def check_new_name(root: str, name: str) -> None:
@@ -94,8 +128,9 @@ def check_new_name(root: str, name: str) -> None:
 
 def is_committed(path: str) -> bool:
     """Whether ``path`` is a committed checkpoint: manifest.json is written inside the temporary
-    directory before the rename, so a visible directory with a manifest is one."""
-    return os.path.isfile(os.path.join(path, MANIFEST_FILE))
+    directory before the rename, so a visible directory with a manifest is one (whatever the
+    manifest has become since: reading it says what is wrong with it)."""
+    return os.path.lexists(os.path.join(path, MANIFEST_FILE))
 
 
 def list_checkpoints(root: str) -> list[str]:
@@ -155,29 +190,39 @@ def resolve(root: str, tag: str | None = None) -> str:
 
     latest_path = os.path.join(root, LATEST_FILE)
     try:
-        with open(latest_path, encoding="utf-8") as f:
-            latest = f.read().strip()
-    except FileNotFoundError:
-        latest = None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointNotFoundError(f"cannot read {latest_path!r}: {e}") from e
-    if latest is not None:
-        try:
-            check_name(latest)
-            if is_committed(os.path.join(root, latest)):
-                return os.path.join(root, latest)
-        except ValueError:
-            pass
+        latest, seal = read_latest(root)
+    except ValueError as e:
+        latest, why = "", f"is damaged ({e})"
+    else:
+        why = "is missing" if latest is None else \
+            f"names {latest!r}, which is not a committed checkpoint"
+    if latest:
+        path = os.path.join(root, latest)
+        if is_committed(path):
+            if seal is None or _manifest_seal_of(path) == seal:
+                return path
+            why = (f"names {latest!r} but does not match its manifest (the pointer is "
+                   "damaged, or the checkpoint was replaced)")
     names = list_checkpoints(root)
     if not names:
-        raise CheckpointNotFoundError(f"no checkpoint to load: {_describe_root(root)}")
-    why = "is missing" if latest is None else f"names {latest!r}, which is not a committed checkpoint"
+        raise CheckpointNotFoundError(f"no checkpoint to load: {_describe_root(root)}; "
+                                      f"{latest_path!r} {why}")
+    same = " (the one it names)" if names[-1] == latest else ""
     warnings.warn(
-        f"{latest_path!r} {why}; using the newest committed checkpoint {names[-1]!r}",
+        f"{latest_path!r} {why}; using the newest committed checkpoint {names[-1]!r}{same}",
         RuntimeWarning,
         stacklevel=2,
     )
     return os.path.join(root, names[-1])
+
+
+def _manifest_seal_of(path: str) -> Optional[str]:
+    """The seal of the manifest of checkpoint ``path`` (None: unreadable, or damaged)."""
+    try:
+        return manifest_seal(read_small_file(os.path.join(path, MANIFEST_FILE),
+                                             MANIFEST_MAX_BYTES, MANIFEST_FILE))
+    except (OSError, ValueError):
+        return None
 
 
 def _pid_alive(pid: int) -> bool:

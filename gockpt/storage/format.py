@@ -9,14 +9,18 @@ A checkpoint is a directory ``<root>/<name>`` holding
   starts at a multiple of 4096, and the gap after each tensor is covered by a zero-filled U8
   filler tensor ``__pad__/<n>`` (in the safetensors header, not in the manifest); the file
   size is a multiple of 4096.
-* ``manifest.json``: ``{"format": "gockpt", "format_version": 2, "tensors": {name: {"file",
-  "dtype", "shape", "offset", "nbytes", "block_bytes", "crc32c"}}, ...}`` plus gockpt's typed
-  sections (:mod:`gockpt.storage.manifest`). ``offset`` is the absolute byte offset in
+* ``manifest.json``: ``{"manifest_crc32c": "<8 hex>", "format": "gockpt", "format_version": 3,
+  "tensors": {name: {"file", "dtype", "shape", "offset", "nbytes", "block_bytes", "crc32c"}},
+  ...}`` plus gockpt's typed sections (:mod:`gockpt.storage.manifest`). The first member seals
+  the manifest: the crc32c of every byte after it (:func:`seal_manifest`), checked before any
+  value is trusted, so that a damaged manifest is named as such. ``offset`` is the absolute byte offset in
   ``file``; ``crc32c`` lists the crc32c (Castagnoli) of each chunk of the tensor's bytes (the
   last one shorter), computed by the writer threads while the data passes. The chunk size is
   stored under the historical key ``"block_bytes"`` (see :data:`CHUNK_BYTES_KEY`).
 
-``<root>/latest`` holds the name of the latest committed checkpoint (see :mod:`.commit`).
+``<root>/latest`` holds the name of the latest committed checkpoint and, on a second line, the
+seal of its manifest (see :mod:`.commit`): a damaged pointer, or one naming another checkpoint,
+does not match.
 
 This module owns these names, the layout of the data file (:func:`layout_file`) and the shape
 of a tensor entry: :func:`tensor_entry` builds one, :func:`check_tensor_entry` validates one.
@@ -31,8 +35,10 @@ import re
 
 import torch
 
+from .io import crc32c
+
 FORMAT = "gockpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the manifest is sealed (2: unsealed; 1: per-tensor crc32, unaligned)
 DATA_FILE = "data.safetensors"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
@@ -71,6 +77,9 @@ CHUNK_BYTES_KEY = "block_bytes"
 # The fields of a tensor entry: where its bytes are and what they are, then their checksums.
 LAYOUT_FIELDS = ("file", "dtype", "shape", "offset", "nbytes")
 CHECKSUM_FIELDS = (CHUNK_BYTES_KEY, "crc32c")
+# A stored tensor has at most this many dimensions, and fewer than 2**62 elements even where
+# a zero dimension makes it empty (torch cannot make one of more).
+MAX_DIMS = 64
 # Every tensor starts at a multiple of ALIGN in data.safetensors (O_DIRECT needs it).
 ALIGN = 4096
 # Names of the filler tensors that keep the safetensors data region free of holes.
@@ -94,7 +103,8 @@ def check_name(name: str, what: str = "checkpoint name") -> None:
     """Raise ``ValueError`` unless ``name`` is a plain checkpoint name.
 
     A name is a single path component: it must not escape the root, hide (names starting
-    with '.' are reserved for temporaries) or shadow ``latest``.
+    with '.' are reserved for temporaries), shadow ``latest``, or be a string the file
+    system cannot take (a lone surrogate has no UTF-8 encoding; longer than a file name).
     """
     if (
         not isinstance(name, str)
@@ -104,8 +114,62 @@ def check_name(name: str, what: str = "checkpoint name") -> None:
         or "/" in name
         or "\\" in name
         or "\0" in name
+        or not _encodable(name)
     ):
-        raise ValueError(f"invalid {what} {name!r}: use a plain file name such as 'step-000000120'")
+        raise ValueError(f"invalid {what} {name!r:.80}: use a plain file name such as "
+                         "'step-000000120'")
+
+
+def _encodable(name: str) -> bool:
+    try:
+        return len(os.fsencode(name)) <= 255 and len(name.encode("utf-8")) <= 255
+    except UnicodeError:
+        return False
+
+
+# ------------------------------------------------------------------ sealed small files
+
+# The manifest begins with its seal: {"manifest_crc32c":"<8 hex>", then the rest of the object,
+# whose bytes the crc32c covers. A fixed place, so that the seal is checked on the raw bytes
+# before anything is parsed.
+SEAL_KEY = "manifest_crc32c"
+_SEAL_HEAD = b'{"' + SEAL_KEY.encode() + b'":"'
+_SEALED_AT = len(_SEAL_HEAD) + 8 + 2  # the head, 8 hex digits, '",'
+MANIFEST_MAX_BYTES = 1 << 30  # the manifest of a 10,000-tensor model is a few MB
+LATEST_MAX_BYTES = 4096
+
+
+def seal_manifest(obj: dict) -> bytes:
+    """The bytes of ``manifest.json`` for the JSON object ``obj`` (compact), sealed."""
+    # Compact: the C encoder (an indent makes json fall back to pure Python, slow on the
+    # large manifests of models with thousands of parameters, holding the GIL).
+    return seal_json(json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8"))
+
+
+def seal_json(text: bytes) -> bytes:
+    """The JSON object ``text`` (starting ``{"``) with its seal as the first member."""
+    if not text.startswith(b'{"'):
+        raise ValueError("a manifest is a non-empty JSON object")
+    body = text[1:]
+    return _SEAL_HEAD + b"%08x" % crc32c(body) + b'",' + body
+
+
+def manifest_seal(data: bytes) -> str | None:
+    """The seal of manifest bytes ``data`` if it matches them, else None (damaged, or not
+    sealed)."""
+    if len(data) <= _SEALED_AT or not data.startswith(_SEAL_HEAD) \
+            or data[_SEALED_AT - 2:_SEALED_AT] != b'",':
+        return None
+    seal = data[len(_SEAL_HEAD):_SEALED_AT - 2]
+    try:
+        want = int(seal, 16)
+    except ValueError:
+        return None
+    if seal != seal.lower() or want != crc32c(data[_SEALED_AT:]):
+        return None
+    return seal.decode("ascii")
+
+
 
 
 def fsync_dir(path: str) -> None:
@@ -203,13 +267,15 @@ def check_tensor_entry(e, size_of, *, checksums: bool = True) -> str | None:
     if missing:
         return f"missing fields {sorted(missing)}"
     file = e["file"]
-    if not isinstance(file, str) or file in ("", ".", "..") or any(c in file for c in "/\\\0"):
+    if not isinstance(file, str) or file in ("", ".", "..") or any(c in file for c in "/\\\0") \
+            or not _encodable(file):
         return "file must be a plain file name inside the checkpoint directory"
     code, shape, offset, nbytes = e["dtype"], e["shape"], e["offset"], e["nbytes"]
     if not isinstance(code, str) or code not in ITEMSIZE:
         return f"unknown dtype {code!r}"
-    if not isinstance(shape, list) or not all(is_plain_int(d) for d in shape):
-        return f"invalid shape {shape!r}"
+    if not isinstance(shape, list) or not all(is_plain_int(d) for d in shape) \
+            or len(shape) > MAX_DIMS or math.prod(d for d in shape if d) >= 2**62:
+        return f"invalid shape {shape!r:.80}"
     if not (is_plain_int(offset) and is_plain_int(nbytes)):
         return f"invalid offset {offset!r} or nbytes {nbytes!r}"
     expected = math.prod(shape) * ITEMSIZE[code]

@@ -2,14 +2,15 @@
 ``csrc/writer.h``, ``csrc/reader.h``; bound in ``csrc/module.cpp``): thread and O_DIRECT
 defaults, the once-only fallback warning, keeping submitted memory alive.
 
-* ``crc32c(data, crc=0)``: Castagnoli CRC (SSE4.2 when the CPU has it, else a table),
-  zlib-style continuation; ``crc32c(b"123456789") == 0xE3069283``.
+* ``crc32c(data, crc=0)``: Castagnoli CRC (AVX-512 carry-less multiplies, else SSE4.2, else a
+  table: :func:`crc32c_impl`), zlib-style continuation; ``crc32c(b"123456789") == 0xE3069283``.
 * ``Writer``: several threads pwrite tensor bytes at precomputed, 4096-aligned offsets of one
   file, with O_DIRECT where the file system accepts it (else buffered writes + fsync, logged
   once), checksumming every chunk while the data passes; ``finish`` returns a
   ``_C.FinishResult``.
 * ``read_into``: several threads pread byte ranges straight into destination memory,
-  verifying the per-chunk checksums; returns a ``_C.ReadResult``.
+  verifying the per-chunk checksums (buffered: each 256 KiB piece checksummed as it lands, in
+  cache); every item checked first; returns a ``_C.ReadResult``.
 
 Knobs: ``GOCKPT_IO_THREADS`` (default: the number of cores for writing, twice that for
 reading) and ``GOCKPT_IO_DIRECT=0`` (force
@@ -46,7 +47,7 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 def crc32c_impl() -> str:
-    """'sse4.2' or 'software'."""
+    """'avx512-vpclmulqdq', 'sse4.2' or 'software'."""
     return _C.crc32c_impl()
 
 
@@ -144,7 +145,10 @@ def read_into(path: str, items, *, verify: bool = True, threads: int | None = No
 
     Returns a ``_C.ReadResult``: ``err`` (0 or an errno), ``msg``, ``bad_item``, ``direct``
     (O_DIRECT used), ``mismatches`` [(item, chunk, crc32c found)] and ``truncated``
-    [(item, file offset of the end of file)]; see ``csrc/reader.h``.
+    [(item, file offset of the end of file)]; see ``csrc/reader.h``. An item the reader cannot
+    take (chunk size 0, bytes beyond file offset 2**63 - 1, an address range that wraps, a
+    checksum list of another length than its chunks when verifying) reads nothing at all:
+    ``err`` EINVAL, ``bad_item`` and ``msg`` say which. Numbers outside uint64 raise TypeError.
     """
     threads = default_read_threads() if threads is None else int(threads)
     direct = default_direct() if direct is None else bool(direct)

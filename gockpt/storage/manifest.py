@@ -68,7 +68,8 @@ def part_name(rank: int) -> str:
 def check_part_name(path: str, name) -> str:
     """``name`` if it is a plain directory name inside the checkpoint, else CorruptCheckpointError."""
     if not isinstance(name, str) or name in ("", ".", "..") or name.startswith(".") \
-            or any(c in name for c in "/\\\0"):
+            or any(c in name for c in "/\\\0") or not name.isprintable() or len(name) > 255 \
+            or not all(c.isascii() for c in name):
         raise CorruptCheckpointError(f"checkpoint {path!r}: invalid part name {name!r:.60} in "
                                      "the manifest")
     return name
@@ -86,8 +87,7 @@ class ModelSection:
     """Extra ``state_dict`` names of tied parameters -> their canonical name."""
     digests: Dict[str, str] = field(default_factory=dict)
     """``state_dict`` name -> the digest (:mod:`gockpt.capture.digest`, 32 hex digits) of the
-    live parameter at F, in its stored (memory) order; empty in checkpoints written without
-    verification or by earlier versions."""
+    live parameter at F; empty in checkpoints written without verification."""
 
     def expected(self) -> Dict[str, TensorRef]:
         """Every ``state_dict`` name the parameters answer to (aliases included) -> ref."""
@@ -241,17 +241,35 @@ class Manifest:
                    tensors=data.get("tensors", {}))._checked(bad)
 
     def _checked(self, bad) -> "Manifest":
-        """Every reference must point into a stored tensor, within its bounds."""
-        refs = [(f"parameter {n!r}", r) for n, r in self.model.params.items()]
+        """Every reference must point into a stored tensor of its role (a parameter into its
+        own ``model/<name>`` or a pack of parameters, a state tensor into its own
+        ``optim/<index>/<key>`` or a pack of that key), within its bounds, and no two may
+        share a byte: a swapped, duplicated or renamed reference is refused here, before
+        anything is read."""
+        refs = [(f"parameter {n!r}", r, param_tensor(n), "pack/model/")
+                for n, r in self.model.params.items()]
         for idx, by_key in (self.optimizer.aligned if self.optimizer else {}).items():
-            refs += [(f"optimizer state [{idx}][{k!r}]", r) for k, r in by_key.items()]
-        for what, ref in refs:
+            refs += [(f"optimizer state [{idx}][{k!r}]", r, optim_tensor(idx, k), f"pack/optim/{k}/")
+                     for k, r in by_key.items()]
+        spans: Dict[str, list] = {}
+        for what, ref, own, pack in refs:
             entry = self.tensors.get(ref.tensor)
             if entry is None:
                 raise bad(f"{what} refers to tensor {ref.tensor!r}, which is not stored")
+            if ref.tensor != own if ref.shape is None else not ref.tensor.startswith(pack):
+                raise bad(f"{what} refers to tensor {ref.tensor!r}; it is stored as {own!r} "
+                          f"or in a {pack}* pack")
             problem = ref.check(entry["shape"])
             if problem:
                 raise bad(f"{what}: reference into {ref.tensor!r}: {problem}")
+            first = ref.offset if ref.shape is not None else 0
+            spans.setdefault(ref.tensor, []).append(
+                (first, first + math.prod(ref.logical_shape(entry["shape"])), what))
+        for tensor, taken in spans.items():
+            taken.sort()
+            for (_, end, what), (start, _, other) in zip(taken, taken[1:]):
+                if start < end:
+                    raise bad(f"{what} and {other} share elements of stored tensor {tensor!r}")
         return self
 
     def digest_checks(self) -> List[Tuple[str, TensorRef, str]]:
@@ -266,11 +284,6 @@ class Manifest:
                            for key, d in by_key.items() if key in refs]
         return checks
 
-    def stored_range(self, ref: TensorRef, tensors: dict):
-        """The elements ``ref`` refers to in its stored tensor (read into ``tensors``), flat,
-        in stored (memory) order: what its digest was taken of."""
-        numel = math.prod(self.logical_shape(ref))
-        return tensors[ref.tensor].reshape(-1)[ref.offset:ref.offset + numel]
 
     def logical_shape(self, ref: TensorRef) -> Tuple[int, ...]:
         """The shape of the tensor ``ref`` refers to (from the tensor table, nothing read)."""

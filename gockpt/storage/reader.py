@@ -10,25 +10,59 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, LoadError
 from . import io as _io
-from .format import (ALIGN, CODE_TO_DTYPE, FORMAT, FORMAT_VERSION, MANIFEST_FILE, check_tensor_entry,
-                     chunk_bytes_of, is_plain_int, round_up)
+from .format import (ALIGN, CHUNK_BYTES, CHUNK_BYTES_KEY, CODE_TO_DTYPE, FORMAT, FORMAT_VERSION,
+                     MANIFEST_FILE, MANIFEST_MAX_BYTES, check_tensor_entry, is_plain_int, manifest_seal,
+                     round_up)
 from .pagecache import split_by_residency
+
+
+def read_small_file(path: str, limit: int, what: str) -> bytes:
+    """The bytes of the regular file ``path`` (links followed) of at most ``limit`` bytes.
+
+    Never blocks and never reads without end: a FIFO, a device, a directory or a socket is
+    refused (opened non-blocking, checked by fstat), and so is a file over ``limit``.
+    Raises FileNotFoundError if it does not exist, ``ValueError`` saying what is wrong with
+    it (``what`` names it), OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{what} is not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_size > limit:
+            raise ValueError(f"{what} is {st.st_size} bytes, more than the {limit} a valid one "
+                             "can be")
+        chunks, left = [], limit + 1
+        while left > 0:  # the size may change under us: read at most limit + 1
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            raise ValueError(f"{what} grew beyond {limit} bytes while being read")
+        return data
+    finally:
+        os.close(fd)
 
 
 def read_manifest(path: str) -> dict:
     """Read and validate ``<path>/manifest.json``.
 
-    Checks the JSON, the format and version, and every tensor entry: the file
-    is a plain name inside the checkpoint, the dtype is known, ``nbytes`` equals
-    ``prod(shape) * itemsize``, ``offset + nbytes`` lies within the file and the chunk
-    checksums fit. Raises ``CheckpointNotFoundError`` if ``path`` is not a directory and
-    ``CorruptCheckpointError`` naming the checkpoint, file and tensor otherwise.
+    Checks that it is a regular file of sane size, its seal (the crc32c of its bytes,
+    :func:`~.format.seal_manifest`) before anything is parsed, the JSON, the format and
+    version, and every tensor entry: the file is a plain name inside the checkpoint, the dtype
+    is known, ``nbytes`` equals ``prod(shape) * itemsize``, ``offset + nbytes`` lies within
+    the file and the chunk checksums fit. Raises ``CheckpointNotFoundError`` if ``path`` is
+    not a directory and ``CorruptCheckpointError`` naming the checkpoint, file and tensor
+    otherwise.
     """
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"checkpoint {path!r} does not exist")
@@ -38,12 +72,19 @@ def read_manifest(path: str) -> dict:
         return CorruptCheckpointError(f"checkpoint {path!r}: {MANIFEST_FILE}: {msg}")
 
     try:
-        with open(mpath, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
+        data = read_small_file(mpath, MANIFEST_MAX_BYTES, MANIFEST_FILE)
     except FileNotFoundError:
         raise bad("missing (the checkpoint was not committed completely)") from None
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise bad(f"unreadable or not JSON: {e}") from e
+    except (OSError, ValueError) as e:
+        raise bad(f"unreadable: {e}") from e
+    if manifest_seal(data) is None:
+        raise bad(_unsealed(data))
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise bad(f"not JSON: {e}") from e
+    except RecursionError:
+        raise bad("nested too deeply to be a manifest") from None
     if not isinstance(manifest, dict):
         raise bad("not a JSON object")
     if manifest.get("format") != FORMAT:
@@ -54,13 +95,26 @@ def read_manifest(path: str) -> dict:
     if version > FORMAT_VERSION:
         raise bad(f"format_version {version} is newer than this gockpt supports ({FORMAT_VERSION}); upgrade gockpt")
     if version < FORMAT_VERSION:
-        raise bad(f"format_version {version} was written by an older, pre-release gockpt "
-                  f"(per-tensor crc32, unaligned); this gockpt reads format_version {FORMAT_VERSION} only")
+        raise bad(f"format_version {version} was written by an older, pre-release gockpt; this "
+                  f"gockpt reads format_version {FORMAT_VERSION} only")
     tensors = manifest.get("tensors")
     if not isinstance(tensors, dict):
         raise bad("'tensors' is missing or not an object")
     _check_entries(path, tensors, bad)
     return manifest
+
+
+def _unsealed(data: bytes) -> str:
+    """Why manifest bytes ``data`` have no valid seal."""
+    try:
+        version = json.loads(data.decode("utf-8")).get("format_version")
+    except (ValueError, RecursionError, AttributeError):
+        version = None
+    if is_plain_int(version) and version < FORMAT_VERSION:
+        return (f"format_version {version} was written by an older, pre-release gockpt (a "
+                f"manifest without a seal); this gockpt reads format_version {FORMAT_VERSION} only")
+    return ("damaged: its bytes do not match its seal (the crc32c it was written with); no "
+            "value of it can be trusted -- load another checkpoint (tag=...)")
 
 
 def _check_entries(path: str, tensors: dict, bad) -> None:
@@ -75,9 +129,13 @@ def _check_entries(path: str, tensors: dict, bad) -> None:
         def size_of(file: str) -> int:
             if file not in sizes:
                 try:
-                    sizes[file] = os.stat(os.path.join(path, file)).st_size
+                    st = os.stat(os.path.join(path, file))
                 except OSError as err:
                     raise bad_tensor(f"data file missing or unreadable: {err}") from err
+                if not stat.S_ISREG(st.st_mode):
+                    raise bad_tensor(f"data file is not a regular file "
+                                     f"({stat.filemode(st.st_mode)})")
+                sizes[file] = st.st_size
             return sizes[file]
 
         problem = check_tensor_entry(e, size_of)
@@ -85,9 +143,12 @@ def _check_entries(path: str, tensors: dict, bad) -> None:
             raise bad_tensor(problem)
 
 
-# Fresh tensors of at least this size are allocated page-aligned (anonymous mmap, advised to
-# use transparent huge pages): O_DIRECT reads land in them without a bounce copy, and
-# faulting in 2 MiB pages costs far less than 4 KiB ones.
+# Fresh tensors of at least this size are allocated page-aligned (anonymous mmap): O_DIRECT
+# reads land in them without a bounce copy. Not advised to use transparent huge pages: memory
+# touched for the first time (a restart) faulted in 2 MiB pages was 4x slower than in 4 KiB
+# ones on the VMs measured (0.8-1.0 GB/s against 3.8-4.0 for 2.3 GB read from the page
+# cache, experiments/bench_storage.py's "into fresh tensors"); the kernel's own THP policy
+# still applies.
 
 _MMAP_MIN_BYTES = 1 << 20
 
@@ -96,10 +157,6 @@ def _empty_for_read(shape: list, dtype: torch.dtype, nbytes: int) -> torch.Tenso
     if nbytes < _MMAP_MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.empty(shape, dtype=dtype)
     mm = mmap.mmap(-1, round_up(nbytes, ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):
-        pass
     # The tensor keeps the mapping alive (frombuffer holds a reference to it).
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
 
@@ -169,7 +226,7 @@ def _plan_file(path: str, file: str, entries: dict, out: dict, verify: bool) -> 
         ) from e
     where = f"checkpoint {path!r}: file {fpath!r}"
     for name, e in entries.items():
-        problem = check_tensor_entry(e, lambda _file: size, checksums=verify)
+        problem = check_tensor_entry(e, lambda _file: size, checksums=verify) or _io_range_problem(e, verify)
         if problem:
             raise CorruptCheckpointError(f"{where}: tensor {name!r}: {problem}")
     # In file order, so the reads are roughly sequential.
@@ -178,10 +235,27 @@ def _plan_file(path: str, file: str, entries: dict, out: dict, verify: bool) -> 
         e = entries[name]
         target = _destination(path, name, e, out.get(name), reads)
         if e["nbytes"]:
-            crcs = list(e["crc32c"]) if verify else []
-            reads.items.append((e["offset"], e["nbytes"], target.data_ptr(), chunk_bytes_of(e), crcs))
+            # Unverified, the chunk is only the unit of work: the manifest's is not trusted.
+            chunk, crcs = (e[CHUNK_BYTES_KEY], list(e["crc32c"])) if verify else (CHUNK_BYTES, [])
+            reads.items.append((e["offset"], e["nbytes"], target.data_ptr(), chunk, crcs))
             reads.item_names.append(name)
     return reads
+
+
+# The C++ reader takes offsets, sizes and chunk sizes as unsigned 64-bit numbers and reads at
+# signed 64-bit file offsets (off_t): from 2**63 on, a number is refused here, not wrapped there
+# (a chunk size of 2**64 - 4096 once made its chunk count 0: the tensor was neither read nor
+# checksummed).
+_IO_LIMIT = 2**63
+
+
+def _io_range_problem(e: dict, verify: bool) -> str | None:
+    """What in entry ``e`` (checked by ``check_tensor_entry``) the C++ reader cannot take."""
+    if e["offset"] + e["nbytes"] >= _IO_LIMIT:
+        return f"bytes {e['offset']}..{e['offset'] + e['nbytes']} lie beyond the largest file offset"
+    if verify and e[CHUNK_BYTES_KEY] >= _IO_LIMIT:
+        return f"invalid {CHUNK_BYTES_KEY} {e[CHUNK_BYTES_KEY]} (a chunk size below 2**63)"
+    return None
 
 
 def _destination(path: str, name: str, e: dict, dst, reads: _FileReads) -> torch.Tensor:
@@ -225,8 +299,13 @@ def _run_reads(reads: _FileReads, verify: bool, threads, direct) -> _ReadOutcome
         groups = [(list(range(len(items))), direct)]
     got = _ReadOutcome()
     for idx, gdirect in groups:
-        res = _io.read_into(reads.fpath, [items[i] for i in idx], verify=verify, threads=threads,
-                            direct=gdirect)
+        try:
+            res = _io.read_into(reads.fpath, [items[i] for i in idx], verify=verify, threads=threads,
+                                direct=gdirect)
+        except (TypeError, OverflowError) as exc:  # a number the binding's types do not hold
+            raise CorruptCheckpointError(f"{reads.where}: tensor {reads.item_names[_unfit_item(items)]!r}: "
+                                         "an offset, size, chunk size or checksum out of the reader's "
+                                         "range") from exc
         # Indices back to ``items``.
         got.truncated += [(idx[i], eof) for i, eof in res.truncated]
         got.mismatches += [(idx[i], k, crc) for i, k, crc in res.mismatches]
@@ -238,6 +317,15 @@ def _run_reads(reads: _FileReads, verify: bool, threads, direct) -> _ReadOutcome
     got.truncated.sort()
     got.mismatches.sort()
     return got
+
+
+def _unfit_item(items: list) -> int:
+    """The first read item with a number outside the C++ reader's types (else 0)."""
+    for i, (offset, nbytes, _, chunk, crcs) in enumerate(items):
+        if not all(type(x) is int and 0 <= x < 2**64 for x in (offset, nbytes, chunk)) \
+                or not all(type(c) is int and 0 <= c < 2**32 for c in crcs):
+            return i
+    return 0
 
 
 def _raise_for(reads: _FileReads, got: _ReadOutcome) -> None:

@@ -254,9 +254,15 @@ def decode(data, tensors: dict):
 
     Tensors come back as the CPU tensors found in ``tensors`` (not copied);
     arrays come back as numpy arrays with the original dtype and shape.
-    Raises ``ValueError`` if ``data`` is not something ``encode`` could have produced.
+    Raises ``ValueError`` if ``data`` is not something ``encode`` could have produced, or is
+    nested deeper than :data:`MAX_DEPTH`.
     """
     return _Decoder(tensors).value(data, "state")
+
+
+MAX_DEPTH = 100
+"""Containers nested deeper than this are refused by :func:`decode` (the state gockpt stores is
+a few levels deep; a damaged or crafted manifest must not exhaust the stack)."""
 
 
 class _Decoder:
@@ -264,11 +270,21 @@ class _Decoder:
 
     def __init__(self, tensors: dict):
         self.tensors = tensors
+        self.depth = 0
 
     def value(self, x, path: str):
         t = type(x)
         if x is None or t in (bool, int, float, str):
             return x
+        if self.depth >= MAX_DEPTH:
+            raise ValueError(f"{path}: nested deeper than {MAX_DEPTH} levels")
+        self.depth += 1
+        try:
+            return self.container(x, t, path)
+        finally:
+            self.depth -= 1
+
+    def container(self, x, t, path: str):
         if t is list:
             return [self.value(v, f"{path}[{i}]") for i, v in enumerate(x)]
         if t is not dict:
@@ -277,7 +293,7 @@ class _Decoder:
             return {k: self.value(v, f"{path}[{k!r}]") for k, v in x.items()}
         try:
             return self.tagged(x, path)
-        except (KeyError, TypeError, ValueError, OverflowError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError, IndexError, RuntimeError) as e:
             if isinstance(e, ValueError) and str(e).startswith(path):
                 raise  # already names the place inside this value
             raise ValueError(f"{path}: malformed {x.get(TAG)!r} value: {e!r}") from e
@@ -342,7 +358,10 @@ def _decode_scalar(tag: str, x: dict, path: str):
     dtype = np.dtype(x["dtype"])
     if dtype.kind not in "biufcmM":
         raise ValueError(f"{path}: numpy scalar of dtype {dtype} is not allowed")
-    return np.frombuffer(bytes.fromhex(x["hex"]), dtype=dtype)[0]
+    raw = bytes.fromhex(x["hex"])
+    if len(raw) != dtype.itemsize:
+        raise ValueError(f"{path}: a numpy {dtype} scalar is {dtype.itemsize} bytes, not {len(raw)}")
+    return np.frombuffer(raw, dtype=dtype)[0]
 
 
 def tensor_refs(encoded) -> dict:

@@ -15,6 +15,7 @@ from typing import List, Optional
 
 from ..capture.digest import as_pairs, digests, to_hex
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..paths import directory_to_read
 from .commit import is_committed, list_checkpoints, resolve
 from .manifest import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor, parts_of
 from .reader import read_manifest, read_tensors
@@ -125,8 +126,10 @@ def verify(path: str, *, all: bool = False) -> VerifyReport:
     unreadable is reported in :attr:`CheckpointReport.missing`.
 
     Damage is reported, not raised: check :attr:`VerifyReport.ok`. Raises
-    ``CheckpointNotFoundError`` only if ``path`` holds no committed checkpoint.
+    ``CheckpointNotFoundError`` only if ``path`` holds no committed checkpoint. ``path`` is
+    resolved as ``gockpt.load`` resolves it (:mod:`gockpt.paths`).
     """
+    path = directory_to_read(path)
     if all:
         if not os.path.isdir(path):
             raise CheckpointNotFoundError(f"{path}: not a directory")
@@ -233,7 +236,9 @@ def _verify_tensors(path: str, m: Manifest, report: CheckpointReport) -> dict:
     small = {}
     by_tensor: dict = {}
     for check in m.digest_checks():
-        by_tensor.setdefault(check[1].tensor, []).append(check)
+        entry = m.tensors.get(check[1].tensor)
+        if isinstance(entry, dict) and check[1].check(entry["shape"]) is None:
+            by_tensor.setdefault(check[1].tensor, []).append(check)  # else a reference problem
     for name, e in m.tensors.items():
         try:
             t = read_tensors(path, m, names=[name], verify=True)[name]
@@ -262,20 +267,24 @@ def _digest_mismatches(m: Manifest, name: str, t, checks) -> List[str]:
     the digest recorded at F."""
     if not checks:
         return []
-    got = as_pairs(digests([m.stored_range(ref, {name: t}) for _, ref, _ in checks]))
+    got = as_pairs(digests([ref.resolve({name: t}) for _, ref, _ in checks]))
     return [what for (what, _, want), pair in zip(checks, got) if to_hex(pair) != want]
 
 
 def _reference_problems(m: Manifest) -> List[str]:
     """Parameters, tied aliases and optimizer state that name tensors or parameters that the
     checkpoint does not have."""
-    problems = [f"parameter {p!r} refers to missing tensor {r.tensor!r}"
-                for p, r in m.model.params.items() if r.tensor not in m.tensors]
+    refs = [(f"parameter {p!r}", r) for p, r in m.model.params.items()]
+    for idx, by_key in (m.optimizer.aligned if m.optimizer else {}).items():
+        refs += [(f"optimizer state [{idx}][{k!r}]", r) for k, r in by_key.items()]
+    problems = []
+    for what, r in refs:
+        entry = m.tensors.get(r.tensor)
+        why = "is missing" if entry is None else r.check(entry["shape"])
+        if why:
+            problems.append(f"{what}: its reference into tensor {r.tensor!r}: {why}")
     problems += [f"tied alias {a!r} refers to unknown parameter {c!r}"
                  for a, c in m.model.aliases.items() if c not in m.model.params]
-    for idx, refs in (m.optimizer.aligned if m.optimizer else {}).items():
-        problems += [f"optimizer state refers to missing tensor {r.tensor!r}"
-                     for r in refs.values() if r.tensor not in m.tensors]
     return problems
 
 

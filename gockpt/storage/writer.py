@@ -6,7 +6,6 @@ the storage plugin interface (``Config.storage_writer``)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import secrets
@@ -16,11 +15,12 @@ import threading
 import torch
 
 from ..errors import StorageError
+from ..paths import real_directory
 from . import io as _io
 from .commit import publish, write_file, write_latest
 from .format import (ALIGN, CHUNK_BYTES, DATA_FILE, DTYPE_TO_CODE, FORMAT, FORMAT_VERSION, LATEST_FILE,
-                     MANIFEST_FILE, PAD_PREFIX, TMP_PREFIX, check_name, fsync_dir, layout_file,
-                     tensor_entry)
+                     MANIFEST_FILE, PAD_PREFIX, SEAL_KEY, TMP_PREFIX, check_name, fsync_dir, layout_file,
+                     manifest_seal, seal_manifest, tensor_entry)
 
 
 class _Region:
@@ -97,7 +97,10 @@ class CheckpointWriter:
         multiple of 4096.
         """
         check_name(name)
-        self.root = os.path.abspath(root)
+        try:  # the kernel's rule, as everywhere (gockpt.paths)
+            self.root = real_directory(root)
+        except OSError as e:
+            raise StorageError(f"cannot create checkpoint root {os.fspath(root)!r}: {e.strerror}") from e
         self.name = name
         self.threads = threads
         self.direct = direct
@@ -110,6 +113,7 @@ class CheckpointWriter:
         self._lock = threading.Lock()
         self._total = 0
         self._done = False  # committed or aborted
+        self._seal: str | None = None  # the manifest's seal, once written
         self.used_direct: bool | None = None  # whether O_DIRECT was used (after begin)
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -273,7 +277,7 @@ class CheckpointWriter:
         """
         with self._abort_on_failure(f"committing checkpoint {self.final_path!r}"):
             self._check_usable()
-            reserved = {"format", "format_version", "tensors"} & set(manifest)
+            reserved = {"format", "format_version", "tensors", SEAL_KEY} & set(manifest)
             if reserved:
                 raise ValueError(f"manifest keys {sorted(reserved)} are reserved for gockpt")
             if self._slots is None:
@@ -285,7 +289,7 @@ class CheckpointWriter:
             self._done = True
         if update_latest:
             try:
-                write_latest(self.root, self.name)
+                write_latest(self.root, self.name, self._seal)
             except OSError as e:
                 raise StorageError(
                     f"checkpoint {self.final_path!r} was committed but updating {LATEST_FILE!r} failed: {e}"
@@ -297,15 +301,14 @@ class CheckpointWriter:
         temporary directory, fsynced."""
         full = {"format": FORMAT, "format_version": FORMAT_VERSION, "tensors": self._entries, **manifest}
         try:
-            # Compact: the C encoder (an indent makes json fall back to pure Python, slow on the
-            # large manifests of models with thousands of parameters, holding the GIL).
-            text = json.dumps(full, separators=(",", ":"), allow_nan=False)
+            data = seal_manifest(full)
         except (TypeError, ValueError) as e:
             raise TypeError(f"manifest is not plain JSON ({e}); encode Python state with gockpt.storage.tree.encode") from e
         # Written in place, not via a tmp file + rename: the whole directory is
         # still invisible, and the directory rename in publish() is the atomic step.
-        write_file(os.path.join(self.tmp_path, MANIFEST_FILE), text.encode("utf-8"))
+        write_file(os.path.join(self.tmp_path, MANIFEST_FILE), data)
         fsync_dir(self.tmp_path)
+        self._seal = manifest_seal(data)
 
     def _check_usable(self) -> None:
         if self._done or not os.path.isdir(self.tmp_path):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gockpt.capture.device import HostDevice
+from gockpt.capture import digest as digest_mod
 from gockpt.capture.digest import ROW, LiveDigests, as_pairs, digest, digests, is_hex, to_hex
 
 MASK = (1 << 64) - 1
@@ -41,6 +42,26 @@ def test_batched_digests_are_the_definition_of_each_tensor():
     for t, pair in zip(ts, got):
         assert pair == reference(t) == digest(t), (t.dtype, tuple(t.shape))
     assert digests([]).shape == (0, 2)
+
+
+@pytest.mark.parametrize("dtype, lo, hi", [(torch.int32, -2**31, 2**31), (torch.int16, -2**15, 2**15)])
+def test_fast_row_sums_are_the_plain_int64_sums(dtype, lo, hi):
+    # Several pieces and a short last one; rows of extreme words whose int32 sums overflow.
+    g = torch.Generator().manual_seed(3)
+    n = 2 * digest_mod._PIECE * (2 if dtype == torch.int16 else 1) + 5 * ROW
+    w = torch.randint(lo, hi, (n + 1,), dtype=dtype, generator=g)
+    w[:ROW] = lo
+    w[ROW:2 * ROW] = hi - 1
+    w[-ROW - 1:] = hi - 1
+    assert digest_mod._fast_rows_ok()
+    for view in (w[:n], w[1:]):  # int16 words at an odd offset: the plain sum
+        assert torch.equal(digest_mod.row_sums(view), view.view(-1, ROW).sum(1, dtype=torch.int64))
+    x = torch.cat([w[:n].view(torch.float32 if dtype == torch.int32 else torch.bfloat16), torch.zeros(7, dtype=(
+        torch.float32 if dtype == torch.int32 else torch.bfloat16))])
+    rows = x.view(dtype)[:n].view(-1, ROW).sum(1, dtype=torch.int64)  # the definition, in torch
+    a = int(rows.sum()) & MASK
+    b = int((rows * torch.arange(1, 2 * rows.numel(), 2)).sum()) & MASK
+    assert digest(x) == (a, b)
 
 
 def test_what_the_digest_tells_apart():

@@ -8,11 +8,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import gockpt
 from gockpt import storage
 
 from cli_helpers import flip_byte, run
+from manifests import write_sealed
 
 
 @pytest.mark.parametrize("cmd", [["inspect"], ["verify"], ["list"],
@@ -38,9 +40,9 @@ def test_not_a_checkpoint_is_exit_2(tmp_path, capsys):
 
 
 def test_corrupt_manifest_is_exit_1(run_copy, capsys):
-    with open(os.path.join(run_copy, "step-000000007", storage.MANIFEST_FILE), "w") as f:
-        json.dump({"format": storage.FORMAT, "format_version": storage.FORMAT_VERSION,
-                   "tensors": 3}, f)
+    write_sealed(os.path.join(run_copy, "step-000000007"),
+                 {"format": storage.FORMAT, "format_version": storage.FORMAT_VERSION,
+                  "tensors": 3})
     rc, out, err = run(capsys, "inspect", run_copy)
     assert rc == 1 and out == ""
     assert err.count("\n") == 1 and "'tensors' is missing or not an object" in err
@@ -96,3 +98,35 @@ def test_python_m_gockpt_cli(run_copy):
     p = subprocess.run([sys.executable, "-m", "gockpt.cli", "frobnicate"], cwd=root, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "invalid choice" in p.stderr
+
+
+def _tool(name):
+    """The command line of console tool ``name`` run from this checkout (as its entry point)."""
+    module = {"gockpt": "gockpt.cli", "gockpt-interval": "gockpt.cli.interval"}[name]
+    return [sys.executable, "-c", f"import sys; from {module} import main; sys.exit(main())"]
+
+
+@pytest.mark.parametrize("reader", ["gone before the first write", "gone after one line"])
+@pytest.mark.parametrize("tool", ["gockpt", "gockpt-interval"])
+def test_tools_stop_quietly_when_their_reader_goes_away(tool, reader, tmp_path):
+    # `gockpt ... | head`: once the reader has gone, writing raises EPIPE; the tool used to end
+    # with "error: [Errno 32] Broken pipe" (gockpt-interval, status 2) or Python's
+    # "Exception ignored ... BrokenPipeError" at exit. Output over the pipe's 64 KiB, so that
+    # the second case breaks in the middle of a write.
+    if tool == "gockpt":  # a tensor table of 3,000 lines
+        w = storage.CheckpointWriter(str(tmp_path), "step-000000001")
+        w.write_tensors({f"layer{i}.weight": torch.zeros(3) for i in range(3000)})
+        args = ["inspect", w.commit({"step": 1})]
+    else:
+        args = ["--mtbf", "86400", "--step-time", "2", "--compare",
+                *[f"scheme{i}={1 + i / 100}" for i in range(3000)]]
+    root = os.path.dirname(os.path.dirname(gockpt.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + sys.path))
+    r, w = os.pipe()
+    p = subprocess.Popen(_tool(tool) + args, stdout=w, stderr=subprocess.PIPE, cwd=root, env=env)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        if reader == "gone after one line":
+            assert f.readline()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and err == b"", err.decode()

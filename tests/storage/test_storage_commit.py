@@ -16,6 +16,7 @@ from gockpt.storage import (
     read_tensors,
     resolve,
 )
+from gockpt.storage.commit import read_latest
 from storage_helpers import (save)
 
 
@@ -24,9 +25,9 @@ from storage_helpers import (save)
 
 def test_commit_updates_latest_and_leaves_no_tmp(tmp_path):
     p1 = save(tmp_path, checkpoint_name(1))
-    assert (tmp_path / "latest").read_text() == "step-000000001"
+    assert read_latest(str(tmp_path))[0] == "step-000000001"
     p2 = save(tmp_path, checkpoint_name(2))
-    assert (tmp_path / "latest").read_text() == "step-000000002"
+    assert read_latest(str(tmp_path))[0] == "step-000000002"
     assert resolve(str(tmp_path)) == p2
     assert resolve(str(tmp_path), "step-000000001") == p1
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000001", "step-000000002"]
@@ -36,7 +37,7 @@ def test_commit_updates_latest_and_leaves_no_tmp(tmp_path):
 def test_commit_without_latest(tmp_path):
     save(tmp_path, "a")
     save(tmp_path, "best", update_latest=False)
-    assert (tmp_path / "latest").read_text() == "a"
+    assert read_latest(str(tmp_path))[0] == "a"
 
 
 def test_commit_replaces_existing(tmp_path):

@@ -117,4 +117,8 @@ def test_check_tensor_entry():
         raise AssertionError("size asked for a file name that is not plain")
 
     assert "plain file name" in fmt.check_tensor_entry({**e, "file": "../x"}, no_stat)
-    assert "does not match shape" in fmt.check_tensor_entry({**e, "shape": [2**40, 2**40]}, no_stat)
+    assert "does not match shape" in fmt.check_tensor_entry({**e, "shape": [2**20, 2**20]}, no_stat)
+    # more elements than torch can make, even empty: refused before any allocation
+    for shape in ([2**40, 2**40], [0, 2**62], [0] + [2] * 70, [1] * 65):
+        assert "invalid shape" in fmt.check_tensor_entry({**e, "shape": shape, "nbytes": 0},
+                                                         no_stat)

@@ -61,7 +61,7 @@ def test_roundtrip_odd_sizes(tmp_path, direct):
     if not direct:
         assert w.used_direct is False
     m = read_manifest(path)
-    assert m["format_version"] == 2
+    assert m["format_version"] == storage.FORMAT_VERSION
     for name, t in tensors.items():
         e = m["tensors"][name]
         assert e["offset"] % 4096 == 0, name
@@ -177,3 +177,102 @@ def test_finish_result_names_the_tensor_not_covered(tmp_path):
     res = w.finish()
     w.close()
     assert (res.err, res.bad_tensor, res.bad_offset, res.msg) == (-1, 0, 1000, "not all bytes were written")
+
+
+# ------------------------------------------------- the C++ reader's items, in overflow-safe arithmetic
+
+
+def _file_of_chunks(tmp_path, n=20000):
+    """A file: 4096 zero bytes, then ``n`` bytes of data (and their crc32c per 4096-byte chunk)."""
+    path = str(tmp_path / "f")
+    data = (torch.arange(n, dtype=torch.int64) * 7919 % 251).to(torch.uint8)
+    with open(path, "wb") as f:
+        f.write(bytes(4096) + data.numpy().tobytes())
+    return path, data, [_io.crc32c(data[k:k + 4096].numpy()) for k in range(0, n, 4096)]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reader_refuses_unsound_items_before_reading_any(tmp_path, direct):
+    path, data, crcs = _file_of_chunks(tmp_path)
+    n = data.numel()
+    good = torch.zeros(n, dtype=torch.uint8)
+    out = torch.zeros(n, dtype=torch.uint8)
+    cases = {
+        "chunk size 0": (4096, n, out.data_ptr(), 0, crcs),  # once skipped without a word
+        "largest file offset": (2**64 - 4096, 8192, out.data_ptr(), 4096, crcs[:2]),  # wraps to 0
+        "largest file offset ": (2**63 - 4096, 8192, out.data_ptr(), 4096, crcs[:2]),  # off_t < 0
+        "wraps": (4096, n, 2**64 - 4096, 4096, crcs),
+        "checksums for": (4096, n, out.data_ptr(), 4096, crcs[:-1]),
+    }
+    for what, bad in cases.items():
+        got = _io.read_into(path, [(4096, n, good.data_ptr(), 4096, crcs), bad], direct=direct)
+        assert (got.err, got.bad_item) == (errno.EINVAL, 1), what
+        assert what.strip() in got.msg and path in got.msg, got.msg
+        assert not good.any() and not out.any(), what  # nothing read, not even the sound item
+    # Unverified, the checksum list is not needed.
+    got = _io.read_into(path, [(4096, n, out.data_ptr(), 4096, [])], verify=False, direct=direct)
+    assert got.err == 0 and torch.equal(out, data)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("chunk", [2**64 - 4096, 2**63, 8192 * 3, 4096])
+def test_reader_chunk_arithmetic_does_not_overflow(tmp_path, direct, chunk):
+    # A chunk size of 2**64 - 4096 made the old chunk count (nbytes + chunk - 1) / chunk wrap
+    # to 0: nothing read, nothing checksummed, no error.
+    path, data, _ = _file_of_chunks(tmp_path)
+    n = data.numel()
+    crcs = [_io.crc32c(data[k:k + chunk].numpy()) for k in range(0, n, chunk)]
+    out = torch.zeros(n, dtype=torch.uint8)
+    got = _io.read_into(path, [(4096, n, out.data_ptr(), chunk, crcs)], direct=direct)
+    assert (got.err, got.mismatches, got.truncated) == (0, [], [])
+    assert torch.equal(out, data)
+    damaged = list(crcs)
+    damaged[-1] ^= 1
+    got = _io.read_into(path, [(4096, n, out.data_ptr(), chunk, damaged)], direct=direct)
+    assert got.mismatches == [(0, len(crcs) - 1, crcs[-1])]
+
+
+@pytest.mark.parametrize("direct, aligned", [(False, False), (True, False), (True, True)])
+def test_checksums_fed_in_pieces_are_those_of_one_pass(tmp_path, direct, aligned):
+    # Buffered reads, and O_DIRECT reads through the bounce buffer (a destination not aligned to
+    # 4096), are checksummed in pieces of 256 KiB as they land: chunks smaller and larger than
+    # a piece, and not dividing it, give the crc32c of one pass over each chunk.
+    from gockpt.storage.reader import _empty_for_read
+
+    n = 3 * MiB + 12345
+    path = str(tmp_path / "g")
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    with open(path, "wb") as f:
+        f.write(data.numpy().tobytes())
+    for chunk in (4096, 100 * 4096, 4 * MiB):
+        crcs = [_io.crc32c(data[k:k + chunk].numpy()) for k in range(0, n, chunk)]
+        out = _empty_for_read([n], torch.uint8, n) if aligned else torch.zeros(n + 1, dtype=torch.uint8)[1:]
+        out.zero_()
+        assert (out.data_ptr() % 4096 == 0) is aligned
+        got = _io.read_into(path, [(0, n, out.data_ptr(), chunk, crcs)], direct=direct, threads=3)
+        assert (got.err, got.mismatches) == (0, []) and torch.equal(out, data), chunk
+        damaged = list(crcs)
+        damaged[len(crcs) // 2] ^= 1
+        got = _io.read_into(path, [(0, n, out.data_ptr(), chunk, damaged)], direct=direct, threads=3)
+        assert got.mismatches == [(0, len(crcs) // 2, crcs[len(crcs) // 2])], chunk
+
+
+@pytest.mark.parametrize("impl", ["avx512-vpclmulqdq", "sse4.2"])
+def test_crc32c_paths_agree_at_every_length(impl):
+    data = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    data = data.numpy().tobytes()
+    try:
+        _C.force_crc32c_impl(impl)
+    except RuntimeError:
+        pytest.skip(f"this CPU has no {impl} path")
+    try:
+        got = [_io.crc32c(data[s:s + n], 0x1234567) for s in (0, 5) for n in
+               list(range(0, 600)) + [1023, 1024, 1025, 4095, 4096, 4097, 4995]]
+    finally:
+        _C.force_crc32c_impl("software")
+    try:
+        want = [_io.crc32c(data[s:s + n], 0x1234567) for s in (0, 5) for n in
+                list(range(0, 600)) + [1023, 1024, 1025, 4095, 4096, 4097, 4995]]
+    finally:
+        _C.force_crc32c_impl("auto")
+    assert got == want

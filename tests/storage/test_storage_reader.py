@@ -13,6 +13,8 @@ from gockpt.storage import (
     read_manifest,
     read_tensors,
 )
+from gockpt.storage.format import seal_manifest
+from manifests import write_sealed
 from storage_helpers import (MiB, assert_same, bits, flip_byte, odd_tensors,
                              sample_tensors, save, save_with)
 
@@ -25,10 +27,13 @@ def test_missing_or_invalid_manifest(tmp_path):
     mpath = os.path.join(path, "manifest.json")
     with open(mpath, "w") as f:
         f.write('{"format": "gockpt", ')
-    with pytest.raises(CorruptCheckpointError, match="not JSON"):
+    with pytest.raises(CorruptCheckpointError, match="damaged: its bytes do not match its seal"):
         read_manifest(path)
-    with open(mpath, "w") as f:
-        json.dump({"format": "gockpt", "format_version": 99, "tensors": {}}, f)
+    with open(mpath, "wb") as f:
+        f.write(seal_manifest({"format": "gockpt", "format_version": 99, "tensors": {}})[:-1])
+    with pytest.raises(CorruptCheckpointError, match="damaged"):  # truncated
+        read_manifest(path)
+    write_sealed(path, {"format": "gockpt", "format_version": 99, "tensors": {}})
     with pytest.raises(CorruptCheckpointError, match="newer"):
         read_manifest(path)
     os.remove(mpath)
@@ -43,10 +48,10 @@ def test_old_format_version_refused(tmp_path):
     mpath = os.path.join(path, "manifest.json")
     with open(mpath) as f:
         m = json.load(f)
-    m["format_version"] = 1
+    m["format_version"] = 2
     with open(mpath, "w") as f:
-        json.dump(m, f)
-    with pytest.raises(CorruptCheckpointError, match="format_version 1"):
+        json.dump(m, f)  # unsealed, as version 2 wrote them
+    with pytest.raises(CorruptCheckpointError, match="format_version 2 was written by an older"):
         read_manifest(path)
 
 
@@ -56,8 +61,7 @@ def test_manifest_crc_list_length_must_match(tmp_path):
     with open(mpath) as f:
         m = json.load(f)
     m["tensors"]["big"]["crc32c"].pop()
-    with open(mpath, "w") as f:
-        json.dump(m, f)
+    write_sealed(mpath, m)
     with pytest.raises(CorruptCheckpointError, match="'big'.*need 3"):
         read_manifest(path)
     with pytest.raises(CorruptCheckpointError, match="'big'"):
@@ -72,7 +76,8 @@ def test_manifest_crc_list_length_must_match(tmp_path):
         ("file", "..", "plain file name"),
         ("offset", 10**12, "beyond the end"),
         ("nbytes", 2**62, "does not match shape"),
-        ("shape", [2**31, 2**31], "does not match shape"),
+        ("shape", [2**20, 2**20], "does not match shape"),
+        ("shape", [0, 2**62], "invalid shape"),
         ("dtype", "F128", "unknown dtype"),
         ("shape", [-1], "invalid shape"),
         ("offset", -8, "invalid offset"),
@@ -89,11 +94,10 @@ def test_bad_manifest_entry(tmp_path, monkeypatch, field, value, message):
     with open(mpath) as f:
         m = json.load(f)
     m["tensors"]["f32"][field] = value
-    if field == "shape" and value != [-1]:
-        m["tensors"]["f32"]["nbytes"] = 2**62 * 4  # consistent with the shape, far beyond the file
+    if field == "shape" and value == [2**20, 2**20]:
+        m["tensors"]["f32"]["nbytes"] = 2**40 * 4  # consistent with the shape, far beyond the file
         message = "beyond the end"
-    with open(mpath, "w") as f:
-        json.dump(m, f)
+    write_sealed(mpath, m)
 
     # No allocation must be attempted from the bad numbers.
     def no_alloc(*a, **k):
@@ -104,7 +108,7 @@ def test_bad_manifest_entry(tmp_path, monkeypatch, field, value, message):
         read_manifest(path)
     assert "'f32'" in str(exc.value) and path in str(exc.value)
     # read_tensors given the bad manifest without validation must not allocate either.
-    if field in ("offset", "nbytes") or (field == "shape" and value != [-1]):
+    if field in ("offset", "nbytes") or (field == "shape" and value == [2**20, 2**20]):
         with pytest.raises(CorruptCheckpointError, match="'f32'"):
             read_tensors(path, m, ["f32"])
 
@@ -195,3 +199,83 @@ def test_missing_file(tmp_path):
         read_manifest(path)
     with pytest.raises(CorruptCheckpointError, match="data.safetensors"):
         read_tensors(path, m)
+
+
+# ------------------------------------------------------- numbers beyond the C++ reader's range
+
+
+def _one_chunk_tensor(tmp_path):
+    """A checkpoint of one tensor of 20,000 bytes (one 4 MiB chunk: one checksum) and it."""
+    t = torch.arange(5000, dtype=torch.float32)
+    return save(tmp_path, "a", {"w": t}), t
+
+
+@pytest.mark.parametrize("chunk", [2**64 - 4096, 2**64, 2**70])
+def test_huge_chunk_size_is_refused_naming_the_tensor(tmp_path, chunk):
+    # 2**64 - 4096 fits the binding's uint64, and the C++ chunk count (nbytes + chunk - 1) /
+    # chunk wrapped to 0: the tensor was neither read nor checksummed, its destination kept
+    # its old values, no error. 2**64 and up raised a TypeError from the binding.
+    path, _ = _one_chunk_tensor(tmp_path)
+    m = read_manifest(path)
+    m["tensors"]["w"]["block_bytes"] = chunk  # one chunk, one checksum: the manifest checks pass
+    out = {"w": torch.full((5000,), 7.0)}
+    with pytest.raises(CorruptCheckpointError, match=r"data.safetensors.*'w'.*block_bytes"):
+        read_tensors(path, m, ["w"], out=out)
+    assert (out["w"] == 7.0).all()  # refused before anything was read
+
+
+@pytest.mark.parametrize("chunk", [2**64 - 4096, 2**64])
+def test_unverified_read_ignores_the_manifests_chunk_size(tmp_path, chunk):
+    # Without checksums the chunk is only the unit of work: the manifest's is not trusted
+    # (2**64 - 4096 once left the tensor unread, silently).
+    path, t = _one_chunk_tensor(tmp_path)
+    m = read_manifest(path)
+    m["tensors"]["w"]["block_bytes"] = chunk
+    out = {"w": torch.full((5000,), 7.0)}
+    read_tensors(path, m, ["w"], out=out, verify=False)
+    assert torch.equal(out["w"], t)
+
+
+def test_largest_chunk_size_the_reader_takes_is_read_and_verified(tmp_path):
+    path, t = _one_chunk_tensor(tmp_path)
+    m = read_manifest(path)
+    m["tensors"]["w"]["block_bytes"] = 2**63 - 4096
+    assert torch.equal(read_tensors(path, m, ["w"])["w"], t)
+    m["tensors"]["w"]["crc32c"] = [m["tensors"]["w"]["crc32c"][0] ^ 1]
+    with pytest.raises(CorruptCheckpointError, match="'w'.*checksum mismatch"):
+        read_tensors(path, m, ["w"])
+
+
+def test_offsets_near_2_63_are_refused_naming_the_tensor(tmp_path, monkeypatch):
+    path = save(tmp_path, "a")
+    m = read_manifest(path)
+    for offset in (2**63 - 4096, 2**63, 2**64 - 4096, 2**64):
+        m["tensors"]["f32"]["offset"] = offset
+        with pytest.raises(CorruptCheckpointError, match="'f32'"):
+            read_tensors(path, m, ["f32"])
+    # Past a file size check that believed it (a file system reporting a huge size): the
+    # reader's own bound, then the C++ reader's.
+    from gockpt.storage import reader
+
+    real_stat, huge = os.stat, os.stat_result((0o100644, 0, 0, 1, 0, 0, 2**66, 0, 0, 0))
+    monkeypatch.setattr(reader.os, "stat", lambda p, *a, **k: huge if str(p).endswith(storage.DATA_FILE)
+                        else real_stat(p, *a, **k))
+    m["tensors"]["f32"]["offset"] = 2**63 - 16  # its 48 bytes end past 2**63
+    with pytest.raises(CorruptCheckpointError, match="'f32'.*largest file offset"):
+        read_tensors(path, m, ["f32"])
+    m["tensors"]["f32"]["offset"] = 2**63 - 4096  # within off_t: the kernel refuses the read
+    with pytest.raises(CorruptCheckpointError, match="'f32'.*at offset 9223372036854771712 failed"):
+        read_tensors(path, m, ["f32"])
+
+
+def test_a_number_the_binding_cannot_take_is_a_corrupt_checkpoint(tmp_path, monkeypatch):
+    # Should a value get past the entry checks, the binding's TypeError names file and tensor.
+    from gockpt.storage import reader
+
+    path = save(tmp_path, "a")
+    m = read_manifest(path)
+    m["tensors"]["i32"]["block_bytes"] = 2**64
+    monkeypatch.setattr(reader, "check_tensor_entry", lambda *a, **k: None)
+    monkeypatch.setattr(reader, "_io_range_problem", lambda *a, **k: None)
+    with pytest.raises(CorruptCheckpointError, match=r"data.safetensors.*'i32'.*out of the reader's range"):
+        read_tensors(path, m, ["f32", "i32"])

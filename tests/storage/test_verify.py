@@ -9,6 +9,7 @@ import pytest
 import gockpt
 from gockpt import storage
 from gockpt.storage.verify import BadTensor, MissingPart
+from manifests import rewrite, write_sealed
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +79,12 @@ def test_a_missing_part_is_reported(ckpt, tmp_path):
     multi.mkdir()
     part0 = multi / "rank-00000"
     shutil.copytree(ckpt, part0)
-    m = json.loads((part0 / storage.MANIFEST_FILE).read_text())
-    m.update(rank=0, world_size=2)
-    (part0 / storage.MANIFEST_FILE).write_text(json.dumps(m))
+    m = rewrite(part0, lambda m: m.update(rank=0, world_size=2))
     top = {"format": storage.FORMAT, "format_version": storage.FORMAT_VERSION, "tensors": {},
            "step": m["step"], "start_step": m["start_step"], "mode": m["mode"],
            "overlap_steps": m["overlap_steps"], "world_size": 2,
            "ranks": ["rank-00000", "rank-00001"]}
-    (multi / storage.MANIFEST_FILE).write_text(json.dumps(top))
+    write_sealed(multi / storage.MANIFEST_FILE, top)
 
     [r] = gockpt.verify(str(multi)).checkpoints
     assert not r.ok and r.world_size == 2 and r.bad == [] and r.problems == []

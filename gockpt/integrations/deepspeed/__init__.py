@@ -12,7 +12,10 @@ fp32 master weights (this rank's ZeRO partition) and moments, its step, the modu
 and buffers, the LR scheduler, the engine's counters (``global_steps``, ``global_samples``,
 ``skipped_steps``, ``micro_steps``), the loss scaler, RNG states and ``client_state`` (a dict
 taken at the call, or a callable called at the checkpoint's step; tensors, numbers, strings,
-lists and dicts -- never pickled).  Every rank writes its own part; the checkpoint commits
+lists and dicts -- never pickled).  It also records the engine's DeepSpeed config as DeepSpeed
+stores it with its own checkpoints (``ds_config``; what cannot be stored without pickle is
+left out with a warning, never failing the save), which a load does not put back: it is for
+``gockpt export --to deepspeed``.  Every rank writes its own part; the checkpoint commits
 (and ``latest`` names it) when every part is durable.
 
 Options (keyword arguments of :func:`patch`/:func:`install`, or a ``"gockpt": {...}`` section of

@@ -20,8 +20,8 @@ from ... import storage
 from ...checkpointer import Checkpointer
 from ...errors import CheckpointNotFoundError, ConfigError
 from ...loading import load
-from ...storage.commit import is_committed
-from ...storage.format import LATEST_FILE
+from ...paths import real_directory
+from ...storage.commit import is_committed, read_latest
 from .state import (EngineState, base_optimizer, engine_record, fp32_layout, restore_engine,
                     warm_cpu_adam)
 
@@ -84,7 +84,10 @@ class EnginePatch:
             warnings.warn("gockpt: save_latest=False is ignored: naming the checkpoint in "
                           "'latest' is how gockpt commits it", stacklevel=3)
             self.warned_latest = True
-        directory = os.path.abspath(os.fspath(save_dir))
+        try:  # as Config resolves it (gockpt.paths): the same directory, the same Checkpointer
+            directory = real_directory(save_dir)
+        except OSError:
+            directory = os.fspath(save_dir)  # the Checkpointer's ConfigError says why
         if self.ck is not None and self.ck.config.directory != directory:
             self.close()
         fresh = self.ck is None
@@ -177,9 +180,8 @@ def holds_gockpt_checkpoint(load_dir, tag) -> bool:
     root = os.fspath(load_dir)
     if tag is None:
         try:
-            with open(os.path.join(root, LATEST_FILE), encoding="utf-8") as f:
-                tag = f.read().strip()
-        except OSError:
+            tag, _ = read_latest(root)
+        except ValueError:  # not a pointer gockpt wrote; DeepSpeed's own tells for itself
             tag = None
     if tag is not None:
         return is_committed(os.path.join(root, str(tag)))

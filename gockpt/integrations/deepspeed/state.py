@@ -4,13 +4,18 @@ The tensors: the base optimizer's fp32 master partitions (this rank's part under
 module's weights and buffers, gathered in one :class:`EngineState` module so that the ordinary
 Checkpointer plans, copies and verifies them; the base optimizer's moments and step come with
 it.  The rest -- engine counters, loss-scaler settings, ``client_state`` -- is small state taken
-at version F (:func:`engine_record`) and put back by :func:`restore_engine`.
+at version F (:func:`engine_record`) and put back by :func:`restore_engine`.  The record also
+holds the engine's DeepSpeed config (:func:`ds_config_record`), which nothing puts back: it is
+for ``gockpt export --to deepspeed``, which stores it as DeepSpeed does (``ds_config``) and
+takes the ZeRO stage, precision and gradient clipping from it.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import numbers
+import weakref
 
 import torch
 
@@ -71,19 +76,136 @@ def fp32_layout(engine) -> dict:
 
 
 def engine_record(engine, client_state, layout: dict) -> dict:
-    """The engine's small per-step state at version F (called at F's boundary)."""
+    """The engine's small per-step state at version F (called at F's boundary).
+    ``ds_config``/``ds_config_dropped``: see :func:`ds_config_record` (taken at each save, as
+    DeepSpeed stores its config with each checkpoint)."""
     wrapper = engine.optimizer
+    config, dropped = ds_config_record(engine)
     return {
         "fp32_layout": layout,
         "counters": {name: int(getattr(engine, name)) for name in COUNTERS},
         "scalers": {name: _numbers_of(getattr(wrapper, name)) for name in SCALERS
                     if getattr(wrapper, name, None) is not None},
         "client_state": client_state() if callable(client_state) else client_state,
+        "ds_config": config,
+        "ds_config_dropped": dropped,
     }
 
 
+_DROP = object()                     # a value ds_config_record leaves out
+_warned: dict = {}  # id -> weak reference: engines whose config was recorded with a loss
+
+
+def ds_config_record(engine) -> tuple:
+    """``(config, dropped)``: the engine's DeepSpeed config as DeepSpeed stores it in its own
+    checkpoint (``ds_config``: ``engine.config``, the dict given to ``deepspeed.initialize``;
+    its parsed ``_param_dict`` where an older DeepSpeed kept a file name there), as a copy that
+    :func:`gockpt.storage.tree.encode` stores (plain data, tuples, bytes, tensors -- never
+    pickle).  Whatever it cannot store (an object of another type, a dict key it cannot write,
+    a structure containing itself) is left out: a dict entry goes, a list or tuple holding such
+    an item goes whole.  ``dropped`` names each: ``{"path": [key, ...], "type": type name}``
+    (``path`` ``[]``: no config could be taken, ``config`` is None).  Logged once per engine;
+    never raises (a failing record would fail the save and stop training)."""
+    try:
+        config = getattr(engine, "config", None)
+        if not isinstance(config, dict):
+            config = getattr(getattr(engine, "_config", None), "_param_dict", None)
+        dropped: list = []
+        if not isinstance(config, dict):
+            config, dropped = None, [{"path": [], "type": type(config).__name__}]
+        else:
+            config = _storable(config, [], dropped, set())
+            _trial_encode(config)  # the walk left only what encodes; checked by the encoder
+    except Exception as exc:  # noqa: BLE001 -- never fail the save for the config
+        config, dropped = None, [{"path": [], "type": f"{type(exc).__name__}: {exc}"[:200]}]
+    if dropped:
+        try:
+            _warn_dropped(engine, dropped)
+        except Exception:  # noqa: BLE001 -- (logging itself failed)
+            pass
+    return config, dropped
+
+
+def _storable(value, path: list, dropped: list, active: set):
+    """``value`` with what tree.encode refuses left out (``_DROP``: the whole value)."""
+    if isinstance(value, dict):
+        if id(value) in active:
+            dropped.append({"path": path, "type": "the dict containing it (a cycle)"})
+            return _DROP
+        active.add(id(value))
+        try:
+            out = collections.OrderedDict() if type(value) is collections.OrderedDict \
+                else {}  # (a dict subclass: its items, as a dict)
+            for key, item in value.items():
+                where = path + [_path_key(key)]
+                if not _encodes({key: None}):
+                    dropped.append({"path": where, "type": f"dict key {type(key).__name__}"})
+                    continue
+                item = _storable(item, where, dropped, active)
+                if item is not _DROP:
+                    out[key] = item
+            return out
+        finally:
+            active.discard(id(value))
+    if isinstance(value, (list, tuple)):
+        if id(value) in active:
+            dropped.append({"path": path, "type": "the list containing it (a cycle)"})
+            return _DROP
+        active.add(id(value))
+        try:
+            inner: list = []
+            items = [_storable(item, path + [i], inner, active) for i, item in enumerate(value)]
+        finally:
+            active.discard(id(value))
+        if inner:  # a position cannot be left out: the sequence goes whole
+            what = ", ".join(sorted({d["type"] for d in inner}))
+            dropped.append({"path": path, "type": f"{type(value).__name__} holding {what}"})
+            return _DROP
+        return items if isinstance(value, list) else tuple(items)
+    if _encodes(value):
+        return value
+    dropped.append({"path": path, "type": type(value).__qualname__})
+    return _DROP
+
+
+def _path_key(key):
+    """A dict key as a path component (str or int: the record must encode whatever the key)."""
+    return key if type(key) in (str, int) else repr(key)[:80]
+
+
+def _encodes(value) -> bool:
+    try:
+        _trial_encode(value)
+        return True
+    except Exception:  # noqa: BLE001 -- TypeError/ValueError mostly; whatever it is: left out
+        return False
+
+
+def _trial_encode(value) -> None:
+    from ...storage import tree
+    tree.encode(value, {}, "ds_config", inline_scalars=True)
+
+
+def _warn_dropped(engine, dropped: list) -> None:
+    seen = _warned.get(id(engine))
+    if seen is not None and seen() is engine:
+        return
+    try:
+        key = id(engine)
+        _warned[key] = weakref.ref(engine, lambda _ref: _warned.pop(key, None))
+    except TypeError:  # an engine that takes no weak reference: said at every save
+        pass
+    where = "; ".join(f"{'.'.join(map(str, d['path'])) or '(the config)'} ({d['type']})"
+                      for d in dropped[:5])
+    more = f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
+    log.warning("gockpt: the DeepSpeed config is recorded in the checkpoint without what "
+                "cannot be stored without pickle: %s%s. `gockpt export --to deepspeed` of "
+                "these checkpoints may need --ds-config", where, more)
+
+
 def restore_engine(engine, record: dict) -> None:
-    """Put back what :func:`engine_record` took."""
+    """Put back what :func:`engine_record` took (not the DeepSpeed config: the engine has its
+    own; a record of an older gockpt has none)."""
     for name, value in record["counters"].items():
         setattr(engine, name, value)
     for name, values in record["scalers"].items():
