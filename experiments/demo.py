@@ -49,7 +49,7 @@ from demo_phases import (compare_losses, phase_resume, phase_train, read_losses,
                          train_reference)
 from demo_report import header, mb, say, section  # noqa: E402
 from gockpt import storage  # noqa: E402
-from gockpt.errors import GockptError  # noqa: E402
+from gockpt.core.errors import GockptError  # noqa: E402
 from gockpt.storage import manifest  # noqa: E402
 from model import ModelConfig, build, num_params  # noqa: E402
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from gockpt import metrics
+from gockpt.core import metrics
 
 try:
     from tqdm import tqdm

@@ -14,16 +14,16 @@ Public API::
 """
 
 from .checkpointer import CheckpointHandle, Checkpointer
-from .config import Config
-from .errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError,
+from .core.config import Config
+from .core.errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError,
                      ConsistencyError, CorruptCheckpointError, DirectoryInUseError, GockptError,
                      HookOrderError, LayoutChangedError, LoadError, StorageError,
                      UnsupportedOptimizerError, UnsupportedTensorError)
 from .loading import Restored, load
-from .modes import MODES
+from .core.modes import MODES
 from .replay.arithmetic import replay_arithmetics, replay_step
 from .storage.verify import VerifyReport, verify
-from . import metrics  # noqa: F401  (public submodule gockpt.metrics)
+from .core import metrics  # noqa: F401  (public: gockpt.metrics.read(directory))
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ N = F - K + 1; a checkpoint asked for without notice is a window of one step (N 
     step N+K       update_begin waits for the last group (version F): all blocks captured
     background     replay brings every block to F -> self-check -> write -> commit
 
-This module decides *when* (the hooks, starting, errors); :mod:`gockpt.modes` says what each
+This module decides *when* (the hooks, starting, errors); :mod:`gockpt.core.modes` says what each
 mode does, :mod:`gockpt.schedule` when a checkpoint is due and its K, and each pipeline stage
 lives in its own package: ``capture/`` -> ``replay/`` -> ``storage/``.
 """
@@ -31,17 +31,17 @@ import torch
 
 from . import storage
 from .capture.copies import Capture
-from .capture.digest import LiveDigests
+from .core.digest import LiveDigests
 from .capture.device import device_for
-from .capture.names import is_replicated
-from .capture.plan import build_plan, check_layouts, fingerprint, stepped_groups
-from .capture.staging import GradPool, HostCopy, StagingAllocation, planned_host_bytes
+from .core.names import is_replicated
+from .core.plan import build_plan, check_layouts, fingerprint, stepped_groups
+from .core.staging import GradPool, HostCopy, StagingAllocation, planned_host_bytes
 from .capture.transfer import CopyEngine
 from .capture.transport import Bf16Transport
-from .config import Config
-from .errors import (ConfigError, ConsistencyError, GockptError, HookOrderError,
+from .core.config import Config
+from .core.errors import (ConfigError, ConsistencyError, GockptError, HookOrderError,
                      UnsupportedOptimizerError)
-from .job import CheckpointHandle, Job
+from .core.job import CheckpointHandle, Job
 from .loop import BACKWARD, IDLE, UPDATE, Loop
 from .replay.adapters import adapter_for
 from .replay.replayer import Replayer
@@ -67,14 +67,14 @@ class Checkpointer:
     Args:
         model: the ``torch.nn.Module`` being trained.
         optimizer: its optimizer. The gockpt modes need ``torch.optim.Adam``/``AdamW`` (refused
-            otherwise with :class:`~gockpt.errors.UnsupportedOptimizerError`).
+            otherwise with :class:`~gockpt.core.errors.UnsupportedOptimizerError`).
         directory: where checkpoints go (created if missing).
-        mode: ``"sync" | "async" | "async-o" | "gockpt" | "gockpt-o"`` (:mod:`gockpt.modes`).
+        mode: ``"sync" | "async" | "async-o" | "gockpt" | "gockpt-o"`` (:mod:`gockpt.core.modes`).
         overlap_steps: K for the gockpt modes; ``None`` measures and chooses.
         scheduler: optional LR scheduler, saved at version F.
         interval: start a checkpoint every ``interval`` steps (``None``: only when forced;
             ``"auto"`` with ``mtbf=SECONDS``: the Young/Daly optimum, re-measured).
-        **options: further :class:`~gockpt.config.Config` fields (``mtbf``, ``block_bytes``,
+        **options: further :class:`~gockpt.core.config.Config` fields (``mtbf``, ``block_bytes``,
             ``self_check``, ``self_check_strict``, ``on_busy``, ``replay_threads``, ...).
     """
 

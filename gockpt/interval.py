@@ -67,8 +67,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
 
-from . import metrics
-from .errors import ConfigError
+from .core import metrics
+from .core.errors import ConfigError
 
 __all__ = [
     "IntervalResult", "MetricsSummary", "young_interval", "daly_interval", "waste_fraction",
@@ -250,7 +250,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def _read_records(directory: str) -> List[dict]:
-    """The records of ``directory/metrics.jsonl`` (:func:`gockpt.metrics.read`); ConfigError
+    """The records of ``directory/metrics.jsonl`` (:func:`gockpt.core.metrics.read`); ConfigError
     when the file is missing, malformed or empty."""
     path = os.path.join(directory, "metrics.jsonl")
     try:

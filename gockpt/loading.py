@@ -8,13 +8,13 @@ from typing import Any, Optional
 import torch
 
 from . import storage
-from .capture.digest import as_pairs, digests, to_hex
-from .capture.names import Names, is_replicated
-from .capture.plan import memory_order
+from .core.digest import as_pairs, digests, to_hex
+from .core.names import Names, is_replicated
+from .core.plan import memory_order
 from .storage import manifest as manifest_mod
 from .capture import smallstate
-from .errors import CorruptCheckpointError, GockptError, LoadError
-from .paths import directory_to_read
+from .core.errors import CorruptCheckpointError, GockptError, LoadError
+from .core.paths import directory_to_read
 from .storage.format import MANIFEST_FILE
 
 
@@ -50,7 +50,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         CorruptCheckpointError: a checksum, file or manifest is wrong (names file and tensor).
         LoadError: the checkpoint does not fit ``model`` / ``optimizer``.
     """
-    path = storage.resolve(directory_to_read(directory), tag)  # the kernel's rule: gockpt.paths
+    path = storage.resolve(directory_to_read(directory), tag)  # the kernel's rule: gockpt.core.paths
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
     path, manifest = manifest_mod.read(

@@ -16,7 +16,7 @@ import threading
 import warnings
 from typing import List, Optional, Set
 
-from .errors import (CheckpointFailedError, ConsistencyError, GockptError, HookOrderError,
+from .core.errors import (CheckpointFailedError, ConsistencyError, GockptError, HookOrderError,
                      UnsupportedOptimizerError)
 
 IDLE, BACKWARD, UPDATE = "idle (after save_checkpoint)", "backward", "update"

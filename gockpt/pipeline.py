@@ -19,11 +19,11 @@ import time
 from typing import Callable, List, Optional
 
 from .capture.copies import Capture
-from .capture.digest import LiveDigests
-from .config import Config
-from .errors import CheckpointFailedError, ConsistencyError, GockptError
-from .job import Job
-from .modes import GRADS_AT_BACKWARD, GRADS_IN_STEP
+from .core.digest import LiveDigests
+from .core.config import Config
+from .core.errors import CheckpointFailedError, ConsistencyError, GockptError
+from .core.job import Job
+from .core.modes import GRADS_AT_BACKWARD, GRADS_IN_STEP
 from .replay import selfcheck
 from .replay.replayer import Replayer
 from .storage.persist import Persister

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import torch
 
-from .config import Config
+from .core.config import Config
 
 log = logging.getLogger("gockpt")
 

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from gockpt import interval as iv
-from gockpt.errors import ConfigError
+from gockpt.core.errors import ConfigError
 
 
 # ---------------------------------------------------------------------------- formulas

@@ -246,7 +246,7 @@ def test_every_stored_parameter_and_state_has_its_digest(saved):
 
 
 def test_one_path_names_one_directory_everywhere(tmp_path, monkeypatch, capsys):
-    # The kernel's rule (gockpt.paths) for the Checkpointer, gockpt.load, gockpt.verify and the
+    # The kernel's rule (gockpt.core.paths) for the Checkpointer, gockpt.load, gockpt.verify and the
     # tool: `link/..` is the parent of the link's target, not the directory holding the link.
     # Before, the Checkpointer normalised the text (link/../run -> ./run) while gockpt.load
     # asked the kernel (real/run): a checkpoint written there was "not found" under the string

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gockpt.errors import CheckpointFailedError, HookOrderError, StorageError
-from gockpt.job import Job
+from gockpt.core.errors import CheckpointFailedError, HookOrderError, StorageError
+from gockpt.core.job import Job
 from gockpt.loop import BACKWARD, IDLE, UPDATE, Loop
 
 

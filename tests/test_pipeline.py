@@ -10,9 +10,9 @@ import pytest
 import gockpt
 from gockpt import storage
 from gockpt.capture.copies import Capture
-from gockpt.config import Config
-from gockpt.errors import CheckpointFailedError, ConfigError, ConsistencyError
-from gockpt.job import Job, State
+from gockpt.core.config import Config
+from gockpt.core.errors import CheckpointFailedError, ConfigError, ConsistencyError
+from gockpt.core.job import Job, State
 from gockpt.loop import Loop
 from gockpt.pipeline import Pipeline
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from gockpt import schedule as schedule_mod
-from gockpt.config import Config
+from gockpt.core.config import Config
 from gockpt.interval import auto_interval
 from gockpt.schedule import Schedule
 

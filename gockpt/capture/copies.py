@@ -19,18 +19,18 @@ import numpy as np
 
 import torch
 
-from .._lists import has_none
-from ..errors import ConfigError, ConsistencyError, HookOrderError, UnsupportedOptimizerError
-from ..job import Job
+from ..core.lists import has_none
+from ..core.errors import ConfigError, ConsistencyError, HookOrderError, UnsupportedOptimizerError
+from ..core.job import Job
 from ..replay.adapters import AdamAdapter
-from ..replay.records import StepRecord
+from ..core.records import StepRecord
 from ..storage import tree
 from ..storage.manifest import SmallSection, small_prefix
 from . import smallstate
-from .digest import LiveDigests, Ticket as DigestTicket
-from .plan import fingerprint, flat
-from .segments import BlockTable
-from .staging import GradPool, HostCopy
+from ..core.digest import LiveDigests, Ticket as DigestTicket
+from ..core.plan import fingerprint, flat
+from ..core.blocks import BlockTable
+from ..core.staging import GradPool, HostCopy
 from .transport import Bf16Transport
 from .transfer import GRADIENT, STATE, CopyEngine
 
@@ -205,7 +205,7 @@ class Capture:
 
     def digest_live(self, job: Job, digester: LiveDigests) -> None:
         """At the boundary of F, after the small state is frozen: queue the digests
-        (:mod:`gockpt.capture.digest`) of every tensor this checkpoint stores -- each
+        (:mod:`gockpt.core.digest`) of every tensor this checkpoint stores -- each
         parameter and each aligned optimizer state tensor, read through torch as the
         framework presents them, not by the addresses the copies use -- to be compared with
         the staged host copy before anything is committed. The slots copied at F (written

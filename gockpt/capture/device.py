@@ -48,7 +48,7 @@ class HostDevice:
 
     def device_arena(self, dtype: torch.dtype, sizes):
         """An arena in device memory (here: host memory standing for it)."""
-        from .staging import Arena
+        from ..core.staging import Arena
         return Arena(self, dtype, sizes)
 
     def copy_now(self, dst, src, nbytes) -> None:
@@ -139,7 +139,7 @@ def device_for(tensors) -> "HostDevice | CudaDevice":
     """Pick the device layer from where the training tensors live (all on one device)."""
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        from ..errors import ConfigError
+        from ..core.errors import ConfigError
         raise ConfigError(
             f"parameters live on several devices ({sorted(map(str, devices))}); gockpt "
             "checkpoints one device per process: give each rank its own Checkpointer")
@@ -147,6 +147,6 @@ def device_for(tensors) -> "HostDevice | CudaDevice":
     if dev.type == "cuda":
         return CudaDevice(dev)
     if dev.type != "cpu":
-        from ..errors import ConfigError
+        from ..core.errors import ConfigError
         raise ConfigError(f"parameters on device type {dev.type!r} are not supported")
     return HostDevice()

@@ -11,7 +11,7 @@ from typing import Dict, Iterable, List, Optional
 import numpy as np
 import torch
 
-from .names import Names, is_wrapper_child
+from ..core.names import Names, is_wrapper_child
 
 
 def capture_rng() -> dict:
@@ -51,7 +51,7 @@ def restore_rng(rng: dict) -> None:
 def model_small(model: torch.nn.Module, planned_ids: Iterable[int]) -> Dict[str, object]:
     """``model.state_dict()`` without the planned parameters (buffers, extra states, and any
     tensor the plan does not carry), under the names without wrapper prefixes
-    (:mod:`gockpt.capture.names`). Tensors are cloned: the result is frozen at this version."""
+    (:mod:`gockpt.core.names`). Tensors are cloned: the result is frozen at this version."""
     planned = planned_ids if isinstance(planned_ids, (set, frozenset, dict)) \
         else set(planned_ids)  # (a set or a dict keyed by them is used as it is)
     entries = _plain_entries(model, planned)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from gockpt import _C
-from gockpt._arrays import check_non_negative, int64_arrays
+from gockpt.core.arrays import check_non_negative, int64_arrays
 
 GRADIENT = 0  # priority classes: smaller runs first
 STATE = 1

@@ -38,7 +38,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
 from .common import PROG, BadCheckpoint, UsageError, one_line
 from .export import cmd_export
 from .inspect import cmd_inspect

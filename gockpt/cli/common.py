@@ -12,8 +12,8 @@ import warnings
 from typing import List, Optional
 
 from .. import storage
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..paths import real_directory
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..core.paths import real_directory
 from ..storage.verify import Part, read_parts
 
 PROG = "gockpt"
@@ -31,7 +31,7 @@ class BadCheckpoint(Exception):
 
 
 def real_path(path: str) -> str:
-    """``path`` resolved as the library resolves a directory (:mod:`gockpt.paths`: by the
+    """``path`` resolved as the library resolves a directory (:mod:`gockpt.core.paths`: by the
     kernel's rule, absolute, links followed; it need not exist); UsageError saying why it
     names nothing (a ``..`` after a name that does not exist, a file in the way)."""
     try:

@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict
 from typing import List, Optional, Sequence
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from ..interval import (IntervalResult, MetricsSummary, analyse, best_integer_steps, positive,
                         summarise_metrics, waste_fraction)
 from .pipe import quiet_on_broken_pipe

@@ -7,7 +7,7 @@ import os
 import warnings
 
 from .. import storage
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
 from ..storage.commit import is_committed
 from ..storage.manifest import Manifest, parts_of
 from .common import (UsageError, date, disk_usage, existing_directory, human, iso, mtime, one_line,

@@ -12,12 +12,12 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
-from .._lists import has_none
-from ..modes import NO_REPLAY_MODES
-from ..errors import UnsupportedOptimizerError
+from ..core.lists import has_none
+from ..core.modes import NO_REPLAY_MODES
+from ..core.errors import UnsupportedOptimizerError
 from . import arithmetic
 from .probe import probe
-from .records import GroupScalars, StepRecord
+from ..core.records import GroupScalars, StepRecord
 
 
 def _refuse(optimizer, why: str):

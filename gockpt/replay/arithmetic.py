@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from gockpt import _C
-from gockpt._arrays import check_non_negative, int64_arrays
+from gockpt.core.arrays import check_non_negative, int64_arrays
 
 __all__ = ["adam_replay", "replay_batch", "replay_step", "replay_arithmetics", "sqrt_backend",
            "exactness_supported", "IMPLS"]

@@ -22,7 +22,7 @@ import torch
 
 from . import arithmetic
 from .adapters import AdamAdapter
-from .records import GroupScalars
+from ..core.records import GroupScalars
 
 F32 = np.float32
 

@@ -10,7 +10,7 @@ from typing import Dict, Optional
 import torch
 
 from . import arithmetic
-from .records import GroupScalars
+from ..core.records import GroupScalars
 
 _PROBED: Dict[tuple, bool] = {}
 _N = 1032  # a multiple of 4 and 8 plus a tail for every wider vector: exercises the tails

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
-from .records import StepRecord
+from ..core.records import StepRecord
 
 if TYPE_CHECKING:
     from .adapters import AdamAdapter

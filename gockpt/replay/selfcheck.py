@@ -4,7 +4,7 @@
   live tensors -- every parameter and aligned optimizer state tensor, read through torch as
   the framework presents them -- are digested on their device (:meth:`Capture.digest_live`);
   once every block is at F the staged host copy is digested by the same function
-  (:mod:`gockpt.capture.digest`), and they must agree. The digests share nothing with the
+  (:mod:`gockpt.core.digest`), and they must agree. The digests share nothing with the
   copy path (addresses, queues, kernels), so a copy of the wrong memory is caught as surely
   as a replay that went wrong. A mismatch names the tensors: written in place since F (a torn
   reading) or outside the replayed optimizer (a second optimizer, an in-place clamp, ...),
@@ -25,10 +25,10 @@ from typing import Dict
 
 import torch
 
-from ..capture.digest import as_pairs, digests, to_hex
-from ..capture.plan import Plan, flat, logical
-from ..errors import ConsistencyError
-from ..job import Job
+from ..core.digest import as_pairs, digests, to_hex
+from ..core.plan import Plan, flat, logical
+from ..core.errors import ConsistencyError
+from ..core.job import Job
 
 
 def sample(job: Job, plan: Plan, optimizer: torch.optim.Optimizer, fraction: float) -> None:

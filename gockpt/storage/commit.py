@@ -15,7 +15,7 @@ import shutil
 import warnings
 from typing import Callable, Optional
 
-from ..errors import CheckpointNotFoundError, ConfigError, StorageError
+from ..core.errors import CheckpointNotFoundError, ConfigError, StorageError
 from .format import (LATEST_FILE, LATEST_MAX_BYTES, MANIFEST_FILE, MANIFEST_MAX_BYTES, TMP_PREFIX,
                      TMP_RE, check_name, fsync_dir, manifest_seal, write_all)
 from .reader import read_small_file

@@ -14,9 +14,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..capture.plan import Plan
-from ..capture.segments import BlockTable
-from ..capture.staging import Arena, HostCopy
+from ..core.plan import Plan
+from ..core.blocks import BlockTable
+from ..core.staging import Arena, HostCopy
 from .format import DTYPE_TO_CODE
 from .manifest import optim_tensor, param_tensor
 from .refs import TensorRef

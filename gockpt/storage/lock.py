@@ -37,7 +37,7 @@ import warnings
 import weakref
 from typing import Optional
 
-from ..errors import DirectoryInUseError, GockptError, StorageError
+from ..core.errors import DirectoryInUseError, GockptError, StorageError
 
 LOCK_FILE = ".gockpt-lock"
 GUARD_FILE = ".gockpt-lock.guard"

@@ -12,13 +12,13 @@ parts written by several ranks, and their validation. The one module that knows 
                 "digests": {state index: {key: digest}}}
     small      everything small at F, as gockpt.storage.tree-encoded JSON:
                model (buffers), optimizer (param groups, steps), scheduler, rng, extra_state
-    metrics    what the checkpoint cost (gockpt.metrics.CheckpointMetrics)
+    metrics    what the checkpoint cost (gockpt.core.metrics.CheckpointMetrics)
 
 A checkpoint written by several ranks has a top-level manifest without tensors that lists its
 parts (``"ranks": ["rank-00000", ...]``); each part is a complete single-rank checkpoint.
 
 Everything here is read from untrusted files: :meth:`Manifest.from_json` checks every field's
-type before anyone uses it and raises :class:`~gockpt.errors.CorruptCheckpointError` naming the
+type before anyone uses it and raises :class:`~gockpt.core.errors.CorruptCheckpointError` naming the
 checkpoint and the field.
 """
 
@@ -29,8 +29,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..capture.digest import is_hex
-from ..errors import CorruptCheckpointError, LoadError
+from ..core.digest import is_hex
+from ..core.errors import CorruptCheckpointError, LoadError
 from . import tree
 from .refs import TensorRef
 
@@ -86,7 +86,7 @@ class ModelSection:
     aliases: Dict[str, str] = field(default_factory=dict)
     """Extra ``state_dict`` names of tied parameters -> their canonical name."""
     digests: Dict[str, str] = field(default_factory=dict)
-    """``state_dict`` name -> the digest (:mod:`gockpt.capture.digest`, 32 hex digits) of the
+    """``state_dict`` name -> the digest (:mod:`gockpt.core.digest`, 32 hex digits) of the
     live parameter at F; empty in checkpoints written without verification."""
 
     def expected(self) -> Dict[str, TensorRef]:

@@ -25,11 +25,12 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .. import metrics as metrics_mod
-from ..capture.plan import Block, Plan
-from ..config import Config
-from ..errors import GockptError, StorageError
-from ..job import Job
+from ..core import metrics as metrics_mod
+from ..core.blocks import Block
+from ..core.plan import Plan
+from ..core.config import Config
+from ..core.errors import GockptError, StorageError
+from ..core.job import Job
 from .commit import apply_retention
 from .layout import StoredLayout, stored_layout
 from .manifest import Manifest, ModelSection, OptimizerSection, PartsManifest, part_name

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import StorageError
+from ..core.errors import StorageError
 from .format import TMP_PREFIX
 from .manifest import PartsManifest, part_name
 

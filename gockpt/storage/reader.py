@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, LoadError
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, LoadError
 from . import io as _io
 from .format import (ALIGN, CHUNK_BYTES, CHUNK_BYTES_KEY, CODE_TO_DTYPE, FORMAT, FORMAT_VERSION,
                      MANIFEST_FILE, MANIFEST_MAX_BYTES, check_tensor_entry, is_plain_int, manifest_seal,

@@ -13,9 +13,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
-from ..capture.digest import as_pairs, digests, to_hex
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..paths import directory_to_read
+from ..core.digest import as_pairs, digests, to_hex
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..core.paths import directory_to_read
 from .commit import is_committed, list_checkpoints, resolve
 from .manifest import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor, parts_of
 from .reader import read_manifest, read_tensors
@@ -127,7 +127,7 @@ def verify(path: str, *, all: bool = False) -> VerifyReport:
 
     Damage is reported, not raised: check :attr:`VerifyReport.ok`. Raises
     ``CheckpointNotFoundError`` only if ``path`` holds no committed checkpoint. ``path`` is
-    resolved as ``gockpt.load`` resolves it (:mod:`gockpt.paths`).
+    resolved as ``gockpt.load`` resolves it (:mod:`gockpt.core.paths`).
     """
     path = directory_to_read(path)
     if all:

@@ -14,8 +14,8 @@ import threading
 
 import torch
 
-from ..errors import StorageError
-from ..paths import real_directory
+from ..core.errors import StorageError
+from ..core.paths import real_directory
 from . import io as _io
 from .commit import publish, write_file, write_latest
 from .format import (ALIGN, CHUNK_BYTES, DATA_FILE, DTYPE_TO_CODE, FORMAT, FORMAT_VERSION, LATEST_FILE,
@@ -97,7 +97,7 @@ class CheckpointWriter:
         multiple of 4096.
         """
         check_name(name)
-        try:  # the kernel's rule, as everywhere (gockpt.paths)
+        try:  # the kernel's rule, as everywhere (gockpt.core.paths)
             self.root = real_directory(root)
         except OSError as e:
             raise StorageError(f"cannot create checkpoint root {os.fspath(root)!r}: {e.strerror}") from e

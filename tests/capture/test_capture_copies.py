@@ -11,11 +11,11 @@ import torch
 
 from gockpt.capture.copies import Capture, _live_gradients
 from gockpt.capture.device import HostDevice
-from gockpt.capture.plan import build_plan, flat, stepped_groups
-from gockpt.capture.staging import GradPool, HostCopy
+from gockpt.core.plan import build_plan, flat, stepped_groups
+from gockpt.core.staging import GradPool, HostCopy
 from gockpt.capture.transfer import CopyEngine
-from gockpt.errors import ConfigError, HookOrderError
-from gockpt.job import Job, State
+from gockpt.core.errors import ConfigError, HookOrderError
+from gockpt.core.job import Job, State
 from gockpt.replay.adapters import adapter_for
 from gockpt.storage.manifest import SmallSection, expand_columns
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gockpt.capture.device import CudaDevice, HostDevice, device_for
-from gockpt.errors import ConfigError
+from gockpt.core.errors import ConfigError
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

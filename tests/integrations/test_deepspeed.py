@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from deepspeed_cases import assert_states_equal, check_checkpoint_and_resume, runs
-from gockpt.errors import ConfigError
+from gockpt.core.errors import ConfigError
 
 pytest.importorskip("deepspeed")  # installed by the README's setup: this never skips in CI
 

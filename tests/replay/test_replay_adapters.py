@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gockpt.errors import UnsupportedOptimizerError
+from gockpt.core.errors import UnsupportedOptimizerError
 from gockpt.replay.adapters import adapter_for
 
 

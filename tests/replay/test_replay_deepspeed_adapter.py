@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from gockpt.errors import UnsupportedOptimizerError
+from gockpt.core.errors import UnsupportedOptimizerError
 from gockpt.replay.adapters import adapter_for
 from gockpt.replay.deepspeed_adapter import DeepSpeedCpuAdamAdapter, _chain, _OpMirror
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gockpt.errors import UnsupportedOptimizerError
+from gockpt.core.errors import UnsupportedOptimizerError
 from gockpt.replay import arithmetic, probe as probe_mod
 from gockpt.replay.adapters import adapter_for
-from gockpt.replay.records import GroupScalars
+from gockpt.core.records import GroupScalars
 
 
 @pytest.fixture

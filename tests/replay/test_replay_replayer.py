@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from gockpt.capture.device import HostDevice
-from gockpt.capture.plan import Block, build_plan, flat
-from gockpt.capture.segments import BlockTable
-from gockpt.capture.staging import GradPool, HostCopy
+from gockpt.core.plan import Block, build_plan, flat
+from gockpt.core.blocks import BlockTable
+from gockpt.core.staging import GradPool, HostCopy
 from gockpt.capture.transfer import Ticket
-from gockpt.job import Job, State
+from gockpt.core.job import Job, State
 from gockpt.replay.adapters import adapter_for
-from gockpt.replay.records import StepRecord
+from gockpt.core.records import StepRecord
 from gockpt.replay.replayer import Replayer
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from gockpt.capture.device import HostDevice
-from gockpt.capture.plan import build_plan, flat
-from gockpt.capture.staging import HostCopy
-from gockpt.errors import ConsistencyError
-from gockpt.job import Job
+from gockpt.core.plan import build_plan, flat
+from gockpt.core.staging import HostCopy
+from gockpt.core.errors import ConsistencyError
+from gockpt.core.job import Job
 from gockpt.replay import selfcheck
 
 KEYS = ("exp_avg", "exp_avg_sq")

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from gockpt.errors import CheckpointNotFoundError, StorageError
+from gockpt.core.errors import CheckpointNotFoundError, StorageError
 from gockpt.storage import (
     CheckpointWriter,
     checkpoint_name,
@@ -144,7 +144,7 @@ def test_cleanup_temporaries(tmp_path):
 
 
 def test_check_new_name_refuses_bad_and_existing_names(tmp_path):
-    from gockpt.errors import ConfigError
+    from gockpt.core.errors import ConfigError
     from gockpt.storage.commit import check_new_name
     check_new_name(str(tmp_path), "global_step3")
     (tmp_path / "global_step3").mkdir()

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from gockpt.errors import DirectoryInUseError, StorageError
+from gockpt.core.errors import DirectoryInUseError, StorageError
 from gockpt.storage.lock import LOCK_FILE, DirectoryLock
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gockpt.capture import smallstate
-from gockpt.errors import CorruptCheckpointError, LoadError
+from gockpt.core.errors import CorruptCheckpointError, LoadError
 from gockpt.storage import CheckpointWriter, manifest as M, tree
 
 

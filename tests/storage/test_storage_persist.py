@@ -13,15 +13,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gockpt import metrics, storage
+from gockpt import storage
+from gockpt.core import metrics
 from gockpt.capture.copies import Capture
 from gockpt.capture.device import HostDevice
-from gockpt.capture.plan import build_plan
-from gockpt.capture.staging import HostCopy
+from gockpt.core.plan import build_plan
+from gockpt.core.staging import HostCopy
 from gockpt.capture.transfer import CopyEngine
-from gockpt.config import Config
-from gockpt.errors import CheckpointFailedError, StorageError
-from gockpt.job import Job, State
+from gockpt.core.config import Config
+from gockpt.core.errors import CheckpointFailedError, StorageError
+from gockpt.core.job import Job, State
 from gockpt.storage import manifest as M
 from gockpt.storage.persist import Persister
 from gockpt.storage.ranks import Ranks

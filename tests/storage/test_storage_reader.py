@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gockpt import storage
-from gockpt.errors import CheckpointNotFoundError, CorruptCheckpointError, LoadError
+from gockpt.core.errors import CheckpointNotFoundError, CorruptCheckpointError, LoadError
 from gockpt.storage import (
     read_manifest,
     read_tensors,

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from faulty_storage import failing_writer
 from gockpt import storage
-from gockpt.errors import StorageError
+from gockpt.core.errors import StorageError
 from gockpt.storage import (
     CheckpointWriter,
     checkpoint_name,

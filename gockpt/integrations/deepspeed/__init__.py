@@ -40,8 +40,8 @@ import functools
 import warnings
 import weakref
 
-from ...config import Config
-from ...errors import ConfigError
+from ...core.config import Config
+from ...core.errors import ConfigError
 from .patch import EnginePatch, holds_gockpt_checkpoint, zero_bf16
 
 DEFAULT_MODE = "async-o"
@@ -141,7 +141,7 @@ def _on_gpu(engine) -> bool:
 
 def _replay_refusal(engine):
     """Why the base optimizer has no bitwise replay (None: it has one)."""
-    from ...errors import UnsupportedOptimizerError
+    from ...core.errors import UnsupportedOptimizerError
     from ...replay.adapters import adapter_for
     from .state import base_optimizer
     try:

@@ -18,9 +18,9 @@ import torch
 
 from ... import storage
 from ...checkpointer import Checkpointer
-from ...errors import CheckpointNotFoundError, ConfigError
+from ...core.errors import CheckpointNotFoundError, ConfigError
 from ...loading import load
-from ...paths import real_directory
+from ...core.paths import real_directory
 from ...storage.commit import is_committed, read_latest
 from .state import (EngineState, base_optimizer, engine_record, fp32_layout, restore_engine,
                     warm_cpu_adam)
@@ -84,7 +84,7 @@ class EnginePatch:
             warnings.warn("gockpt: save_latest=False is ignored: naming the checkpoint in "
                           "'latest' is how gockpt commits it", stacklevel=3)
             self.warned_latest = True
-        try:  # as Config resolves it (gockpt.paths): the same directory, the same Checkpointer
+        try:  # as Config resolves it (gockpt.core.paths): the same directory, the same Checkpointer
             directory = real_directory(save_dir)
         except OSError:
             directory = os.fspath(save_dir)  # the Checkpointer's ConfigError says why

@@ -19,12 +19,12 @@ class Config:
     directory: str
     """Root directory of the run's checkpoints: one sub-directory per checkpoint, a ``latest``
     pointer and ``metrics.jsonl``. Created if missing; must be writable. Resolved when the
-    Checkpointer is built, as the kernel resolves a path (:mod:`gockpt.paths`: absolute, links
+    Checkpointer is built, as the kernel resolves a path (:mod:`gockpt.core.paths`: absolute, links
     followed, ``..`` only after a name that exists), so that ``gockpt.load`` and the tools find
     it under the same string. One Checkpointer (one job) writes a directory at a time."""
 
     mode: str = "gockpt-o"
-    """What may block training (see :mod:`gockpt.modes`): ``sync`` copies and writes at the step
+    """What may block training (see :mod:`gockpt.core.modes`): ``sync`` copies and writes at the step
     boundary; ``async`` copies at the boundary and writes in the background; ``async-o`` lets the
     copies ride under the next step's forward/backward; ``gockpt`` spreads them over K steps and
     replays the gradients in between; ``gockpt-o`` also overlaps the gradient copies with the
@@ -54,7 +54,7 @@ class Config:
     before committing, in every mode: the training device digests the live tensors, read
     through torch as the framework presents them, under the next forward/backward (the next
     update waits for it), the staged host copy is digested after the replay, and they must
-    agree (:mod:`gockpt.capture.digest`). Tensors that differ were written outside the
+    agree (:mod:`gockpt.core.digest`). Tensors that differ were written outside the
     attached optimizer, or in place while being read: that checkpoint is not committed (a
     warning names them) and they are copied directly at F from then on; a copied tensor that
     differs fails the checkpoint. The digests are stored, and ``load`` / ``verify`` check the
@@ -118,7 +118,7 @@ class Config:
     def __post_init__(self):
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
             raise ConfigError(f"directory must be a path, got {self.directory!r}")
-        # Resolved now, as the kernel resolves it (gockpt.paths: the directory gockpt.load and
+        # Resolved now, as the kernel resolves it (gockpt.core.paths: the directory gockpt.load and
         # the tools find under the same string); a later os.chdir() must not move checkpoints.
         try:
             self.directory = real_directory(self.directory)
@@ -184,7 +184,7 @@ class Config:
 
     @property
     def policy(self) -> ModePolicy:
-        """What the mode does (:mod:`gockpt.modes`)."""
+        """What the mode does (:mod:`gockpt.core.modes`)."""
         return POLICIES[self.mode]
 
     def fixed_overlap_steps(self) -> Optional[int]:

@@ -1,11 +1,11 @@
-"""gockpt.job: the states of one checkpoint, its window arithmetic, and how it fails."""
+"""gockpt.core.job: the states of one checkpoint, its window arithmetic, and how it fails."""
 
 from __future__ import annotations
 
 import pytest
 
-from gockpt.errors import CheckpointFailedError, StorageError
-from gockpt.job import CheckpointHandle, Job, State
+from gockpt.core.errors import CheckpointFailedError, StorageError
+from gockpt.core.job import CheckpointHandle, Job, State
 
 
 def new_job(start_step=10, k=3, start_boundary=10):

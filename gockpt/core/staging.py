@@ -15,9 +15,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from .errors import ConfigError
 from .plan import Plan
-from .segments import slot_array
+from .blocks import slot_array
 
 #: Slots smaller than this are packed together (one stored tensor per arena, one write) ...
 PACK_BYTES = 64 << 10

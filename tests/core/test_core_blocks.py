@@ -1,12 +1,12 @@
-"""gockpt.capture.segments: blocks as numpy columns and the addresses computed from them."""
+"""gockpt.core.blocks: blocks as numpy columns and the addresses computed from them."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from gockpt.capture.plan import Block
-from gockpt.capture.segments import BlockTable, addresses, itemsizes, slot_array
+from gockpt.core.plan import Block
+from gockpt.core.blocks import BlockTable, addresses, itemsizes, slot_array
 
 
 def test_a_table_holds_the_blocks_as_columns():

@@ -1,4 +1,4 @@
-"""gockpt.metrics: what one checkpoint cost, one JSON line per checkpoint."""
+"""gockpt.core.metrics: what one checkpoint cost, one JSON line per checkpoint."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from gockpt import metrics
-from gockpt.metrics import CheckpointMetrics
+from gockpt.core import metrics
+from gockpt.core.metrics import CheckpointMetrics
 
 
 def test_add_blocked_sums_per_hook_and_in_total():

@@ -1,4 +1,4 @@
-"""gockpt.capture.digest: the digest of a tensor's bytes through torch -- its definition, the
+"""gockpt.core.digest: the digest of a tensor's bytes through torch -- its definition, the
 batched form equal to one tensor at a time, what it tells apart, and the live-digest thread."""
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gockpt.capture.device import HostDevice
-from gockpt.capture import digest as digest_mod
-from gockpt.capture.digest import ROW, LiveDigests, as_pairs, digest, digests, is_hex, to_hex
+from gockpt.core import digest as digest_mod
+from gockpt.core.digest import ROW, LiveDigests, as_pairs, digest, digests, is_hex, to_hex
 
 MASK = (1 << 64) - 1
 

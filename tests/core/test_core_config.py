@@ -1,7 +1,7 @@
 import pytest
 
-from gockpt.config import Config
-from gockpt.errors import ConfigError
+from gockpt.core.config import Config
+from gockpt.core.errors import ConfigError
 
 
 def test_defaults_and_fixed_k():

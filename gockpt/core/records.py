@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import numpy as np
 import torch
 
-from ..capture.plan import Block
+from .blocks import Block
 
 if TYPE_CHECKING:
-    from ..capture.segments import BlockTable
+    from .blocks import BlockTable
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""gockpt.capture.staging: host arenas planned once and reused, small slots packed; a pool of
+"""gockpt.core.staging: host arenas planned once and reused, small slots packed; a pool of
 gradient arenas that makes the recording step wait while the replay still holds every set."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gockpt.capture.device import HostDevice
-from gockpt.capture.plan import build_plan
-from gockpt.capture.staging import (PACK_BYTES, PACK_MIN_COUNT, Arena, GradPool, HostCopy,
+from gockpt.core.plan import build_plan
+from gockpt.core.staging import (PACK_BYTES, PACK_MIN_COUNT, Arena, GradPool, HostCopy,
                                     StagingAllocation)
 
 import harness as H

@@ -19,7 +19,8 @@ import torch
 
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..errors import ConfigError, LayoutChangedError, UnsupportedTensorError
+from .blocks import Block, BlockTable
+from .errors import ConfigError, LayoutChangedError, UnsupportedTensorError
 from .names import Names
 
 
@@ -54,19 +55,6 @@ class Slot:
         return self.opt_index is None
 
 
-@dataclass(frozen=True)
-class Block:
-    """Elements [start, end) of slot ``slot`` (same range in the param and its state)."""
-
-    slot: int
-    start: int
-    end: int
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-
 @dataclass
 class Plan:
     slots: List[Slot]
@@ -86,7 +74,6 @@ class Plan:
     def at_f_table(self):
         """:meth:`blocks_at_f` as a BlockTable (built once, until copy_at_f changes it)."""
         if "at_f" not in self._windows:
-            from .segments import BlockTable
             self._windows["at_f"] = BlockTable(
                 [b for b in self.blocks if self.slots[b.slot].at_f])
         return self._windows["at_f"]
@@ -179,7 +166,6 @@ class Plan:
 
     def _window(self, k: int) -> tuple:
         if k not in self._windows:
-            from .segments import BlockTable  # segments imports Block from here
             groups = self._split(k)
             self._windows[k] = (groups, [BlockTable(g) for g in groups])
         return self._windows[k]

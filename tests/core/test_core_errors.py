@@ -1,9 +1,9 @@
-"""gockpt.errors: every error is a GockptError, and the built-in class a caller would catch."""
+"""gockpt.core.errors: every error is a GockptError, and the built-in class a caller would catch."""
 
 import pytest
 
 import gockpt
-from gockpt import errors
+from gockpt.core import errors
 
 
 @pytest.mark.parametrize("cls,builtin", [

@@ -1,18 +1,31 @@
-"""Blocks as columns of numpy arrays: the hot path does array arithmetic per group of blocks
-(addresses of copies, digests and replays), not a Python loop per block or per tensor.
+"""Blocks, and blocks as columns of numpy arrays: the hot path does array arithmetic per
+group of blocks (addresses of copies and replays), not a Python loop per block or per tensor.
 
-A :class:`BlockTable` is built once per list of blocks; :func:`addresses` turns it and a
-per-slot base address into one address per block.
+A :class:`Block` is an element range of a slot (the unit of copy and replay); a
+:class:`BlockTable` is built once per list of blocks; :func:`addresses` turns it and a per-slot
+base address into one address per block.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from .plan import Block
+
+@dataclass(frozen=True)
+class Block:
+    """Elements [start, end) of slot ``slot`` (same range in the param and its state)."""
+
+    slot: int
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
 
 
 class BlockTable:

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from gockpt.errors import ConfigError
-from gockpt.capture.plan import build_plan
+from gockpt.core.errors import ConfigError
+from gockpt.core.plan import build_plan
 
 import harness as H
 

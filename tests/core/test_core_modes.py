@@ -1,4 +1,4 @@
-"""gockpt.modes: every mode is one frozen policy; the baselines are ablations of one engine."""
+"""gockpt.core.modes: every mode is one frozen policy; the baselines are ablations of one engine."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from gockpt import MODES
-from gockpt.config import Config
-from gockpt.modes import GRADS_AT_BACKWARD, GRADS_IN_STEP, NO_REPLAY_MODES, POLICIES
+from gockpt.core.config import Config
+from gockpt.core.modes import GRADS_AT_BACKWARD, GRADS_IN_STEP, NO_REPLAY_MODES, POLICIES
 
 #        replays copies_at_start persists_inline grad_wait          fixed_k streams
 TABLE = {
