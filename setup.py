@@ -46,7 +46,14 @@ setup(
         "experiments": ["matplotlib", "tqdm"],
         "test": ["pytest", "safetensors"],
     },
-    entry_points={"console_scripts": ["gockpt-interval = gockpt.cli.interval:main",
-                                      "gockpt = gockpt.cli:main"]},
+    entry_points={
+        "console_scripts": ["gockpt-interval = gockpt.cli.interval:main",
+                            "gockpt = gockpt.cli:main"],
+        # Replay adapters of optimizers outside torch, by the optimizer class's qualified name
+        # (gockpt.replay.adapters loads one when an optimizer of that class is attached).
+        "gockpt.optimizer_adapters": [
+            "deepspeed.ops.adam.fused_adam.FusedAdam = "
+            "gockpt.integrations.deepspeed.adapter:DeepSpeedCpuAdamAdapter"],
+    },
     zip_safe=False,
 )

@@ -1,43 +1,22 @@
-// Scalar set-up, ISA dispatch, MKL VML sqrt resolution and threading of the Adam replay.
+// Scalar set-up, ISA dispatch, proof checks and the batched driver of the Adam replay: every
+// args entry prepared once per call, segments cut into tasks (parallel.h), each piece run by
+// the kernels of its entry (kernel_api.h).
 #include "adam_replay.h"
 
 #include "cuda_math.h"
 #include "parallel.h"
-
-#include <dlfcn.h>
-#include <pthread.h>
+#include "vml.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 
 namespace gockpt {
 
 namespace {
 
-// MKL VML: void vmsSqrt(MKL_INT n, const float* a, float* r, MKL_INT64 mode), LP64 MKL_INT.
-using vms_sqrt_fn = void (*)(int, const float*, float*, long long);
-// Mode flags as ATen's vml.h passes them: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
-constexpr long long kVmlHA = 0x00000002LL;
-constexpr long long kVmlFtzDazOff = 0x00140000LL;
-constexpr long long kVmlErrIgnore = 0x00000100LL;
-constexpr long long kVmlMode = kVmlHA | kVmlFtzDazOff | kVmlErrIgnore;
-constexpr int kVmlChunk = 1 << 30;
-
-vms_sqrt_fn g_vms_sqrt = nullptr;
-// int MKL_Set_Num_Threads_Local(int) (C by-value API; the lower-case symbol is the Fortran
-// by-reference one): keeps MKL from opening its own OpenMP team inside our
-// worker threads (torch calls vmsSqrt from inside its parallel region, i.e. sequentially).
-using mkl_threads_local_fn = int (*)(int);
-mkl_threads_local_fn g_mkl_threads_local = nullptr;
-std::string g_sqrt_source;
 Isa g_isa_forced = Isa::Auto;
 
 Isa detect_isa() {
@@ -72,186 +51,14 @@ IsaFns fns_for(Isa isa) {
   }
 }
 
-void sqrt_tile(const float* in, float* out, int64_t n) {
-  if (g_vms_sqrt) {
-    while (n > 0) {
-      const int k = static_cast<int>(std::min<int64_t>(n, kVmlChunk));
-      g_vms_sqrt(k, in, out, kVmlMode);
-      in += k;
-      out += k;
-      n -= k;
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(in[i]);
-  }
-}
-
 // Elements of a single-tensor/foreach replay are processed in tiles small enough that two
-// tiles' p, m, v, g and sqrt(v) stay in L1 (kernel_impl.h: single_t); 512 measured best
-// (256 and 1024 within noise, 2048 slower; the vmsSqrt call costs ~30 ns).
+// tiles' p, m, v, g and sqrt(v) stay in L1 (kernel_impl.h: single_t).  512 measured best on
+// the 2-core AVX-512 test machine: 256 and 1024 within noise, 2048 slower; each vmsSqrt call
+// costs ~30 ns (re-measure: experiments/bench_replay.py's gockpt_replay rows, with another
+// value here or set by _C._set_tile).
 int64_t g_tile = 512;
 
-// Sequential MKL in the calling thread while it replays (MKL would otherwise be free to open
-// an OpenMP team inside vmsSqrt; torch calls vmsSqrt from inside its own parallel region, i.e.
-// sequentially).  Pool threads set it once for their lifetime; other threads get their own
-// setting back afterwards (MKL_Set_Num_Threads_Local returns the previous local value).
-thread_local bool t_pool_worker = false;
-thread_local mkl_threads_local_fn t_mkl_local_set = nullptr;
-
-struct MklSequential {
-  mkl_threads_local_fn fn = nullptr;
-  int prev = 0;
-  MklSequential() {
-    mkl_threads_local_fn f = g_vms_sqrt ? g_mkl_threads_local : nullptr;
-    if (!f) return;
-    if (t_pool_worker) {
-      if (t_mkl_local_set != f) {
-        f(1);
-        t_mkl_local_set = f;
-      }
-      return;
-    }
-    fn = f;
-    prev = fn(1);
-  }
-  ~MklSequential() {
-    if (fn) fn(prev);
-  }
-};
-
-// ------------------------------------------------------------------ persistent thread pool
-// Workers live for the whole process (detached, parked on a condition variable after a short
-// spin).  A job is a function every participant runs until the job's shared work counter is
-// exhausted; the caller participates too.  Helpers that have not woken up by the time the
-// caller has finished its part do not join (the caller never waits for a sleeping thread),
-// so results and progress never depend on how many helpers actually ran.
-class ThreadPool {
- public:
-  using Fn = void (*)(void*);
-
-  // Run fn(ctx) on the calling thread and on up to `helpers` pool threads.
-  void run(int helpers, Fn fn, void* ctx) {
-    std::unique_lock<std::mutex> submit(submit_, std::try_to_lock);
-    if (helpers <= 0 || !submit.owns_lock()) {  // another caller owns the pool: run alone
-      fn(ctx);
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      while (static_cast<int>(nthreads_) < helpers) {
-        std::thread(&ThreadPool::worker, this).detach();
-        ++nthreads_;
-      }
-      fn_ = fn;
-      ctx_ = ctx;
-      open_ = true;
-      max_helpers_ = helpers;
-      joined_ = 0;
-      running_ = 0;
-      ++gen_;
-      gen_atomic_.store(gen_, std::memory_order_release);
-    }
-    cv_work_.notify_all();
-    fn(ctx);
-    std::unique_lock<std::mutex> lk(mu_);
-    open_ = false;  // helpers waking from now on skip this job
-    cv_done_.wait(lk, [&] { return running_ == 0; });
-  }
-
- private:
-#ifndef GOCKPT_POOL_SPIN
-#define GOCKPT_POOL_SPIN 1000
-#endif
-  // Pause loops before parking (covers the gap between back-to-back calls).  On the shared
-  // 2-core test machine 0..4000 were within noise for 1M-element calls; 40000 was worse.
-  static constexpr int kSpin = GOCKPT_POOL_SPIN;
-
-  void worker() {
-    t_pool_worker = true;
-    uint64_t seen = 0;
-    std::unique_lock<std::mutex> lk(mu_);
-    seen = gen_;  // a job announced before this thread started is not for it
-    for (;;) {
-      if (gen_ == seen) {
-        lk.unlock();
-        for (int i = 0; i < kSpin && gen_atomic_.load(std::memory_order_acquire) == seen; ++i)
-          cpu_relax();
-        lk.lock();
-        cv_work_.wait(lk, [&] { return gen_ != seen; });
-      }
-      seen = gen_;
-      if (!open_ || joined_ >= max_helpers_) continue;
-      ++joined_;
-      ++running_;
-      const Fn fn = fn_;
-      void* const ctx = ctx_;
-      lk.unlock();
-      fn(ctx);
-      lk.lock();
-      if (--running_ == 0) cv_done_.notify_all();
-    }
-  }
-
-  static inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-  }
-
-  std::mutex submit_;  // one job at a time
-  std::mutex mu_;
-  std::condition_variable cv_work_, cv_done_;
-  std::atomic<uint64_t> gen_atomic_{0};
-  uint64_t gen_ = 0;
-  size_t nthreads_ = 0;
-  bool open_ = false;
-  int max_helpers_ = 0, joined_ = 0, running_ = 0;
-  Fn fn_ = nullptr;
-  void* ctx_ = nullptr;
-};
-
-// Leaked on purpose: detached workers may still be parked in it at process exit.  After
-// fork() the child gets a fresh pool (the parent's workers do not exist in the child).
-std::atomic<ThreadPool*> g_pool{nullptr};
-
-void pool_after_fork_child() { g_pool.store(nullptr, std::memory_order_relaxed); }
-
-ThreadPool& pool() {
-  ThreadPool* p = g_pool.load(std::memory_order_acquire);
-  if (p) return *p;
-  static std::once_flag atfork_once;
-  std::call_once(atfork_once, [] { pthread_atfork(nullptr, nullptr, pool_after_fork_child); });
-  ThreadPool* fresh = new ThreadPool();  // no threads yet: cheap to discard
-  if (g_pool.compare_exchange_strong(p, fresh, std::memory_order_acq_rel)) return *fresh;
-  delete fresh;
-  return *p;
-}
-
 }  // namespace
-
-void parallel_tasks(int64_t ntasks, int threads, bool mkl_sequential,
-                    void (*body)(void*, int64_t), void* ctx) {
-  if (ntasks <= 0) return;
-  if (threads <= 1 || ntasks == 1) {
-    std::unique_ptr<MklSequential> mkl_seq(mkl_sequential ? new MklSequential() : nullptr);
-    for (int64_t t = 0; t < ntasks; ++t) body(ctx, t);
-    return;
-  }
-  struct Job {
-    void (*body)(void*, int64_t);
-    void* ctx;
-    int64_t ntasks;
-    bool mkl_sequential;
-    std::atomic<int64_t> next{0};
-  } job{body, ctx, ntasks, mkl_sequential};
-  const int helpers = static_cast<int>(std::min<int64_t>(threads, ntasks)) - 1;
-  pool().run(helpers, [](void* c) {
-    Job& j = *static_cast<Job*>(c);
-    std::unique_ptr<MklSequential> mkl_seq(j.mkl_sequential ? new MklSequential() : nullptr);
-    for (int64_t t; (t = j.next.fetch_add(1, std::memory_order_relaxed)) < j.ntasks;)
-      j.body(j.ctx, t);
-  }, &job);
-}
 
 void set_tile(int64_t tile) {
   g_tile = std::max<int64_t>(16, std::min<int64_t>(kMaxSqrtTile, tile));
@@ -276,47 +83,6 @@ const char* isa_name(Isa isa) {
     default: return "auto";
   }
 }
-
-std::string init_vml_sqrt(const std::string& lib_path) {
-  g_vms_sqrt = nullptr;
-  g_sqrt_source.clear();
-  void* sym = nullptr;
-  if (!lib_path.empty()) {
-    // Only attach to a library the process already loaded (torch's libtorch_cpu).
-    void* h = dlopen(lib_path.c_str(), RTLD_NOLOAD | RTLD_LAZY);
-    if (h) {
-      sym = dlsym(h, "vmsSqrt");
-      if (sym) g_sqrt_source = lib_path;
-    }
-  }
-  if (!sym) {
-    sym = dlsym(RTLD_DEFAULT, "vmsSqrt");
-    if (sym) g_sqrt_source = "<global>";
-  }
-  g_vms_sqrt = reinterpret_cast<vms_sqrt_fn>(sym);
-  g_mkl_threads_local = nullptr;
-  if (sym) {
-    Dl_info info;
-    void* h = nullptr;
-    if (dladdr(sym, &info) && info.dli_fname) h = dlopen(info.dli_fname, RTLD_NOLOAD | RTLD_LAZY);
-    void* t = h ? dlsym(h, "MKL_Set_Num_Threads_Local") : nullptr;
-    if (!t) t = dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local");
-    g_mkl_threads_local = reinterpret_cast<mkl_threads_local_fn>(t);
-  }
-  return sqrt_backend();
-}
-
-void disable_vml_sqrt() {
-  g_vms_sqrt = nullptr;
-  g_sqrt_source.clear();
-}
-
-std::string sqrt_backend() { return g_vms_sqrt ? "mkl-vml" : "ieee"; }
-std::string sqrt_source() {
-  return g_sqrt_source + (g_mkl_threads_local ? " (+MKL_Set_Num_Threads_Local)" : "");
-}
-
-void torch_sqrt(const float* in, float* out, int64_t n) { sqrt_tile(in, out, n); }
 
 AdamScalars make_scalars(const ReplayArgs& a) {
   // Python side of torch.optim.Adam(W) (single/foreach), in double.
@@ -422,7 +188,8 @@ const char* unproven_settings(const ReplayArgs& a) {
 const char* unproven_numel(const ReplayArgs& a, int64_t full_numel) {
   // The weight-decay line is the CUDA fused kernel's one contractible mul+add pair, and nvcc
   // contracted it per vector lane (lane 0 of Adam's L2 line is unfused).  Only the 4-wide
-  // vector path, taken when numel % 4 == 0, is measured.
+  // vector path, taken when numel % 4 == 0, is measured (the golden vectors of
+  // tests/replay/test_replay_arithmetic_golden.py).
   if (a.impl == Impl::CudaFused && a.weight_decay != 0.0 && full_numel % 4 != 0)
     return "CUDA fused Adam/AdamW with weight_decay != 0 is proven for numel % 4 == 0 only (the "
            "kernel's vector path; its weight-decay line rounds differently per vector lane)";
@@ -460,11 +227,12 @@ Prepared prepare(const ReplayArgs& a) {
 
 bool uses_mkl(Impl impl) { return impl == Impl::Single || impl == Impl::Foreach; }
 
-// Fused CPU path (measured against torch 2.13, ATen AVX512 and AVX2): torch splits the tensor
-// into 64-byte units across its threads, so only the last thread's range has a remainder
-// after the Vectorized<float> loop, at the end of the whole parameter.  GCC vectorised that
-// remainder loop 8 wide with the body's arithmetic, so exactly the last full_numel % 8
-// elements run scalar code, whatever torch's thread count and vector width.
+// Fused CPU path (measured against torch 2.13, ATen AVX512 and AVX2, by
+// tests/replay/test_replay_kernels.py): torch splits the tensor into 64-byte units across its
+// threads, so only the last thread's range has a remainder after the Vectorized<float> loop,
+// at the end of the whole parameter.  GCC vectorised that remainder loop 8 wide with the
+// body's arithmetic, so exactly the last full_numel % 8 elements run scalar code, whatever
+// torch's thread count and vector width.
 // Single-tensor / foreach: the scalar remainders of torch's elementwise ops compute the same
 // roundings as their vector bodies, so no element depends on its position or on torch's
 // thread count.
@@ -496,34 +264,36 @@ struct RangeKernel {
   void operator()(int64_t b, int64_t e) const {
     if (b >= e) return;
     switch (k.impl) {
-      case Impl::Fused: {
-        const int64_t mid = std::max(b, std::min(e, tail_local));
-        if (mid > b) k.f.fused(p + b, m + b, v + b, g + b, mid - b, k.s, false);
-        if (e > mid) k.f.fused(p + mid, m + mid, v + mid, g + mid, e - mid, k.s, true);
-        break;
-      }
+      case Impl::Fused: split_at_tail(k.f.fused, k.s, b, e); break;
       case Impl::DsCpu1:
       case Impl::DsCpu8:
-      case Impl::DsCpu16: {
-        const int64_t mid = std::max(b, std::min(e, tail_local));
-        if (mid > b) k.f.ds_cpu(p + b, m + b, v + b, g + b, mid - b, k.ds, false);
-        if (e > mid) k.f.ds_cpu(p + mid, m + mid, v + mid, g + mid, e - mid, k.ds, true);
-        break;
-      }
+      case Impl::DsCpu16: split_at_tail(k.f.ds_cpu, k.ds, b, e); break;
       case Impl::CudaForloop:
       case Impl::CudaForeach: k.f.cuda_pointwise(p + b, m + b, v + b, g + b, e - b, k.cs); break;
       case Impl::CudaFused:
         k.f.cuda_fused(p + b, m + b, v + b, g + b, e - b, offset + b, k.cs);
         break;
-      default: k.f.single(p + b, m + b, v + b, g + b, e - b, k.s, sqrt_tile, k.tile);
+      default: k.f.single(p + b, m + b, v + b, g + b, e - b, k.s, torch_sqrt, k.tile);
     }
+  }
+
+  // A kernel with a scalar-tail variant (fn(..., tail)) on [b, e): the body's arithmetic before
+  // tail_local, the tail's from there on.
+  template <typename S>
+  void split_at_tail(void (*fn)(float*, float*, float*, const float*, int64_t, const S&, bool),
+                     const S& s, int64_t b, int64_t e) const {
+    const int64_t mid = std::max(b, std::min(e, tail_local));
+    if (mid > b) fn(p + b, m + b, v + b, g + b, mid - b, s, false);
+    if (e > mid) fn(p + mid, m + mid, v + mid, g + mid, e - mid, s, true);
   }
 };
 
 // Per segment work is counted as this many elements when cutting a batch (a tiny segment costs
-// about as much as streaming 64 elements: kernel entry, one sqrt call).
+// about as much as streaming 64 elements: kernel entry, one sqrt call; an estimate that no
+// bench isolates).
 constexpr int64_t kSegCost = 64;
-// Elements worth waking one more thread for (thread hand-off costs a few microseconds).
+// Elements worth waking one more thread for (a pool hand-off costs a few microseconds; the
+// effect shows in experiments/bench_replay.py's _calls1M rows at 2 threads).
 constexpr int64_t kMinPerThread = 1 << 15;
 
 template <typename T>

@@ -1,6 +1,5 @@
 #pragma once
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "kernel_api.h"
@@ -57,12 +56,6 @@ struct ReplaySegments {
 // the segment, before anything is written.
 void adam_replay_batch(const ReplaySegments& segs, const std::vector<ReplayArgs>& table,
                        int threads);
-
-std::string init_vml_sqrt(const std::string& lib_path);
-void disable_vml_sqrt();
-std::string sqrt_backend();
-std::string sqrt_source();
-void torch_sqrt(const float* in, float* out, int64_t n);
 
 void set_tile(int64_t tile);  // benchmarking aid: elements per sqrt tile
 Isa resolved_isa();

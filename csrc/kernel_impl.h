@@ -59,7 +59,9 @@ inline void phase2_scalar(float* __restrict p, const float* __restrict m,
 // ---------------------------------------------------------------- SIMD bodies
 // Software prefetch distance (elements) for the streams read from memory.  Measured on a
 // 2-core AVX-512 Xeon (KVM, shared): with 512-element tiles, 512 ahead gave ~+10-15% over no
-// prefetch (the hardware prefetcher alone leaves too few misses in flight), 2048 less.
+// prefetch (the hardware prefetcher alone leaves too few misses in flight), 2048 less
+// (re-measure: build with -DGOCKPT_PF_AHEAD=N, experiments/bench_replay.py's gockpt_replay
+// rows).
 #ifndef GOCKPT_PF_AHEAD
 #define GOCKPT_PF_AHEAD 512
 #endif
@@ -206,13 +208,6 @@ void single_t(float* p, float* m, float* v, const float* g, int64_t n, const Ada
   }
 }
 
-template <bool L2, bool DECAY>
-void single_d(float* p, float* m, float* v, const float* g, int64_t n, const AdamScalars& s,
-              SqrtFn sqrt_fn, int64_t tile) {
-  if (s.small) single_t<L2, DECAY, true>(p, m, v, g, n, s, sqrt_fn, tile);
-  else single_t<L2, DECAY, false>(p, m, v, g, n, s, sqrt_fn, tile);
-}
-
 // torch's fused CPU kernel.  TAIL selects the scalar remainder loop's contraction
 // (exp_avg_sq = fma(v, b2, (c2*g)*g)) instead of the vector body's (fma(c2*g, g, v*b2)).
 // Plain loop: GCC vectorises it with the same lane arithmetic.
@@ -240,12 +235,6 @@ inline void fused_t(float* __restrict p, float* __restrict m, float* __restrict 
     const float den = __builtin_sqrtf(vn) / bc2s + eps;
     p[i] = pi + (nss * mn) / den;
   }
-}
-
-template <bool L2, bool DECAY, bool TAIL>
-inline void fused_d(float* p, float* m, float* v, const float* g, int64_t n, const AdamScalars& s) {
-  if (s.small) fused_t<L2, DECAY, true, TAIL>(p, m, v, g, n, s);
-  else fused_t<L2, DECAY, false, TAIL>(p, m, v, g, n, s);
 }
 
 // ---------------------------------------------------------------- CUDA torch profiles
@@ -278,7 +267,8 @@ inline void cuda_pointwise_t(float* __restrict p, float* __restrict m, float* __
 
 // torch's fused CUDA kernel (torch >= 2.11).  Adam's L2 line `grad += param * wd` is compiled
 // as mul + add (two roundings) in lane 0 of the kernel's 4-wide vector path and as one fma in
-// lanes 1..3 (measured; the lane is the element's index mod 4).
+// lanes 1..3 (measured on an H100: the golden vectors of
+// tests/replay/test_replay_arithmetic_golden.py; the lane is the element's index mod 4).
 template <bool L2, bool DECAY, bool SCALED>
 inline void cuda_fused_t(float* __restrict p, float* __restrict m, float* __restrict v,
                          const float* __restrict g, int64_t n, int64_t index,
@@ -301,17 +291,10 @@ inline void cuda_fused_t(float* __restrict p, float* __restrict m, float* __rest
   }
 }
 
-template <bool SCALED>
-inline void cuda_fused_s(float* p, float* m, float* v, const float* g, int64_t n, int64_t index,
-                         const CudaScalars& s) {
-  if (s.l2) cuda_fused_t<true, false, SCALED>(p, m, v, g, n, index, s);
-  else if (s.decay_on) cuda_fused_t<false, true, SCALED>(p, m, v, g, n, index, s);
-  else cuda_fused_t<false, false, SCALED>(p, m, v, g, n, index, s);
-}
-
 // DeepSpeed's CPU Adam (ops/csrc/includes/cpu_adam.h, Step_AVX / Step_1, DeepSpeed 0.19.8):
 // the SIMD body's explicit fmas; the scalar remainder as GCC contracted it (the moments fuse
-// the other product).  Measured bit for bit against the op (tests/replay).
+// the other product).  Measured bit for bit against the op
+// (tests/replay/test_replay_arithmetic_deepspeed.py).
 template <bool L2, bool DECAY, bool TAIL>
 inline void ds_cpu_t(float* __restrict p, float* __restrict m, float* __restrict v,
                      const float* __restrict g, int64_t n, const DsScalars& s) {
@@ -332,62 +315,73 @@ inline void ds_cpu_t(float* __restrict p, float* __restrict m, float* __restrict
   }
 }
 
-template <bool TAIL>
-inline void ds_cpu_r(float* p, float* m, float* v, const float* g, int64_t n,
-                     const DsScalars& s) {
-  if (s.l2) ds_cpu_t<true, false, TAIL>(p, m, v, g, n, s);
-  else if (s.decay_on) ds_cpu_t<false, true, TAIL>(p, m, v, g, n, s);
-  else ds_cpu_t<false, false, TAIL>(p, m, v, g, n, s);
+// ---------------------------------------------------------------- entry points
+// Every kernel is a template over its flags (one instantiation per combination, the choice
+// made once per call, outside the element loop).  with_flags(s, f, b...) calls
+// f(Flag<L2>, Flag<DECAY>, Flag<b>...): L2 and DECAY from the scalars' weight decay (Adam's
+// L2 term s.l2, AdamW's decoupled decay s.decay_on, never both), then the run-time bools b.
+// A Flag converts to its bool in a constant expression: f passes its arguments on as
+// template arguments.
+template <bool B>
+struct Flag {
+  constexpr operator bool() const { return B; }
+};
+
+template <typename F>
+inline void with_bools(F&& f) {
+  f();
 }
 
-template <bool RECIP>
-inline void cuda_pointwise_r(float* p, float* m, float* v, const float* g, int64_t n,
-                             const CudaScalars& s) {
-  if (s.l2) cuda_pointwise_t<true, false, RECIP>(p, m, v, g, n, s);
-  else if (s.decay_on) cuda_pointwise_t<false, true, RECIP>(p, m, v, g, n, s);
-  else cuda_pointwise_t<false, false, RECIP>(p, m, v, g, n, s);
+template <typename F, typename... Bools>
+inline void with_bools(F&& f, bool b, Bools... rest) {
+  if (b) with_bools([&](auto... more) { f(Flag<true>{}, more...); }, rest...);
+  else with_bools([&](auto... more) { f(Flag<false>{}, more...); }, rest...);
+}
+
+template <typename S, typename F, typename... Bools>
+inline void with_flags(const S& s, F&& f, Bools... b) {
+  if (s.l2) with_bools([&](auto... x) { f(Flag<true>{}, Flag<false>{}, x...); }, b...);
+  else if (s.decay_on) with_bools([&](auto... x) { f(Flag<false>{}, Flag<true>{}, x...); }, b...);
+  else with_bools([&](auto... x) { f(Flag<false>{}, Flag<false>{}, x...); }, b...);
 }
 
 }  // namespace
 
 void ds_cpu(float* p, float* m, float* v, const float* g, int64_t n, const DsScalars& s,
             bool tail) {
-  if (tail) ds_cpu_r<true>(p, m, v, g, n, s);
-  else ds_cpu_r<false>(p, m, v, g, n, s);
+  with_flags(s, [&](auto L2, auto DECAY, auto TAIL) {
+    ds_cpu_t<L2, DECAY, TAIL>(p, m, v, g, n, s);
+  }, tail);
 }
 
 void adam_single(float* p, float* m, float* v, const float* g, int64_t n, const AdamScalars& s,
                  SqrtFn sqrt_fn, int64_t tile) {
   if (tile < 1) tile = 1;
   if (tile > kMaxSqrtTile) tile = kMaxSqrtTile;
-  if (s.l2) single_d<true, false>(p, m, v, g, n, s, sqrt_fn, tile);
-  else if (s.decay_on) single_d<false, true>(p, m, v, g, n, s, sqrt_fn, tile);
-  else single_d<false, false>(p, m, v, g, n, s, sqrt_fn, tile);
+  with_flags(s, [&](auto L2, auto DECAY, auto SMALL) {
+    single_t<L2, DECAY, SMALL>(p, m, v, g, n, s, sqrt_fn, tile);
+  }, s.small);
 }
 
 void adam_fused(float* p, float* m, float* v, const float* g, int64_t n, const AdamScalars& s,
                 bool tail) {
-  if (tail) {
-    if (s.l2) fused_d<true, false, true>(p, m, v, g, n, s);
-    else if (s.decay_on) fused_d<false, true, true>(p, m, v, g, n, s);
-    else fused_d<false, false, true>(p, m, v, g, n, s);
-  } else {
-    if (s.l2) fused_d<true, false, false>(p, m, v, g, n, s);
-    else if (s.decay_on) fused_d<false, true, false>(p, m, v, g, n, s);
-    else fused_d<false, false, false>(p, m, v, g, n, s);
-  }
+  with_flags(s, [&](auto L2, auto DECAY, auto SMALL, auto TAIL) {
+    fused_t<L2, DECAY, SMALL, TAIL>(p, m, v, g, n, s);
+  }, s.small, tail);
 }
 
 void cuda_pointwise(float* p, float* m, float* v, const float* g, int64_t n,
                     const CudaScalars& s) {
-  if (s.recip) cuda_pointwise_r<true>(p, m, v, g, n, s);
-  else cuda_pointwise_r<false>(p, m, v, g, n, s);
+  with_flags(s, [&](auto L2, auto DECAY, auto RECIP) {
+    cuda_pointwise_t<L2, DECAY, RECIP>(p, m, v, g, n, s);
+  }, s.recip);
 }
 
 void cuda_fused(float* p, float* m, float* v, const float* g, int64_t n, int64_t index,
                 const CudaScalars& s) {
-  if (s.scaled) cuda_fused_s<true>(p, m, v, g, n, index, s);
-  else cuda_fused_s<false>(p, m, v, g, n, index, s);
+  with_flags(s, [&](auto L2, auto DECAY, auto SCALED) {
+    cuda_fused_t<L2, DECAY, SCALED>(p, m, v, g, n, index, s);
+  }, s.scaled);
 }
 
 }  // namespace GOCKPT_ISA_NS

@@ -1,5 +1,6 @@
 // pybind11 bindings of gockpt._C (no libtorch link: tensors arrive as raw data pointers,
-// validated by gockpt/_kernels.py).
+// validated by the Python wrappers: gockpt/replay/arithmetic.py, gockpt/storage/io.py,
+// gockpt/capture/transfer.py).
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 
 #include "adam_replay.h"
 #include "cuda_math.h"
+#include "vml.h"
 
 namespace py = pybind11;
 using namespace gockpt;
@@ -30,31 +32,33 @@ T* ptr(uintptr_t a) {
   return reinterpret_cast<T*>(a);
 }
 
-// Name -> enum value; unknown names raise ValueError listing the known ones.
-template <typename E>
-E parse_name(const std::string& s, std::initializer_list<std::pair<const char*, E>> names,
-             const char* what) {
+// The names of the Impl values, indexed by value (also the impl codes of adam_replay_batch's
+// args table: _C.REPLAY_IMPLS).
+constexpr const char* kImplNames[] = {"single", "foreach", "fused", "cuda-forloop",
+                                      "cuda-foreach", "cuda-fused", "deepspeed-cpu-w1",
+                                      "deepspeed-cpu-w8", "deepspeed-cpu-w16"};
+constexpr int kImpls = static_cast<int>(sizeof kImplNames / sizeof kImplNames[0]);
+static_assert(kImpls == static_cast<int>(Impl::DsCpu16) + 1, "one name per Impl value");
+
+// The names of the Isa values, indexed by value.
+constexpr const char* kIsaNames[] = {"auto", "generic", "avx2", "avx512"};
+static_assert(sizeof kIsaNames / sizeof kIsaNames[0] == static_cast<size_t>(Isa::Avx512) + 1,
+              "one name per Isa value");
+
+// Name -> enum value (its index in names); unknown names raise ValueError listing the known ones.
+template <typename E, size_t N>
+E parse_name(const std::string& s, const char* const (&names)[N], const char* what) {
   std::string known;
-  for (const auto& kv : names) {
-    if (s == kv.first) return kv.second;
-    known += (known.empty() ? "" : "|") + std::string(kv.first);
+  for (size_t i = 0; i < N; ++i) {
+    if (s == names[i]) return static_cast<E>(i);
+    known += (known.empty() ? "" : "|") + std::string(names[i]);
   }
   throw std::invalid_argument(std::string(what) + " must be " + known + ", got '" + s + "'");
 }
 
-Impl parse_impl(const std::string& s) {
-  return parse_name<Impl>(s, {{"single", Impl::Single}, {"foreach", Impl::Foreach},
-                              {"fused", Impl::Fused}, {"cuda-forloop", Impl::CudaForloop},
-                              {"cuda-foreach", Impl::CudaForeach},
-                              {"cuda-fused", Impl::CudaFused}, {"deepspeed-cpu-w1", Impl::DsCpu1},
-                              {"deepspeed-cpu-w8", Impl::DsCpu8},
-                              {"deepspeed-cpu-w16", Impl::DsCpu16}}, "impl");
-}
+Impl parse_impl(const std::string& s) { return parse_name<Impl>(s, kImplNames, "impl"); }
 
-Isa parse_isa(const std::string& s) {
-  return parse_name<Isa>(s, {{"auto", Isa::Auto}, {"generic", Isa::Generic},
-                             {"avx2", Isa::Avx2}, {"avx512", Isa::Avx512}}, "isa");
-}
+Isa parse_isa(const std::string& s) { return parse_name<Isa>(s, kIsaNames, "isa"); }
 
 }  // namespace
 
@@ -244,8 +248,8 @@ void bind_io(py::module_& m) {
 // ============================================================================ batched work
 // Bindings of the batched replay (adam_replay.h) and the copy engine (copy_engine.h), wrapped
 // by gockpt/replay/arithmetic.py and gockpt/capture/transfer.py. Segment tables arrive as numpy
-// int64 arrays (addresses as ints), read or copied while the GIL is held; the work runs with the
-// GIL released.
+// int64 arrays (addresses as ints), the replay's args table as one numpy structured array (one
+// record per entry), read or copied while the GIL is held; the work runs with the GIL released.
 
 #include <pybind11/numpy.h>
 
@@ -280,55 +284,99 @@ void check_non_negative(const char* name, const I64& a) {
       throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] is negative");
 }
 
+// One entry of adam_replay_batch's args table as Python builds it: a record of the numpy
+// dtype _C.REPLAY_ARGS_DTYPE, which is made from this struct (same field names, types and
+// offsets), so the table is read in place as a C array of them.
+struct ArgsRecord {
+  int32_t impl;    // an Impl value (the index of its name in _C.REPLAY_IMPLS)
+  bool decoupled;  // AdamW's decoupled weight decay (else Adam's L2 term)
+  bool grad_bf16;  // g is bfloat16, consumed as float(g) * float(grad_mul)
+  double lr, beta1, beta2, eps, weight_decay;
+  double step;                      // the count of this update, after the increment
+  double grad_scale;                // CudaFused only: the GradScaler scale (0: none)
+  double beta1_power, beta2_power;  // DsCpu only: the op's running products (0: pow)
+  double grad_mul;                  // grad_bf16 only (1: float(g) exactly)
+};
+
+// The args table as n records in place.  Its dtype is checked field by field (names in order,
+// types, offsets, record size) against REPLAY_ARGS_DTYPE, so that a table of another layout
+// is refused (ValueError naming the field) and never misread.
+const ArgsRecord* args_records(const py::array& args, int64_t* n) {
+  auto fail = [](const std::string& why) {
+    throw std::invalid_argument("args: " + why + " (a table is a 1-D numpy array of dtype "
+                                "_C.REPLAY_ARGS_DTYPE)");
+  };
+  auto str = [](const py::handle& h) { return py::str(h).cast<std::string>(); };
+  if (args.ndim() != 1) fail(std::to_string(args.ndim()) + " dimensions");
+  if (!(args.flags() & py::array::c_style)) fail("not contiguous");
+  const py::dtype want = py::dtype::of<ArgsRecord>(), got = args.dtype();
+  const py::tuple names = want.attr("names");
+  const py::object got_names = got.attr("names");  // None: not a structured dtype
+  if (got_names.is_none() || py::len(got_names) != names.size())
+    fail("dtype " + str(got) + ", expected the fields " + str(names));
+  const py::object want_fields = want.attr("fields"), got_fields = got.attr("fields");
+  for (size_t i = 0; i < names.size(); ++i) {
+    const py::object name = names[i], got_name = got_names[py::int_(i)];
+    if (!got_name.equal(name))
+      fail("field " + std::to_string(i) + " is '" + str(got_name) + "', expected '" + str(name) +
+           "'");
+    const py::tuple w = want_fields[name], g = got_fields[name];  // (dtype, byte offset)
+    if (!w[0].equal(g[0]) || !w[1].equal(g[1]))
+      fail("field '" + str(name) + "' is " + str(g[0]) + " at byte " + str(g[1]) +
+           ", expected " + str(w[0]) + " at byte " + str(w[1]));
+  }
+  if (got.itemsize() != want.itemsize())
+    fail("records of " + std::to_string(got.itemsize()) + " bytes, expected " +
+         std::to_string(want.itemsize()));
+  *n = args.size();
+  if (*n > 0 && reinterpret_cast<uintptr_t>(args.data()) % alignof(ArgsRecord) != 0)
+    fail("records not aligned in memory");
+  return static_cast<const ArgsRecord*>(args.data());
+}
+
 void bind_replay_batch(py::module_& m) {
+  PYBIND11_NUMPY_DTYPE(ArgsRecord, impl, decoupled, grad_bf16, lr, beta1, beta2, eps,
+                       weight_decay, step, grad_scale, beta1_power, beta2_power, grad_mul);
+  m.attr("REPLAY_ARGS_DTYPE") = py::dtype::of<ArgsRecord>();
+  py::tuple impls(kImpls);
+  for (int k = 0; k < kImpls; ++k) impls[k] = py::str(kImplNames[k]);
+  m.attr("REPLAY_IMPLS") = impls;
   m.def(
       "adam_replay_batch",
       [](const I64& p, const I64& mm, const I64& v, const I64& g, const I64& numel,
-         const I64& offset, const I64& full_numel, const I64& arg,
-         const std::vector<std::string>& impls, const std::vector<bool>& decoupled,
-         const std::vector<double>& lr, const std::vector<double>& beta1,
-         const std::vector<double>& beta2, const std::vector<double>& eps,
-         const std::vector<double>& weight_decay, const std::vector<double>& step,
-         const std::vector<double>& grad_scale, int threads,
-         const std::vector<double>& beta1_power, const std::vector<double>& beta2_power,
-         bool grad_bf16, const std::vector<double>& grad_mul) {
+         const I64& offset, const I64& full_numel, const I64& arg, const py::array& args,
+         int threads) {
         const int64_t n = common_length({{"p", &p}, {"m", &mm}, {"v", &v}, {"g", &g},
                                          {"numel", &numel}, {"offset", &offset},
                                          {"full_numel", &full_numel}, {"arg", &arg}});
-        const size_t na = impls.size();
-        for (size_t len : {decoupled.size(), lr.size(), beta1.size(), beta2.size(), eps.size(),
-                           weight_decay.size(), step.size(), grad_scale.size()})
-          if (len != na)
-            throw std::invalid_argument("the args table's lists must all have " +
-                                        std::to_string(na) + " entries (as impls)");
-        for (size_t len : {beta1_power.size(), beta2_power.size(), grad_mul.size()})
-          if (len != 0 && len != na)
-            throw std::invalid_argument(
-                "beta1_power/beta2_power/grad_mul: empty, or one per entry");
+        int64_t na = 0;
+        const ArgsRecord* rec = args_records(args, &na);
         std::vector<ReplayArgs> table;
-        table.reserve(na);
-        for (size_t k = 0; k < na; ++k)  // field order of ReplayArgs
-          table.push_back({parse_impl(impls[k]), decoupled[k], lr[k], beta1[k], beta2[k], eps[k],
-                           weight_decay[k], step[k], 0, 0, 0, grad_scale[k],
-                           beta1_power.empty() ? 0.0 : beta1_power[k],
-                           beta2_power.empty() ? 0.0 : beta2_power[k], grad_bf16,
-                           grad_mul.empty() ? 1.0 : grad_mul[k]});
+        table.reserve(static_cast<size_t>(na));
+        for (int64_t k = 0; k < na; ++k) {
+          const ArgsRecord& r = rec[k];
+          if (r.impl < 0 || r.impl >= kImpls)
+            throw std::invalid_argument("args entry " + std::to_string(k) + ": impl " +
+                                        std::to_string(r.impl) + " is not an index into " +
+                                        "REPLAY_IMPLS");
+          // field order of ReplayArgs (aggregate initialisation); offset, full_numel and
+          // threads are the segments' and the call's
+          table.push_back({static_cast<Impl>(r.impl), r.decoupled, r.lr, r.beta1, r.beta2, r.eps,
+                           r.weight_decay, r.step, 0, 0, 0, r.grad_scale, r.beta1_power,
+                           r.beta2_power, r.grad_bf16, r.grad_mul});
+        }
         const ReplaySegments segs{p.data(),      mm.data(),     v.data(),          g.data(),
                                   numel.data(),  offset.data(), full_numel.data(), arg.data(), n};
         py::gil_scoped_release release;
         adam_replay_batch(segs, table, threads);
       },
       py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("numel"), py::arg("offset"),
-      py::arg("full_numel"), py::arg("arg"), py::arg("impls"), py::arg("decoupled"),
-      py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-      py::arg("weight_decay"), py::arg("step"), py::arg("grad_scale"), py::arg("threads"),
-      py::arg("beta1_power") = std::vector<double>{},
-      py::arg("beta2_power") = std::vector<double>{}, py::arg("grad_bf16") = false,
-      py::arg("grad_mul") = std::vector<double>{},
+      py::arg("full_numel"), py::arg("arg"), py::arg("args"), py::arg("threads"),
       "One Adam(W) step on many float32 slices (addresses as int64), segment i with entry "
-      "arg[i] of the args table (impls, decoupled, ..., grad_scale); bit-identical to "
-      "adam_replay per segment.  grad_bf16: every g[i] is bfloat16, consumed as "
-      "float(g) * float(grad_mul[arg[i]]).");
+      "arg[i] of the args table; bit-identical to adam_replay per segment.  args: a 1-D numpy "
+      "array of dtype REPLAY_ARGS_DTYPE, one record per entry (impl: an index into "
+      "REPLAY_IMPLS; grad_bf16: the segments' g are bfloat16, consumed as "
+      "float(g) * float(grad_mul)).");
 }
 
 // The engine, and the process that made it.

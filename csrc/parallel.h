@@ -1,6 +1,6 @@
-// Batches of segments on the replay's persistent thread pool: cutting a batch into pieces and
-// tasks (parallel.cpp) and running the tasks (parallel_tasks, in adam_replay.cpp next to the
-// pool).  Used by the batched replay.
+// Batches of segments on a persistent thread pool: cutting a batch into pieces and tasks
+// (plan_batch) and running the tasks (parallel_tasks).  Used by the batched replay
+// (adam_replay.cpp).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -10,7 +10,7 @@ namespace gockpt {
 // Runs body(ctx, t) exactly once for every task t in [0, ntasks), on the calling thread and up
 // to threads - 1 pool threads; tasks are handed out by an atomic counter, so a thread slowed by
 // other load does not hold the rest back.  mkl_sequential: each participant keeps MKL
-// single-threaded while it runs tasks (the replay's sqrt).
+// single-threaded while it runs tasks (MklSequential, vml.h: the replay's sqrt).
 void parallel_tasks(int64_t ntasks, int threads, bool mkl_sequential,
                     void (*body)(void* ctx, int64_t task), void* ctx);
 

@@ -4,7 +4,7 @@ A cheaper checkpoint pays off by checkpointing more often, so that a failure los
 work. This module turns a measured stall (the time one checkpoint blocks training) and
 step time into the interval that minimises the expected waste, and shows what a smaller
 stall buys. ``auto_interval`` is what ``Checkpointer(interval="auto")`` calls; the console
-script ``gockpt-interval`` (also ``python -m gockpt.interval``) is :mod:`gockpt.cli.interval`.
+script ``gockpt-interval`` (also ``python -m gockpt.cli.interval``) is :mod:`gockpt.cli.interval`.
 
 Model and formulas
 ------------------
@@ -63,7 +63,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import sys
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
 
@@ -287,17 +286,3 @@ def summarise_metrics(directory: str) -> MetricsSummary:
         path=path, mode="+".join(modes) or "measured", checkpoints=len(records),
         stall_median_s=statistics.median(stalls), stall_p95_s=percentile(stalls, 0.95),
         step_time_median_s=statistics.median(steps) if steps else None)
-
-
-# ---------------------------------------------------------------------------- the tool
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The ``gockpt-interval`` console tool, :func:`gockpt.cli.interval.main` (also run by
-    ``python -m gockpt.interval``). Returns 0, or 2 after a one-line message on stderr."""
-    from .cli.interval import main as cli_main  # imported here: the CLI imports this module
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,6 +9,7 @@ import torch
 
 from . import storage
 from .core.digest import as_pairs, digests, to_hex
+from .replay.adapters import state_keys_of
 from .core.names import Names, is_replicated
 from .core.plan import memory_order
 from .storage import manifest as manifest_mod
@@ -131,12 +132,10 @@ def _check_small(path, manifest, tensors, target, expected, optimizer, scheduler
     return out
 
 
-# Optimizers whose state tensors are allocated like their parameter (zeros_like): torch's own,
-# and DeepSpeed's FusedAdam over its fp32 master partitions.
 def _keeps_param_dtype(optimizer) -> bool:
-    module = type(optimizer).__module__
-    return module.startswith("torch.optim") or (
-        type(optimizer).__name__ == "FusedAdam" and module.startswith("deepspeed."))
+    """Whether ``optimizer`` allocates its state like its parameters (zeros_like): torch's own,
+    and those a replay adapter knows (which keep their moments in the parameter's dtype)."""
+    return type(optimizer).__module__.startswith("torch.optim") or bool(state_keys_of(optimizer))
 
 
 def _check_optimizer_state(path, manifest, sd: dict, optimizer, target) -> None:
@@ -171,9 +170,8 @@ def _check_optimizer_state(path, manifest, sd: dict, optimizer, target) -> None:
             if same_dtype and storage.CODE_TO_DTYPE[code] != p.dtype:
                 raise bad(f"{what} is {code}, {of} is {p.dtype} ({type(optimizer).__name__} "
                           "keeps its state in the parameter's dtype)")
-    moments = {"exp_avg", "exp_avg_sq"}
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or \
-            type(optimizer).__name__ == "FusedAdam":
+    moments = set(state_keys_of(optimizer))
+    if moments:
         for idx, st in sd["state"].items():
             missing = moments - set(aligned.get(idx, {})) - set(st)
             if st and missing:

@@ -12,6 +12,7 @@ from typing import List, Optional
 import torch
 
 from .core.config import Config
+from .interval import auto_interval
 
 log = logging.getLogger("gockpt")
 
@@ -130,9 +131,6 @@ class Schedule:
 
     def _update_auto_interval(self) -> None:
         """Recompute N* from the stalls and step time measured so far (after each checkpoint)."""
-        # Imported here: `python -m gockpt.interval` must not find it imported by gockpt.
-        from .interval import auto_interval
-
         stalls, durable = list(self._stalls), self._durable
         if durable == self._durable_used or not stalls or not self.step_times:
             return

@@ -131,7 +131,7 @@ def assert_same_deepspeed_checkpoint(native, export):
     objects: keys in the same order, the same types (DeepSpeed's loss scaler, enums, fragment
     addresses included, compared by their attributes), tensors of the same dtype, shape and
     bits.  (Not the module dict's ``_metadata``, which the export leaves out: see
-    gockpt/cli/export_deepspeed.py.)"""
+    gockpt/integrations/deepspeed/export.py.)"""
     tag = (native / "latest").read_text().strip()
     assert (export / "latest").read_text().strip() == tag
     assert sorted(p.name for p in native.iterdir()) == sorted(p.name for p in export.iterdir())

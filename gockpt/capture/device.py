@@ -11,6 +11,9 @@ import contextlib
 
 import torch
 
+from ..core.errors import ConfigError
+from ..core.staging import Arena
+
 
 class HostDevice:
     """Training tensors on the CPU: host buffers are ordinary memory, copies are memcpy."""
@@ -48,7 +51,6 @@ class HostDevice:
 
     def device_arena(self, dtype: torch.dtype, sizes):
         """An arena in device memory (here: host memory standing for it)."""
-        from ..core.staging import Arena
         return Arena(self, dtype, sizes)
 
     def copy_now(self, dst, src, nbytes) -> None:
@@ -139,7 +141,6 @@ def device_for(tensors) -> "HostDevice | CudaDevice":
     """Pick the device layer from where the training tensors live (all on one device)."""
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        from ..core.errors import ConfigError
         raise ConfigError(
             f"parameters live on several devices ({sorted(map(str, devices))}); gockpt "
             "checkpoints one device per process: give each rank its own Checkpointer")
@@ -147,6 +148,5 @@ def device_for(tensors) -> "HostDevice | CudaDevice":
     if dev.type == "cuda":
         return CudaDevice(dev)
     if dev.type != "cpu":
-        from ..core.errors import ConfigError
         raise ConfigError(f"parameters on device type {dev.type!r} are not supported")
     return HostDevice()

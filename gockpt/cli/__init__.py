@@ -29,7 +29,7 @@ One module per command: :mod:`.inspect` (its data built by :mod:`.summary`), :mo
 :mod:`.export` (DeepSpeed targets in :mod:`.export_fp32` and :mod:`.export_deepspeed`),
 :mod:`.listing` (list and clean); :mod:`.common` holds what they share.
 :mod:`.interval` is the separate console script ``gockpt-interval`` (the checkpoint interval
-that minimises wasted time; also ``python -m gockpt.interval``).
+that minimises wasted time; also ``python -m gockpt.cli.interval``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
+from ..core.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                           GockptError)
 from .common import PROG, BadCheckpoint, UsageError, one_line
 from .export import cmd_export
 from .inspect import cmd_inspect
@@ -134,7 +135,7 @@ def _command(args) -> int:
 
 def _exit_status(exc: BaseException) -> int:
     """1: the checkpoint is bad; 2: usage, nothing found there, or the system refused."""
-    if isinstance(exc, (UsageError, CheckpointNotFoundError)):
+    if isinstance(exc, (UsageError, CheckpointNotFoundError, ConfigError)):
         return 2
     if isinstance(exc, (BadCheckpoint, CorruptCheckpointError)):
         return 1

@@ -1,7 +1,7 @@
 """``gockpt export``: consolidated weights that other tools load without gockpt (safetensors:
 the model's ``state_dict``; torch: ``torch.save`` of model, optimizer, step and scheduler;
-fp32: DeepSpeed's fp32 master weights, ``export_fp32.py``; deepspeed: DeepSpeed's own checkpoint
-directory, ``export_deepspeed.py``)."""
+fp32: DeepSpeed's fp32 master weights; deepspeed: DeepSpeed's own checkpoint directory -- both
+built by :mod:`gockpt.integrations.deepspeed`, which knows DeepSpeed's layout)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from .. import storage
 from ..storage.commit import replace_file
 from ..storage.manifest import Manifest
 from ..storage.verify import read_parts
-from .export_fp32 import consolidated_fp32
+from ..integrations.deepspeed import export as ds_export
+from ..integrations.deepspeed.export_fp32 import consolidated_fp32
+from ..storage.statedict import model_state, optimizer_state
 from .common import (BadCheckpoint, UsageError, every_part, human, no_rank_for_single,
                      one_line, read_manifest, real_path, resolve_checkpoint, select_part, warn)
 
@@ -79,7 +81,6 @@ def _export_fp32(args) -> int:
 
 def _export_deepspeed(args) -> int:
     """Every rank's part in DeepSpeed's own layout (gockpt.integrations.deepspeed checkpoints)."""
-    from . import export_deepspeed  # imports DeepSpeed: only for this target
 
     if args.rank is not None:
         raise UsageError("--to deepspeed writes every rank's part; --rank does not apply")
@@ -95,44 +96,14 @@ def _export_deepspeed(args) -> int:
     if where in (source, os.path.dirname(source)) or where.startswith(source + os.sep):
         raise UsageError(f"{out}: is the gockpt checkpoint or its run directory; its 'latest' "
                          "would name the export. Give another directory")
-    export = export_deepspeed.build(every_part(path, read_manifest(path), "--to deepspeed"),
+    export = ds_export.build(every_part(path, read_manifest(path), "--to deepspeed"),
                                     args.ds_config)
-    export_deepspeed.write(out, export, args.force)
-    print(f"wrote {out}: {export_deepspeed.describe(export)} from {os.path.abspath(path)}; "
+    ds_export.write(out, export, args.force)
+    print(f"wrote {out}: {ds_export.describe(export)} from {os.path.abspath(path)}; "
           f"'latest' names it: engine.load_checkpoint({out!r})")
     for n in export.notes:
         print(f"note: {n}")
     return 0
-
-
-def model_state(path: str, m: Manifest, tensors: dict) -> tuple:
-    """(state_dict, tied aliases) of the model; tied names share their canonical tensor."""
-    try:
-        small = m.small.decode("model", tensors)
-        values = {name: ref.resolve(tensors) for name, ref in m.model.params.items()}
-        values.update({a: values[c] for a, c in m.model.aliases.items()})  # tied: one tensor
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BadCheckpoint(f"{path}: manifest has no usable model section ({one_line(exc)}); "
-                            "is this a checkpoint written by gockpt.Checkpointer?") from None
-    values.update(small)
-    # Group names by owning module in order of first appearance (params come in optimizer
-    # order, buffers after them): close to model.state_dict()'s order; load_state_dict ignores it.
-    order = {}
-    for name in list(m.model.params) + list(m.model.aliases) + list(small):
-        order.setdefault(name.rsplit(".", 1)[0] if "." in name else "", len(order))
-    names = sorted(values, key=lambda n: order[n.rsplit(".", 1)[0] if "." in n else ""])
-    return {n: values[n] for n in names}, dict(m.model.aliases)
-
-
-def optimizer_state(path: str, m: Manifest, tensors: dict) -> dict:
-    """The optimizer's ``state_dict`` at F, its state in index order."""
-    try:
-        osd = m.optimizer_state_dict(path, tensors)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BadCheckpoint(f"{path}: manifest has no usable optimizer section "
-                            f"({one_line(exc)})") from None
-    state = osd["state"]
-    return {"state": {i: state[i] for i in sorted(state)}, "param_groups": osd["param_groups"]}
 
 
 def _source(args) -> tuple:

@@ -1,4 +1,4 @@
-"""``gockpt-interval`` (also ``python -m gockpt.interval``): the checkpoint interval that
+"""``gockpt-interval`` (also ``python -m gockpt.cli.interval``): the checkpoint interval that
 minimises wasted time, from a stall and step time given or measured (``--from-metrics DIR``),
 as a table, JSON or a plot. The formulas are :mod:`gockpt.interval`'s; this module parses,
 renders and reports errors (exit status 0, or 2 after a one-line message on stderr).
@@ -222,3 +222,7 @@ def _command(args) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from . import metrics as metrics_mod
-from .blocks import Block
+from .blocks import Block, BlockTable
 from .errors import CheckpointFailedError
 
 
@@ -131,14 +131,12 @@ class CaptureBook:
     def table(self, j: int):
         """Group j as a BlockTable (built once)."""
         if j not in self._tables:
-            from .blocks import BlockTable
             self._tables[j] = BlockTable(self.groups[j - 1])
         return self._tables[j]
 
     def captured_table(self):
         """``captured`` as a BlockTable, derived from the groups' tables (no loop per block)
         and kept until another group lands."""
-        from .blocks import BlockTable
         key = len(self.captured)
         cached = self._tables.get("captured")
         if cached is None or cached[0] != key:

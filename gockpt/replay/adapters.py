@@ -1,12 +1,20 @@
 """Optimizer adapters: one per optimizer arithmetic the replay reproduces bitwise.
 
 An adapter refuses, at attach time, any setting it cannot reproduce exactly; at each optimizer
-step it turns the live param groups and state into plain scalars (:mod:`.records`); and it
-applies a recorded step to a block of the host copy through the C++ kernel (:mod:`.arithmetic`).
+step it turns the live param groups and state into plain scalars (:mod:`gockpt.core.records`);
+and it applies a recorded step to a block of the host copy through the C++ kernel
+(:mod:`.arithmetic`).
+
+torch's Adam and AdamW are adapted here. Other optimizers plug in through the entry point group
+``gockpt.optimizer_adapters``: the entry's name is the optimizer class's qualified name
+(``module.Class``), its value an adapter class taking ``(optimizer, refuse)`` -- how gockpt's
+own DeepSpeed integration registers DeepSpeed's FusedAdam (setup.py), without the core naming
+it. An entry is loaded only when an optimizer of its class is attached.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Dict, Optional
 
 import numpy as np
@@ -182,9 +190,31 @@ def _device_name(device: torch.device) -> str:
     return "this machine's CPU"
 
 
+ENTRY_POINTS = "gockpt.optimizer_adapters"
+
+
 def adapter_for(optimizer: torch.optim.Optimizer):
     """The replay adapter for ``optimizer``; raises UnsupportedOptimizerError if none is exact."""
-    from .deepspeed_adapter import DeepSpeedCpuAdamAdapter, is_deepspeed_fused_adam
-    if is_deepspeed_fused_adam(optimizer):
-        return DeepSpeedCpuAdamAdapter(optimizer, _refuse)
+    plugin = registered_adapter(type(optimizer))
+    if plugin is not None:
+        return plugin(optimizer, _refuse)
     return AdamAdapter(optimizer)
+
+
+def registered_adapter(cls: type):
+    """The adapter class an entry point registers for optimizer class ``cls`` (None: none)."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        if ep.name == name:
+            return ep.load()
+    return None
+
+
+def state_keys_of(optimizer: torch.optim.Optimizer) -> tuple:
+    """The state tensors, shaped like its parameter, that every stepped parameter of
+    ``optimizer`` holds when a replay adapter knows its arithmetic (empty otherwise): what a
+    checkpoint of it cannot lack."""
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        return AdamAdapter.state_keys
+    plugin = registered_adapter(type(optimizer))
+    return tuple(getattr(plugin, "state_keys", ())) if plugin is not None else ()

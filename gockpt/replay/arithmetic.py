@@ -26,6 +26,8 @@ CUDA_IMPLS = ("cuda-forloop", "cuda-foreach", "cuda-fused")  # torch's CUDA kern
 # DeepSpeed's CPU Adam op built without SIMD, with AVX256 or with AVX512 (its vector width)
 DEEPSPEED_IMPLS = ("deepspeed-cpu-w1", "deepspeed-cpu-w8", "deepspeed-cpu-w16")
 _ALL_IMPLS = IMPLS + CUDA_IMPLS + DEEPSPEED_IMPLS
+# impl name -> its code in the records of replay_batch's args table (_C.REPLAY_ARGS_DTYPE)
+_IMPL_CODES = {name: code for code, name in enumerate(_C.REPLAY_IMPLS)}
 
 # Profile name "<device>/<source>/<optimizer>/<impl>" -> (kernel impl, decoupled weight decay).
 _PROFILES = {
@@ -183,7 +185,9 @@ def adam_replay(param, exp_avg, exp_avg_sq, grad, *, impl: str, decoupled: bool,
 
 
 def _args_table(impls, decoupled, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
-    """The args table of replay_batch as the lists _C takes (ValueError naming the entry)."""
+    """The args table of replay_batch as the records _C takes, one per entry (numpy dtype
+    ``_C.REPLAY_ARGS_DTYPE``; beta powers 0, grad_mul 1, float32 gradients until the caller
+    sets them); ValueError naming the entry."""
     impls = list(impls)
     if grad_scale is None:
         grad_scale = [0.0] * len(impls)
@@ -206,7 +210,12 @@ def _args_table(impls, decoupled, lr, beta1, beta2, eps, weight_decay, step, gra
             raise ValueError(f"args entry {k}: step must be >= 1 (the count after increment), "
                              f"got {floats['step'][k]}")
     floats["decoupled"] = [bool(x) for x in floats["decoupled"]]
-    return impls, floats
+    table = np.zeros(len(impls), _C.REPLAY_ARGS_DTYPE)
+    table["impl"] = [_IMPL_CODES[impl] for impl in impls]
+    for name, col in floats.items():
+        table[name] = col
+    table["grad_mul"] = 1.0
+    return table
 
 
 def _check_disjoint(p, m, v, g, nbytes, grad_item: int = 4) -> None:
@@ -236,7 +245,7 @@ def replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls: Sequence[str
                  grad_dtype: torch.dtype = torch.float32,
                  grad_mul: Optional[Sequence[float]] = None) -> None:
     """Replay one Adam/AdamW update on many slices in one call, bit for bit as ``adam_replay``
-    on each slice alone (the arguments mirror ``_C.adam_replay_batch``).
+    on each slice alone (``_C.adam_replay_batch``, given the args table as one record per entry).
 
     Segment i is ``numel[i]`` float32 elements at the host addresses ``p[i]`` (param),
     ``m[i]`` (exp_avg), ``v[i]`` (exp_avg_sq), updated in place, and ``g[i]`` (grad, read),
@@ -263,25 +272,34 @@ def replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls: Sequence[str
     p, m, v, g, numel, offset, full_numel, arg = int64_arrays(
         ("p", p), ("m", m), ("v", v), ("g", g), ("numel", numel), ("offset", offset),
         ("full_numel", full_numel), ("arg", arg))
-    impls, t = _args_table(impls, decoupled, lr, beta1, beta2, eps, weight_decay, step,
-                           grad_scale)
+    table = _args_table(impls, decoupled, lr, beta1, beta2, eps, weight_decay, step,
+                        grad_scale)
     check_non_negative("numel", numel)
     check_non_negative("offset", offset)
-    bad = np.flatnonzero((offset + numel > full_numel) | (arg < 0) | (arg >= len(impls)))
+    bad = np.flatnonzero((offset + numel > full_numel) | (arg < 0) | (arg >= len(table)))
     if bad.size:
         i = bad[0]
         raise ValueError(f"segment {i}: slice [{offset[i]}, {offset[i] + numel[i]}) of a "
                          f"parameter of {full_numel[i]} elements with args entry {arg[i]} "
-                         f"(table of {len(impls)})")
+                         f"(table of {len(table)})")
     if grad_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype}")
     grad_item = grad_dtype.itemsize
+    table["grad_bf16"] = grad_dtype == torch.bfloat16
     if grad_mul is not None:
         grad_mul = [float(x) for x in grad_mul]
-        if grad_dtype != torch.bfloat16 or len(grad_mul) != len(impls):
+        if grad_dtype != torch.bfloat16 or len(grad_mul) != len(table):
             raise ValueError("grad_mul: one float per args entry, with a bfloat16 grad_dtype")
         if any(float(np.float32(x)) != x for x in grad_mul):
             raise ValueError("grad_mul: each must be a float32 value (the multiplier's bits)")
+        table["grad_mul"] = grad_mul
+    if beta_powers is not None:
+        powers = [(float(b[0]), float(b[1])) for b in beta_powers]
+        if len(powers) != len(table):
+            raise ValueError(f"beta_powers has {len(powers)} entries, expected {len(table)} "
+                             f"(one (beta1^t, beta2^t) per args entry)")
+        table["beta1_power"] = [b[0] for b in powers]
+        table["beta2_power"] = [b[1] for b in powers]
     addrs = np.stack([p, m, v])[:, numel > 0]
     if ((addrs == 0) | (addrs & 3 != 0)).any() or \
             ((g[numel > 0] == 0) | (g[numel > 0] % grad_item != 0)).any():
@@ -289,12 +307,8 @@ def replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls: Sequence[str
                          "to its element (float32; the gradient's dtype)")
     if check_overlap:
         _check_disjoint(p, m, v, g, 4 * numel, grad_item)
-    _C.adam_replay_batch(p, m, v, g, numel, offset, full_numel, arg, impls, t["decoupled"],
-                         t["lr"], t["beta1"], t["beta2"], t["eps"], t["weight_decay"],
-                         t["step"], t["grad_scale"], _check_threads(threads),
-                         [] if beta_powers is None else [float(b[0]) for b in beta_powers],
-                         [] if beta_powers is None else [float(b[1]) for b in beta_powers],
-                         grad_dtype == torch.bfloat16, grad_mul or [])
+    _C.adam_replay_batch(p, m, v, g, numel, offset, full_numel, arg, table,
+                         _check_threads(threads))
 
 
 def replay_arithmetics() -> list:

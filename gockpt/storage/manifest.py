@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..core.digest import is_hex
 from ..core.errors import CorruptCheckpointError, LoadError
 from . import tree
+from .reader import read_manifest
 from .refs import TensorRef
 
 # ------------------------------------------------------------------ stored tensor names
@@ -403,8 +404,6 @@ def read(path: str, rank: Optional[int] = None, live_world: int = 1, live_rank: 
     state (each rank then reads part ``live_rank % parts``), or one rank wrote it and the
     target is a replica (``target_replicated``: every rank loads the whole state). Anything
     else is a LoadError: per-rank state is not resharded (yet), never guessed."""
-    from .reader import read_manifest
-
     data = read_manifest(path)
     parts = parts_of(path, data)
     written = len(parts) if parts is not None else 1

@@ -41,6 +41,8 @@ import math
 import numpy as np
 import torch
 
+from .format import CODE_TO_DTYPE, DTYPE_TO_CODE
+
 __all__ = ["encode", "decode", "tensor_refs"]
 
 TAG = "__t"
@@ -65,10 +67,6 @@ def _is_key(k) -> bool:
 
 
 def _tensor_dtypes() -> set:
-    # Imported lazily: storage owns the dtype table, and importing it here at
-    # module level would make tree depend on storage's import order.
-    from gockpt.storage import DTYPE_TO_CODE
-
     return set(DTYPE_TO_CODE)
 
 
@@ -236,8 +234,6 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _encode_tensor_scalar(x: torch.Tensor) -> dict:
     """A 0-dim tensor as its dtype and raw bits, as an int (exact: NaN payloads, -0.0)."""
-    from gockpt.storage import DTYPE_TO_CODE
-
     return {TAG: "scalar", "dtype": DTYPE_TO_CODE[x.dtype],
             "bits": x.detach().view(_BITS[x.element_size()]).item()}
 
@@ -337,8 +333,6 @@ class _Decoder:
 
 def _decode_tensor_scalar(x: dict, path: str) -> torch.Tensor:
     """The 0-dim tensor of a tagged ``scalar``."""
-    from gockpt.storage import CODE_TO_DTYPE
-
     dtype, bits = CODE_TO_DTYPE.get(x["dtype"]), x["bits"]
     if dtype is None or dtype.itemsize not in _BITS or type(bits) is not int:
         raise ValueError(f"{path}: invalid scalar {x!r:.80}")

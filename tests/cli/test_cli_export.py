@@ -1,5 +1,5 @@
 """Tests of `gockpt export` (gockpt/cli/export.py): files that plain torch and safetensors load,
-and the usage of `--to deepspeed` (gockpt/cli/export_deepspeed.py)."""
+and the usage of `--to deepspeed` (gockpt/integrations/deepspeed/export.py)."""
 
 import json
 import os

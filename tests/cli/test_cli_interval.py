@@ -1,4 +1,4 @@
-"""The `gockpt-interval` tool (gockpt.cli.interval, also `python -m gockpt.interval`): its JSON
+"""The `gockpt-interval` tool (gockpt.cli.interval, also `python -m gockpt.cli.interval`): its JSON
 and table, --from-metrics on a metrics file written by a real checkpointing run, and the error
 cases. The formulas themselves are tested in tests/test_interval.py."""
 
@@ -23,8 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def run_cli(*args):
-    """``python -m gockpt.interval ARGS`` in a subprocess: (returncode, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, "-m", "gockpt.interval", *map(str, args)],
+    """``python -m gockpt.cli.interval ARGS`` in a subprocess: (returncode, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "gockpt.cli.interval", *map(str, args)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -102,14 +102,6 @@ def test_cli_module_and_console_script(tmp_path):
     proc = subprocess.run([script, "--mtbf", "3600", "--step-time", "0.5", "--stall", "2",
                            "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and json.loads(proc.stdout)["n_best_steps"] == 240
-
-
-def test_library_main_is_the_tool(capsys):
-    # gockpt.interval.main, the console script's former target, runs this tool.
-    assert interval.main(["--mtbf", "3600", "--step-time", "0.5", "--stall", "2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["n_best_steps"] == 240
-    assert interval.main(["--mtbf", "0", "--step-time", "1", "--stall", "1"]) == 2
-    assert capsys.readouterr().err.startswith("gockpt-interval: error: --mtbf must be > 0")
 
 
 def test_cli_plot(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """``gockpt export --to deepspeed``: a checkpoint written through the DeepSpeed integration, in
-DeepSpeed's own layout, loaded by a DeepSpeed without gockpt (gockpt/cli/export_deepspeed.py).
+DeepSpeed's own layout, loaded by a DeepSpeed without gockpt (gockpt/integrations/deepspeed/export.py).
 
 Each case (tests/deepspeed_cases.py: check_export_to_deepspeed) trains a tiny model in fresh
 processes: plain DeepSpeed saving its own checkpoint at step S (the reference files, and the
@@ -112,7 +112,7 @@ def test_export_of_zero1_on_two_ranks_and_what_it_refuses(tmp_path, capsys, monk
 
     # What the recorded config lost (not storable without pickle): outside what decides the
     # layout, a note; inside, refused without --ds-config, and --ds-config is not checked.
-    from gockpt.cli import export_deepspeed
+    from gockpt.integrations.deepspeed import export as export_deepspeed
     read = export_deepspeed._read
 
     def recorded(dropped, config=True):

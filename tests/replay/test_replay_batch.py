@@ -224,26 +224,46 @@ def test_table_lists_must_agree():
         arithmetic.replay_batch(**arrays, **lists)
 
 
+def _records(table):
+    """An args table as the raw binding takes it: one record per entry, of numpy dtype
+    _C.REPLAY_ARGS_DTYPE (beta powers 0: pow; grad_mul 1; float32 gradients)."""
+    rec = np.zeros(len(table), _C.REPLAY_ARGS_DTYPE)
+    rec["impl"] = [_C.REPLAY_IMPLS.index(e["impl"]) for e in table]
+    for k in KEYS:
+        rec[k] = [e[k] for e in table]
+    rec["grad_scale"] = [e.get("grad_scale", 0.0) for e in table]
+    rec["grad_mul"] = 1.0
+    return rec
+
+
 def test_cpp_checks_without_the_wrapper():
     """_C validates on its own (the raw binding is callable directly)."""
     ps, arrays = _one()
-    lists = _table_lists(TABLE[:1])
     args = [arrays[k] for k in ("p", "m", "v", "g", "numel", "offset", "full_numel", "arg")]
-    table = [lists[k] for k in ("impls",) + KEYS + ("grad_scale",)]
+    table = _records(TABLE[:1])
     bad_arg = list(args)
     bad_arg[7] = np.array([1], np.int64)
     with pytest.raises(ValueError, match="segment 0: args entry 1 out of range"):
-        _C.adam_replay_batch(*bad_arg, *table, 1)
+        _C.adam_replay_batch(*bad_arg, table, 1)
     bad_slice = list(args)
     bad_slice[5] = np.array([5], np.int64)
     with pytest.raises(ValueError, match="segment 0: slice"):
-        _C.adam_replay_batch(*bad_slice, *table, 1)
+        _C.adam_replay_batch(*bad_slice, table, 1)
     with pytest.raises(ValueError, match="full_numel has 2 elements"):
-        _C.adam_replay_batch(*args[:6], np.zeros(2, np.int64), args[7], *table, 1)
-    short = list(table)
-    short[2] = []
-    with pytest.raises(ValueError, match="args table"):
-        _C.adam_replay_batch(*args, *short, 1)
+        _C.adam_replay_batch(*args[:6], np.zeros(2, np.int64), args[7], table, 1)
+    # A table of another layout is refused, field by field, never misread.
+    dt = _C.REPLAY_ARGS_DTYPE
+    lr32 = np.dtype({"names": dt.names, "offsets": [dt.fields[n][1] for n in dt.names],
+                     "formats": [np.float32 if n == "lr" else dt.fields[n][0] for n in dt.names],
+                     "itemsize": dt.itemsize})
+    with pytest.raises(ValueError, match="args: field 'lr' is float32 at byte 8"):
+        _C.adam_replay_batch(*args, table.astype(lr32), 1)
+    with pytest.raises(ValueError, match="args: dtype float64"):
+        _C.adam_replay_batch(*args, np.zeros(len(dt.names)), 1)
+    bad_impl = table.copy()
+    bad_impl["impl"] = len(_C.REPLAY_IMPLS)
+    with pytest.raises(ValueError, match=f"args entry 0: impl {len(_C.REPLAY_IMPLS)} is not"):
+        _C.adam_replay_batch(*args, bad_impl, 1)
 
 
 # A bf16 gradient transport: the update consumes float(g) * grad_mul (one float rounding).

@@ -41,11 +41,13 @@ import warnings
 import weakref
 
 from ...core.config import Config
-from ...core.errors import ConfigError
+from ...core.errors import ConfigError, UnsupportedOptimizerError
+from ...core.modes import POLICIES
+from ...replay.adapters import adapter_for
 from .patch import EnginePatch, holds_gockpt_checkpoint, zero_bf16
+from .state import base_optimizer
 
 DEFAULT_MODE = "async-o"
-COPY_MODES = ("sync", "async", "async-o")
 
 _installed = {}                      # method name -> the original, while install() is active
 _patched = weakref.WeakSet()         # engines with an EnginePatch (wait() at exit)
@@ -59,6 +61,7 @@ def patch(engine, **options) -> None:
         return
     engine._gockpt = EnginePatch(engine, _options(engine, options))
     _patched.add(engine)
+    _wait_at_exit()
     if not _installed:  # per engine: wrap the bound methods of this instance only
         for name, wrapper in _WRAPPERS.items():
             setattr(engine, name, functools.partial(wrapper, getattr(engine, name), engine))
@@ -71,6 +74,7 @@ def install(**options) -> None:
 
     global _install_options
     _install_options = options
+    _wait_at_exit()
     if _installed:
         return
     for name, wrapper in _WRAPPERS.items():
@@ -117,8 +121,9 @@ def _options(engine, options: dict) -> dict:
     if engine.zero_optimization_stage() == 3:
         raise ConfigError("gockpt_ds: ZeRO stage 3 is not supported (parameters partitioned "
                           "across ranks); use stage 0, 1 or 2, or DeepSpeed's own checkpoints")
-    why = None if merged["mode"] in COPY_MODES else _replay_refusal(engine)
-    if why is None and merged["mode"] not in COPY_MODES and zero_bf16(engine) and (
+    replays = merged["mode"] in POLICIES and POLICIES[merged["mode"]].replays
+    why = _replay_refusal(engine) if replays else None
+    if why is None and replays and zero_bf16(engine) and (
             _on_gpu(engine) or merged.get("emulate_link_gbps")):
         # 2 bytes per element across a link; on the CPU the copy is a memcpy on the copy
         # thread and the encoding would cost the training thread more than it saves
@@ -135,15 +140,11 @@ def _options(engine, options: dict) -> dict:
 
 
 def _on_gpu(engine) -> bool:
-    from .state import base_optimizer
     return any(p.is_cuda for g in base_optimizer(engine).param_groups for p in g["params"])
 
 
 def _replay_refusal(engine):
     """Why the base optimizer has no bitwise replay (None: it has one)."""
-    from ...core.errors import UnsupportedOptimizerError
-    from ...replay.adapters import adapter_for
-    from .state import base_optimizer
     try:
         adapter_for(base_optimizer(engine)).close()
     except UnsupportedOptimizerError as exc:
@@ -200,4 +201,14 @@ def _load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tr
 _WRAPPERS = {"forward": _forward, "backward": _backward, "step": _step,
              "save_checkpoint": _save_checkpoint, "load_checkpoint": _load_checkpoint}
 
-atexit.register(wait)
+
+def _wait_at_exit() -> None:
+    """Make the end of the process wait for the patched engines' checkpoints (registered once,
+    by the first install() or patch(): importing the integration changes nothing)."""
+    global _exit_registered
+    if not _exit_registered:
+        atexit.register(wait)
+        _exit_registered = True
+
+
+_exit_registered = False

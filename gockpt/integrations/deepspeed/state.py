@@ -19,6 +19,9 @@ import weakref
 
 import torch
 
+from ...storage import tree
+from .adapter import run_cpu_adam_op
+
 log = logging.getLogger("gockpt")
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
@@ -182,7 +185,6 @@ def _encodes(value) -> bool:
 
 
 def _trial_encode(value) -> None:
-    from ...storage import tree
     tree.encode(value, {}, "ds_config", inline_scalars=True)
 
 
@@ -237,7 +239,6 @@ def warm_cpu_adam(base: torch.optim.Optimizer) -> int:
     t ~ 6, so a fresh process would continue with other bias corrections.  Stepping the op on a
     one-element scratch tensor through t = 1..T (the live run's history from its first step,
     betas constant) rebuilds the same product.  Returns the number of scratch steps."""
-    from ...replay.deepspeed_adapter import run_cpu_adam_op
     steps = [st.get("step") for st in base.state.values()]
     if getattr(base, "multi_tensor_adam", None) is None or not steps or \
             base.param_groups[0]["params"][0].device.type != "cpu":

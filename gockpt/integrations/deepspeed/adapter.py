@@ -20,9 +20,9 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
-from . import arithmetic
-from .adapters import AdamAdapter
-from ..core.records import GroupScalars
+from ...replay import arithmetic
+from ...replay.adapters import AdamAdapter
+from ...core.records import GroupScalars
 
 F32 = np.float32
 

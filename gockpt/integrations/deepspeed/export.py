@@ -58,11 +58,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import storage
-from ..storage.commit import replace_file, write_latest
-from ..storage.format import TMP_PREFIX, fsync_dir, fsync_path
-from ..storage.manifest import Manifest
-from .common import BadCheckpoint, UsageError, one_line
+from ... import storage
+from ...storage.commit import replace_file, write_latest
+from ...storage.format import TMP_PREFIX, fsync_dir, fsync_path
+from ...storage.manifest import Manifest
+from ...core.errors import ConfigError, CorruptCheckpointError
+from ...storage.statedict import model_state, optimizer_state
 
 MASTER = re.compile(r"master_g(\d+)_p(\d+)")  # state.EngineState's names
 RECORD = ("fp32_layout", "counters", "scalers", "client_state")  # state.engine_record's
@@ -177,7 +178,7 @@ def write(out: str, export: Export, force: bool) -> None:
     renamed into place (replacing one of the same tag with ``force``), then ``latest``."""
     final = os.path.join(out, export.tag)
     if os.path.lexists(final) and not force:
-        raise UsageError(f"{final}: exists; pass --force to replace it")
+        raise ConfigError(f"{final}: exists; pass --force to replace it")
     os.makedirs(out, exist_ok=True)
     tmp = os.path.join(out, f"{TMP_PREFIX}{export.tag}-{os.getpid()}-{secrets.token_hex(4)}")
     os.mkdir(tmp)  # (not mkdtemp: its mode 0700 would stay on the renamed directory)
@@ -219,7 +220,7 @@ def _deepspeed():
         from deepspeed.runtime.zero.config import ZeroStageEnum
         from deepspeed.utils.tensor_fragment import fragment_address
     except ImportError as exc:
-        raise UsageError("--to deepspeed needs DeepSpeed installed: its checkpoint pickles "
+        raise ConfigError("--to deepspeed needs DeepSpeed installed: its checkpoint pickles "
                          f"DeepSpeed's own objects (loss scaler, ZeRO stage) ({one_line(exc)})"
                          ) from None
 
@@ -235,17 +236,17 @@ def _read(path: str, data: dict) -> Part:
     except (KeyError, TypeError, ValueError):
         record = None
     if not isinstance(record, dict) or any(k not in record for k in RECORD):
-        raise BadCheckpoint(f"{path}: no DeepSpeed engine state; --to deepspeed exports "
+        raise CorruptCheckpointError(f"{path}: no DeepSpeed engine state; --to deepspeed exports "
                             "checkpoints written through gockpt.integrations.deepspeed")
     if m.optimizer is None:
-        raise BadCheckpoint(f"{path}: no optimizer section")
+        raise CorruptCheckpointError(f"{path}: no optimizer section")
     part = Part(path, m, tensors, record)
     for name, ref in m.model.params.items():
         hit = MASTER.fullmatch(name)
         if hit:
             part.masters[int(hit[1]), int(hit[2])] = ref.resolve(tensors)
     if not part.masters:
-        raise BadCheckpoint(f"{path}: no fp32 master tensors (master_g<G>_p<P>)")
+        raise CorruptCheckpointError(f"{path}: no fp32 master tensors (master_g<G>_p<P>)")
     return part
 
 
@@ -255,11 +256,11 @@ def _load_config(config_path: str) -> dict:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
     except OSError as exc:
-        raise UsageError(f"--ds-config {config_path}: {one_line(exc)}") from None
+        raise ConfigError(f"--ds-config {config_path}: {one_line(exc)}") from None
     except ValueError as exc:
-        raise UsageError(f"--ds-config {config_path}: not JSON ({one_line(exc)})") from None
+        raise ConfigError(f"--ds-config {config_path}: not JSON ({one_line(exc)})") from None
     if not isinstance(config, dict):
-        raise UsageError(f"--ds-config {config_path}: not a JSON object")
+        raise ConfigError(f"--ds-config {config_path}: not a JSON object")
     return config
 
 
@@ -273,12 +274,12 @@ def _choose(given: Optional[Settings], part: Part) -> Tuple[Settings, List[str]]
             return given, []
         why = "was written by a gockpt that did not record it" if "ds_config" not in part.record \
             else f"could not be recorded ({_dropped_text(dropped)})"
-        raise UsageError(f"{part.path}: the DeepSpeed config {why}; pass --ds-config CONFIG, "
+        raise ConfigError(f"{part.path}: the DeepSpeed config {why}; pass --ds-config CONFIG, "
                          "the DeepSpeed config (JSON) the run trained with")
     lost = [d for d in dropped if isinstance(d, dict) and d.get("path")
             and d["path"][0] in LAYOUT_KEYS]
     if given is None and lost:
-        raise UsageError(f"{part.path}: {RECORDED} lacks what gockpt could not store of it "
+        raise ConfigError(f"{part.path}: {RECORDED} lacks what gockpt could not store of it "
                          f"({_dropped_text(lost)}), which decides the layout; pass --ds-config "
                          "CONFIG, the DeepSpeed config (JSON) the run trained with")
     if given is None:
@@ -290,7 +291,7 @@ def _choose(given: Optional[Settings], part: Part) -> Tuple[Settings, List[str]]
                        f"{_dropped_text(lost)}"]
     differences = given.differences(_settings(config, RECORDED))
     if differences:
-        raise UsageError(f"{given.source} disagrees with {RECORDED} on what decides the "
+        raise ConfigError(f"{given.source} disagrees with {RECORDED} on what decides the "
                          f"layout: {'; '.join(differences)}. Leave --ds-config out to export "
                          "with the recorded config")
     return given, []
@@ -306,13 +307,13 @@ def _dropped_text(dropped: list) -> str:
 
 
 def _settings(config: dict, source: str) -> Settings:
-    """What the DeepSpeed config (from ``source``) says; UsageError for what cannot be
+    """What the DeepSpeed config (from ``source``) says; ConfigError for what cannot be
     exported."""
 
     def section(name) -> dict:
         value = config.get(name) or {}
         if not isinstance(value, dict):
-            raise UsageError(f"{source}: {name!r} is not an object")
+            raise ConfigError(f"{source}: {name!r} is not an object")
         return value
 
     zero = section("zero_optimization")
@@ -322,7 +323,7 @@ def _settings(config: dict, source: str) -> Settings:
     clip = config.get("gradient_clipping", 0.0)
     if stage not in (0, 1, 2, 3) or not isinstance(bf16, bool) or not isinstance(fp16, bool) \
             or not isinstance(clip, (int, float)) or isinstance(clip, bool):
-        raise UsageError(f"{source}: zero_optimization.stage, bf16.enabled, "
+        raise ConfigError(f"{source}: zero_optimization.stage, bf16.enabled, "
                          "fp16.enabled and gradient_clipping must be given as values (not 'auto')")
     offload = zero.get("cpu_offload") is True or \
         (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
@@ -333,7 +334,7 @@ def _settings(config: dict, source: str) -> Settings:
         ("NVMe optimizer offload", (zero.get("offload_optimizer") or {}).get("device") == "nvme"),
         ("fp32 training (neither bf16 nor fp16 enabled)", not bf16 and not fp16)) if on]
     if refused:
-        raise UsageError(f"{source}: --to deepspeed does not export {refused[0]}")
+        raise ConfigError(f"{source}: --to deepspeed does not export {refused[0]}")
     accum = section("data_types").get("grad_accum_dtype")
     return Settings(config, source, stage, torch.bfloat16 if bf16 else torch.float16, clip,
                     bf16 and accum in FP32, offload)
@@ -344,7 +345,7 @@ def _check_dtype(s: Settings, part: Part) -> None:
     weights = {t.dtype for n, ref in part.m.model.params.items() if n.startswith("module.")
                for t in [ref.resolve(part.tensors)] if t.is_floating_point()}
     if weights and s.dtype not in weights:
-        raise UsageError(f"{s.source} trains in {_dtype_name(s.dtype)}, the "
+        raise ConfigError(f"{s.source} trains in {_dtype_name(s.dtype)}, the "
                          f"checkpoint's module weights are {', '.join(map(_dtype_name, weights))}")
 
 
@@ -360,7 +361,7 @@ def _kind(part: Part, s: Settings) -> str:
     recorded = STAGE0 if "loss_scale_config" in scalers else ZERO if "loss_scaler" in scalers \
         else BF16
     if recorded != (STAGE0 if kind == UNFUSED else kind):
-        raise UsageError(f"{s.source} (ZeRO stage {s.stage}) builds "
+        raise ConfigError(f"{s.source} (ZeRO stage {s.stage}) builds "
                          f"{kind}, the checkpoint was written by {_wrapper_of(recorded)}; "
                          "give the config the run trained with")
     return kind
@@ -381,23 +382,23 @@ def _groups(parts: List[Part]) -> List[Group]:
                 g, hp, lp, numel, shape = entry
                 size = part.masters[g, 0].numel()
             except (KeyError, TypeError, ValueError):
-                raise BadCheckpoint(f"{part.path}: fp32_layout entry {name!r} is malformed "
+                raise CorruptCheckpointError(f"{part.path}: fp32_layout entry {name!r} is malformed "
                                     f"or its master tensor is missing") from None
             if sizes.setdefault(g, size) != size:
-                raise BadCheckpoint(f"{part.path}: group {g}'s partition has {size} elements, "
+                raise CorruptCheckpointError(f"{part.path}: group {g}'s partition has {size} elements, "
                                     f"rank 0's {sizes[g]}")
             p = found.setdefault(g, {}).setdefault(name, [list(shape), r * size + hp - lp, 0])
             if p[1] != r * size + hp - lp:
-                raise BadCheckpoint(f"{part.path}: parameter {name!r} placed at two offsets")
+                raise CorruptCheckpointError(f"{part.path}: parameter {name!r} placed at two offsets")
             p[2] += numel
     if sorted(found) != list(range(len(found))):
-        raise BadCheckpoint(f"{parts[0].path}: param groups {sorted(found)} in fp32_layout")
+        raise CorruptCheckpointError(f"{parts[0].path}: param groups {sorted(found)} in fp32_layout")
     groups = []
     for g in range(len(found)):
         params = sorted(found[g].items(), key=lambda kv: kv[1][1])
         for name, (shape, _off, covered) in params:
             if covered != math.prod(shape):
-                raise BadCheckpoint(f"parameter {name!r}: the parts cover {covered} of its "
+                raise CorruptCheckpointError(f"parameter {name!r}: the parts cover {covered} of its "
                                     f"{math.prod(shape)} elements; a part is missing")
         groups.append(Group([n for n, _ in params], [p[0] for _, p in params],
                             [p[1] for _, p in params], sizes[g]))
@@ -410,7 +411,6 @@ def _groups(parts: List[Part]) -> List[Group]:
 def _model_states(part: Part, optimized: set, s: Settings, kind: str, world: int, ds) -> dict:
     """What DeepSpeed's ``engine._save_checkpoint`` writes (dp rank 0's file); ``optimized``:
     the parameters some rank's fp32 master holds (the others are frozen)."""
-    from .export import model_state  # (export imports this module lazily)
 
     sd, aliases = model_state(part.path, part.m, part.tensors)
     module, copies = OrderedDict(), {}
@@ -430,7 +430,7 @@ def _model_states(part: Part, optimized: set, s: Settings, kind: str, world: int
     if client is None:
         client = {}
     if not isinstance(client, dict):
-        raise BadCheckpoint(f"{part.path}: client_state is a {type(client).__name__}, "
+        raise CorruptCheckpointError(f"{part.path}: client_state is a {type(client).__name__}, "
                             "DeepSpeed stores a dict")
     state = dict(
         module=module,
@@ -469,7 +469,7 @@ def _stage0_optimizer(part: Part, s: Settings, kind: str) -> dict:
                 out.update({k: lsc[k] for k in ("last_overflow_iter", "scale_factor",
                                                 "scale_window")})
     except KeyError as exc:
-        raise BadCheckpoint(f"{part.path}: the loss scaling record lacks {exc}") from None
+        raise CorruptCheckpointError(f"{part.path}: the loss scaling record lacks {exc}") from None
     out["optimizer_state_dict"] = _base_state(part)
     groups = sorted({g for g, _ in part.masters})
     if kind == UNFUSED:  # one fp32 master per parameter
@@ -501,7 +501,7 @@ def _zero_optimizer(part: Part, rank: int, groups: List[Group], s: Settings, kin
         mappings.append(OrderedDict((n, ds.fragment_address(numel=layout[n][3], start=layout[n][1]))
                                     for n in group.names if n in layout and layout[n][0] == g))
     if any(any(p < 0 for p in pp) for pp in param_paddings):
-        raise BadCheckpoint(f"{part.path}: parameters overlap in the fp32 layout")
+        raise CorruptCheckpointError(f"{part.path}: parameters overlap in the fp32 layout")
     osd = {}
     if kind == ZERO:
         scaler, overflow = _loss_scaler(part, s, ds)
@@ -532,7 +532,7 @@ def _loss_scaler(part: Part, s: Settings, ds) -> tuple:
         scaler = ds.CreateLossScaler(dtype=s.dtype, static_loss_scale=n["cur_scale"],
                                      dynamic_scaling=dynamic, dynamic_loss_args=args)
     except KeyError as exc:
-        raise BadCheckpoint(f"{part.path}: the loss scaler record lacks {exc}") from None
+        raise CorruptCheckpointError(f"{part.path}: the loss scaler record lacks {exc}") from None
     for key, value in n.items():
         setattr(scaler, key, value)
     # A dynamic scaler marks an overflow at iteration i by last_overflow_iter = i, then counts i.
@@ -542,7 +542,6 @@ def _loss_scaler(part: Part, s: Settings, ds) -> tuple:
 
 def _base_state(part: Part) -> dict:
     """The base optimizer's ``state_dict()`` (its state in index order, own storage)."""
-    from .export import optimizer_state
 
     osd = optimizer_state(part.path, part.m, part.tensors)
     osd["state"] = {i: {k: _own(v) if torch.is_tensor(v) else v for k, v in st.items()}
@@ -555,7 +554,7 @@ def _small(part: Part, section: str):
     try:
         return part.m.small.decode(section, part.tensors)
     except (KeyError, TypeError, ValueError) as exc:
-        raise BadCheckpoint(f"{part.path}: the small state {section!r} is unreadable "
+        raise CorruptCheckpointError(f"{part.path}: the small state {section!r} is unreadable "
                             f"({one_line(exc)})") from None
 
 
@@ -563,6 +562,16 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     """A copy with storage of its own (a stored tensor may be a view into a packed one, and
     ``torch.save`` writes a view's whole storage)."""
     return t.clone()
+
+
+def one_line(exc) -> str:
+    """An exception (or message) as one line."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def one_line(exc) -> str:
+    """An exception (or message) as one line."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from .. import storage
-from ..storage.manifest import Manifest, is_small_tensor
-from .common import BadCheckpoint
+from ... import storage
+from ...storage.manifest import Manifest, is_small_tensor
+from ...core.errors import CorruptCheckpointError
 
 
 def consolidated_fp32(sources) -> dict:
@@ -26,7 +26,7 @@ def consolidated_fp32(sources) -> dict:
         try:
             layout = m.small.decode("extra_state", small)["fp32_layout"]
         except (KeyError, TypeError, ValueError):
-            raise BadCheckpoint(f"{path}: no fp32 layout; --to fp32 exports checkpoints written "
+            raise CorruptCheckpointError(f"{path}: no fp32 layout; --to fp32 exports checkpoints written "
                                 "through gockpt.integrations.deepspeed (use --to safetensors "
                                 "for others)") from None
         masters = {}
@@ -41,7 +41,7 @@ def consolidated_fp32(sources) -> dict:
     result = {}
     for name, shape in shapes.items():
         if covered[name] != math.prod(shape):
-            raise BadCheckpoint(f"parameter {name!r}: the parts cover {covered[name]} of its "
+            raise CorruptCheckpointError(f"parameter {name!r}: the parts cover {covered[name]} of its "
                                 f"{math.prod(shape)} elements; pass the checkpoint of every rank")
         result[name] = out[name].view(shape)
     return result
@@ -50,6 +50,6 @@ def consolidated_fp32(sources) -> dict:
 def _master(path: str, m: Manifest, key: str) -> torch.Tensor:
     ref = m.model.params.get(key)
     if ref is None:
-        raise BadCheckpoint(f"{path}: no tensor {key!r}")
+        raise CorruptCheckpointError(f"{path}: no tensor {key!r}")
     tensors = storage.read_tensors(path, m, [ref.tensor], verify=True)
     return ref.resolve(tensors).reshape(-1)

@@ -1,4 +1,4 @@
-"""gockpt.replay.deepspeed_adapter: DeepSpeed's CPU FusedAdam, its op's running products."""
+"""gockpt.integrations.deepspeed.adapter: DeepSpeed's CPU FusedAdam, its op's running products."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from gockpt.core.errors import UnsupportedOptimizerError
 from gockpt.replay.adapters import adapter_for
-from gockpt.replay.deepspeed_adapter import DeepSpeedCpuAdamAdapter, _chain, _OpMirror
+from gockpt.integrations.deepspeed.adapter import DeepSpeedCpuAdamAdapter, _chain, _OpMirror
 
 pytest.importorskip("deepspeed")  # installed by the README's setup: this never skips in CI
 
@@ -111,7 +111,7 @@ def test_an_op_state_that_cannot_be_read_is_not_replayed_and_read_again_later(mo
     # Not a refusal at construction (a DeepSpeed engine builds its Checkpointer at the first
     # save, in the middle of training): the steps are reported as not replayable (the
     # checkpoint is then copied at its step), and the op is read again before the next step.
-    import gockpt.replay.deepspeed_adapter as da
+    import gockpt.integrations.deepspeed.adapter as da
     torch.manual_seed(0)
     p, opt = fused_adam()
     train(p, opt, 7)
@@ -132,7 +132,7 @@ def test_training_goes_on_and_each_checkpoint_is_copied_at_its_step(tmp_path, mo
     # goes on, and every checkpoint is its step's state.
     import warnings
     import gockpt
-    import gockpt.replay.deepspeed_adapter as da
+    import gockpt.integrations.deepspeed.adapter as da
     from gockpt import testing
     monkeypatch.setattr(da, "_probe_powers", lambda *a, **k: None)
     torch.manual_seed(0)
