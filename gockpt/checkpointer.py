@@ -19,12 +19,14 @@ lives in its own package: ``capture/`` -> ``replay/`` -> ``storage/``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import threading
 import time
 import warnings
+import weakref
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -109,6 +111,7 @@ class Checkpointer:
             if self.adapter is not None:
                 self.adapter.close()
             raise
+        _close_at_exit(self)
 
     def _build(self, model, optimizer, scheduler) -> None:
         """Everything that needs the directory lock."""
@@ -326,6 +329,7 @@ class Checkpointer:
         if self.loop.closed:
             return
         self.loop.closed = True
+        _open.discard(self)
         job = self._job
         try:
             if job is not None and job.capturing and job.error is None:
@@ -567,3 +571,25 @@ class Checkpointer:
 
 def _checkpoint_path(directory: str, step: int) -> str:
     return os.path.join(directory, storage.checkpoint_name(step))
+
+
+# Checkpointers not closed when the interpreter exits (an exception escaped the loop, no
+# ``with``): closed by an atexit hook, before the interpreter stops its daemon threads --
+# stopped there, a thread inside the C++ writer would end the process with std::terminate.
+_open: "weakref.WeakSet" = weakref.WeakSet()
+_exit_hook = []
+
+
+def _close_at_exit(ck: Checkpointer) -> None:
+    _open.add(ck)
+    if not _exit_hook:
+        _exit_hook.append(atexit.register(_close_open))
+
+
+def _close_open() -> None:
+    for ck in list(_open):
+        try:
+            ck.close()
+        except Exception as exc:  # noqa: BLE001 -- the process is ending: say it, go on
+            log.error("gockpt: closing the checkpointer of %s at exit: %s",
+                      ck.config.directory, exc)

@@ -250,3 +250,27 @@ def test_load_reads_parameters_straight_into_the_model(tmp_path):
     gockpt.load(str(tmp_path), m2, o2, scheduler=s2)
     assert {n: p.data_ptr() for n, p in m2.named_parameters()} == ptrs
     H.assert_same(dict(model.state_dict()), dict(m2.state_dict()))
+
+
+def test_an_exception_out_of_the_loop_without_close_ends_the_process_cleanly(tmp_path):
+    # No `with`, no close(): the interpreter's exit closes the Checkpointer before it stops
+    # the daemon threads (stopped inside the C++ writer, a thread ended the process with
+    # "terminate called without an active exception"); the checkpoint asked for is committed.
+    import subprocess
+    import sys
+    script = tmp_path / "loop.py"
+    script.write_text(f"""
+import sys
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+import gockpt, harness as H
+model, opt, sched = H.build()
+ck = gockpt.Checkpointer(model, opt, {str(tmp_path / "ck")!r}, mode="gockpt-o",
+                         overlap_steps=2, interval=3, scheduler=sched)
+H.train_steps(model, opt, sched, 0, 4, ck)
+raise RuntimeError("the loop failed")
+""")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and "RuntimeError: the loop failed" in proc.stderr
+    assert "terminate" not in proc.stderr, proc.stderr
+    assert storage.list_checkpoints(str(tmp_path / "ck")) == [storage.checkpoint_name(3)]
