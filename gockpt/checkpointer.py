@@ -560,7 +560,7 @@ class Checkpointer:
     def _on_job_failed(self, job: Job) -> None:
         """Any thread: ``job`` failed (see Loop.job_failed); on several ranks it still votes."""
         # failed in its window, before its step (one rank): that step is taken anew
-        retaken = not self.ranks.several and job.capture.small is None \
+        retaken = not self.ranks.several and job.small is None \
             and self.loop.boundary < job.f_boundary
         if retaken and isinstance(job.error, UnsupportedOptimizerError):
             self._windows_off = True  # the next windows would fail alike

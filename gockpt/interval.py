@@ -72,7 +72,7 @@ from .core.errors import ConfigError
 __all__ = [
     "IntervalResult", "MetricsSummary", "young_interval", "daly_interval", "waste_fraction",
     "optimal_steps", "best_integer_steps", "auto_interval", "analyse", "summarise_metrics",
-    "percentile", "positive", "non_negative", "main",
+    "percentile", "positive", "non_negative",
 ]
 
 

@@ -17,6 +17,8 @@ from .capture import smallstate
 from .core.errors import CorruptCheckpointError, GockptError, LoadError
 from .core.paths import directory_to_read
 from .storage.format import MANIFEST_FILE
+from .storage.schema import Manifest, is_small_tensor
+from .storage.statedict import optimizer_state_dict
 
 
 @dataclass
@@ -29,7 +31,7 @@ class Restored:
     """The ``extra_state`` given at F, decoded (tensors come back as CPU tensors)."""
     path: str
     """The checkpoint directory that was loaded."""
-    manifest: manifest_mod.Manifest
+    manifest: Manifest
     """The validated manifest (mode, K, metrics, ...)."""
 
 
@@ -68,7 +70,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     # Small state first (cheap): everything small decoded and checked against the targets
     # before any parameter is read (parameters are read straight into the model).
     tensors = storage.read_tensors(path, manifest,
-                                   [n for n in manifest.tensors if manifest_mod.is_small_tensor(n)],
+                                   [n for n in manifest.tensors if is_small_tensor(n)],
                                    verify=verify)
     small = _check_small(path, manifest, tensors, target, expected, optimizer, scheduler,
                          restore_rng)
@@ -80,7 +82,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         sd.update(small["model"])
         model.load_state_dict({own[name]: value for name, value in sd.items()})
         if optimizer is not None:
-            optimizer.load_state_dict(manifest.optimizer_state_dict(path, tensors, optimizer))
+            optimizer.load_state_dict(optimizer_state_dict(manifest, path, tensors, optimizer))
         if scheduler is not None:
             scheduler.load_state_dict(small["scheduler"])
         if restore_rng:
@@ -112,7 +114,7 @@ def _check_small(path, manifest, tensors, target, expected, optimizer, scheduler
         for name, value in model_small.items():
             _check_shape(path, name, target[name], value)
         if optimizer is not None:
-            sd = manifest.optimizer_state_dict(path, tensors, optimizer, aligned=False)
+            sd = optimizer_state_dict(manifest, path, tensors, optimizer, aligned=False)
             _check_optimizer_state(path, manifest, sd, optimizer, target)
         if scheduler is not None:
             out["scheduler"] = manifest.small.decode("scheduler", tensors)
@@ -202,7 +204,7 @@ def _read_params(path, manifest, tensors, target, verify) -> None:
             "checkpoint (gockpt.load(..., tag=...)) before training on") from exc
 
 
-def check_digests(path: str, manifest: manifest_mod.Manifest, tensors: dict) -> None:
+def check_digests(path: str, manifest: Manifest, tensors: dict) -> None:
     """The tensors read (``tensors``: stored name -> the stored tensor) against the digests
     the checkpoint recorded of the live state at F: CorruptCheckpointError naming those that
     differ. The checksums prove the bytes are the ones written; this proves they are the
@@ -216,7 +218,7 @@ def check_digests(path: str, manifest: manifest_mod.Manifest, tensors: dict) -> 
             "on it; load an earlier checkpoint (tag=...) and please report this")
 
 
-def digest_matches(manifest: manifest_mod.Manifest, tensors: dict):
+def digest_matches(manifest: Manifest, tensors: dict):
     """(what, whether its digest matches) of every parameter and optimizer state tensor with
     a recorded digest whose stored tensor is in ``tensors``."""
     checks = [c for c in manifest.digest_checks() if c[1].tensor in tensors]

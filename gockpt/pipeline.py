@@ -21,12 +21,13 @@ from typing import Callable, List, Optional
 from .capture.copies import Capture
 from .core.digest import LiveDigests
 from .core.config import Config
-from .core.errors import CheckpointFailedError, ConsistencyError, GockptError
+from .core.errors import CheckpointFailedError, ConfigError, ConsistencyError, GockptError
 from .core.job import Job
 from .core.modes import GRADS_AT_BACKWARD, GRADS_IN_STEP
 from .replay import selfcheck
 from .replay.replayer import Replayer
 from .storage.persist import Persister
+from .storage.schema import SmallSection
 
 
 class Pipeline:
@@ -93,7 +94,7 @@ class Pipeline:
                 "replaced during the checkpoint (optimizer.load_state_dict(), or a state dict "
                 "assigned)"))
             return
-        self.capture.freeze_small(job, step, extra_state)
+        freeze_small_state(self.capture, job, step, extra_state)
         if self.replayer is not None:
             selfcheck.sample(job, job.plan, self.capture.optimizer, self.config.self_check)
         if self.digester is not None:
@@ -196,6 +197,18 @@ class Pipeline:
             self.persister.persist(job)
         elif not self.policy.persists_inline:  # else the Checkpointer persists it after the hook
             self.persister.queue_persist(job)
+
+
+def freeze_small_state(capture: Capture, job: Job, step: int, extra_state) -> None:
+    """At the boundary of F: the small state as the manifest stores it, encoded at once (the
+    values are the live objects' at F; encoding copies their tensors), and the aligned keys,
+    handed to the job. ConfigError for a value that cannot be stored without pickle."""
+    values, aligned = capture.small_state(job, extra_state)
+    try:
+        job.small, job.small_tensors = SmallSection.encode(values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"cannot store the state of step {step}: {exc}") from exc
+    job.aligned = aligned
 
 
 def _fail_now(job: Job, exc: BaseException, what: str) -> None:

@@ -14,7 +14,6 @@ import shutil
 import threading
 
 import pytest
-import torch
 
 import gockpt
 from gockpt import storage

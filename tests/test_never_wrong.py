@@ -350,19 +350,19 @@ def wrong_source(monkeypatch, name: str, keep: list):
     right size, zeros): the fault the verification must catch whatever the mode -- and that
     every check reading through the copy's own addresses misses, since it reads the same
     wrong memory (FSDP2's DTensors were checkpointed as zeros that way)."""
-    from gockpt.capture.copies import Capture
-    real = Capture._live_bases
+    from gockpt.capture import copies
+    real = copies.live_bases
 
-    def live_bases(self, job, slots, roles):
-        bases, read, copies = real(self, job, slots, roles)
-        si = [s.name for s in job.plan.slots].index(name)
+    def live_bases(plan, states, slots, roles):
+        bases, read, made = real(plan, states, slots, roles)
+        si = [s.name for s in plan.slots].index(name)
         if None in bases and bases[None][si]:
-            zeros = torch.zeros(job.plan.slots[si].numel)
+            zeros = torch.zeros(plan.slots[si].numel)
             keep.append(zeros)
             bases[None][si] = zeros.data_ptr()
-        return bases, read, copies
+        return bases, read, made
 
-    monkeypatch.setattr(Capture, "_live_bases", live_bases)
+    monkeypatch.setattr(copies, "live_bases", live_bases)
 
 
 @pytest.mark.parametrize("mode,k", MODES)

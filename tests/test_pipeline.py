@@ -50,9 +50,11 @@ class FakeCapture:
     def replaced_states(self, job):
         return self.fail.get("replaced", [])
 
-    def freeze_small(self, job, step, extra_state):
-        self.log.append(("freeze", step, extra_state))
+    def small_state(self, job, extra_state):
+        self.log.append(("freeze", job.handle.final_step, extra_state))
         self._maybe_fail("freeze")
+        return {"model": {}, "optimizer": {}, "scheduler": None, "rng": None,
+                "extra_state": extra_state}, {}
 
     def gradients(self, job, j, groups, pool, snapshot=False):
         self.log.append(("gradients", j))

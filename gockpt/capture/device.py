@@ -85,8 +85,8 @@ class CudaDevice:
     def order_after(self, ticket) -> None:
         """Kernels queued on the compute stream from now on wait for ``ticket``'s copies (on
         the GPU; the CPU goes on)."""
-        if ticket._cuda_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(ticket._cuda_event)
+        if ticket.cuda_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(ticket.cuda_event)
         elif ticket.error is not None:
             raise ticket.error
 

@@ -106,7 +106,7 @@ def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys, known=None) 
     Scalar state (0-dim tensors: Adam's step counters) is gathered per key and dtype into one
     tensor with one stack -- one copy from a GPU, one stored value -- under ``"columns"``:
     ``{key: [{"index": [state index, ...], "values": 1-D tensor}, ...]}``;
-    :func:`gockpt.storage.manifest.expand_columns` puts them back in place.
+    :func:`gockpt.core.optstate.expand_columns` puts them back in place.
 
     ``known``: ([(state index, state dict), ...] of every parameter with state, [each param
     group's state indices]) as the caller's plan has them: used instead of asking

@@ -29,20 +29,29 @@ class Ticket:
     """Completion of one submitted group of copies.
 
     Made by ``CopyEngine`` (``n_pairs``: how many copies it stands for, ``nbytes``: their
-    bytes); ``Ticket(0, 0)`` is a ticket with nothing to wait for.  While the host engine runs
-    it, it holds the engine ticket and the objects whose memory the copies use; the first
-    ``done()``/``wait()`` that sees it complete takes its time and lets both go.
+    bytes; ``engine``/``engine_id``: the host engine's ticket running them; ``cuda_event``:
+    the event behind copies enqueued on a GPU); ``Ticket(0, 0)`` is a ticket with nothing to
+    wait for.  While the host engine runs it, it holds the engine ticket and the objects whose
+    memory the copies use (:meth:`keep`); the first ``done()``/``wait()`` that sees it complete
+    takes its time and lets both go.
     """
 
-    def __init__(self, n_pairs: int = 0, nbytes: int = 0):
+    def __init__(self, n_pairs: int = 0, nbytes: int = 0, *, engine=None, engine_id: int = 0,
+                 cuda_event=None, error: Optional[BaseException] = None):
         self.nbytes = nbytes
-        self.error = None  # set at submission when the group could not be queued
-        self._cuda_event = None  # set by CopyEngine.submit on a GPU device
-        self._engine = None  # the _C.CopyEngine running it, until it is seen complete
-        self._id = 0
-        self._keep = None  # tensors / arrays the pending copies read or write
+        self.error = error  # the group could not be queued (raised by wait())
+        self.cuda_event = cuda_event
+        self._engine = engine  # the _C.CopyEngine running it, until it is seen complete
+        self._id = engine_id
+        self._keep: list = []  # objects whose memory the pending copies read or write
         self._seconds = 0.0
         self._lock = threading.Lock()
+
+    def keep(self, *objects) -> "Ticket":
+        """Keep ``objects`` alive until the copies are done (memory they read or write)."""
+        with self._lock:
+            self._keep.extend(objects)
+        return self
 
     @property
     def seconds(self) -> float:
@@ -57,11 +66,11 @@ class Ticket:
         if self._engine is not None:
             self._seconds = self._engine.seconds(self._id)
             self._engine.release(self._id)
-            self._engine = self._keep = None
+            self._engine, self._keep = None, []
 
     def done(self) -> bool:
-        if self._cuda_event is not None:
-            return self._cuda_event.query()
+        if self.cuda_event is not None:
+            return self.cuda_event.query()
         with self._lock:
             if self._engine is not None and not self._engine.done(self._id):
                 return False
@@ -70,8 +79,8 @@ class Ticket:
 
     def wait(self) -> None:
         """Block until every copy of this ticket has landed; raise a submission error."""
-        if self._cuda_event is not None:
-            self._cuda_event.synchronize()
+        if self.cuda_event is not None:
+            self.cuda_event.synchronize()
         else:
             engine = self._engine
             if engine is not None:
@@ -143,30 +152,24 @@ class CopyEngine:
             return Ticket(0, 0)
         if self.device.asynchronous_copies:
             nbytes = sum(src.nbytes for _, src in pairs)
-            ticket = Ticket(len(pairs), nbytes)
-            ticket._cuda_event = self.device.enqueue(pairs, high_priority=priority == GRADIENT)
             self._async_bytes += nbytes
-            return ticket
+            return Ticket(len(pairs), nbytes, cuda_event=self.device.enqueue(
+                pairs, high_priority=priority == GRADIENT))
         try:
             dst, src, sizes = _pair_arrays(pairs)
         except ValueError as exc:
-            ticket = Ticket(len(pairs), sum(src.nbytes for _, src in pairs))
-            ticket.error = RuntimeError(str(exc))
-            return ticket
-        return self._start(Ticket(len(pairs), int(sizes.sum())), list(pairs),
-                           self._engine.submit(int(priority), dst, src, sizes))
+            return Ticket(len(pairs), sum(src.nbytes for _, src in pairs),
+                          error=RuntimeError(str(exc)))
+        return Ticket(len(pairs), int(sizes.sum()), engine=self._engine,
+                      engine_id=self._engine.submit(int(priority), dst, src, sizes)).keep(pairs)
 
     def submit_segments(self, dst, src, nbytes, priority: int) -> Ticket:
         """Queue ``memcpy(dst[i], src[i], nbytes[i])`` for every i: host addresses as 1-D integer
         numpy arrays of one length.  The memory must stay valid until the ticket is done."""
         dst, src, nbytes = int64_arrays(("dst", dst), ("src", src), ("nbytes", nbytes))
         check_non_negative("nbytes", nbytes)
-        ticket = Ticket(len(dst), int(nbytes.sum()))
-        return self._start(ticket, None, self._engine.submit(int(priority), dst, src, nbytes))
-
-    def _start(self, ticket: Ticket, keep, engine_id: int) -> Ticket:
-        ticket._engine, ticket._id, ticket._keep = self._engine, engine_id, keep
-        return ticket
+        return Ticket(len(dst), int(nbytes.sum()), engine=self._engine,
+                      engine_id=self._engine.submit(int(priority), dst, src, nbytes))
 
     def bandwidth(self) -> float:
         """Measured copy bandwidth in bytes/s; before any copy, the emulated link's rate

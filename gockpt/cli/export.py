@@ -11,13 +11,14 @@ import torch
 
 from .. import storage
 from ..storage.commit import replace_file
-from ..storage.manifest import Manifest
+from ..storage.manifest import parse as parse_manifest
+from ..storage.schema import Manifest
 from ..storage.verify import read_parts
 from ..integrations.deepspeed import export as ds_export
 from ..integrations.deepspeed.export_fp32 import consolidated_fp32
 from ..storage.statedict import model_state, optimizer_state
 from .common import (BadCheckpoint, UsageError, every_part, human, no_rank_for_single,
-                     one_line, read_manifest, real_path, resolve_checkpoint, select_part, warn)
+                     read_manifest, real_path, resolve_checkpoint, select_part, warn)
 
 
 def cmd_export(args) -> int:
@@ -40,7 +41,7 @@ def cmd_export(args) -> int:
     if args.to == "fp32":
         return _export_fp32(args)
     path, data, part = _source(args)
-    m = Manifest.from_json(path, data)
+    m = parse_manifest(path, data)
     tensors = storage.read_tensors(path, m, verify=True)
     sd, aliases = model_state(path, m, tensors)
     source = f" (rank {part[0]} of {part[1]}, part {part[2]})" if part else ""
@@ -69,7 +70,7 @@ def _export_fp32(args) -> int:
     warn(warns)
     sources = every_part(path, read_manifest(path), "--to fp32")
     sd = consolidated_fp32(sources)
-    step = Manifest.from_json(*sources[0]).step
+    step = parse_manifest(*sources[0]).step
     meta = {"format": "pt", "gockpt_step": str(step), "gockpt_source": os.path.abspath(path),
             "gockpt_dtype": "fp32 master weights"}
     written, _, _ = _save_safetensors(args.out, sd, {}, meta)

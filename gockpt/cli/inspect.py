@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..storage.manifest import Manifest
+from ..storage.manifest import parse as parse_manifest
 from ..storage.verify import read_parts
 from .common import (PROG, human, date, mtime, no_rank_for_single, print_json, read_manifest,
                      resolve_checkpoint, seconds, table, warn)
@@ -53,7 +53,7 @@ def cmd_inspect(args) -> int:
             s["run_dir"] = os.path.abspath(run_dir)
     else:
         no_rank_for_single(path, args.rank)
-        m = Manifest.tolerant(data)
+        m = parse_manifest("", tolerant=True, data=data)
         s = checkpoint_summary(path, m, run_dir)
     if args.json:
         print_json(dict(s, tensors=tensor_table(m)))

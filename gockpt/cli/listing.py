@@ -9,7 +9,7 @@ import warnings
 from .. import storage
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
 from ..storage.commit import is_committed
-from ..storage.manifest import Manifest, parts_of
+from ..storage.manifest import parse as parse_manifest, parts_of
 from .common import (UsageError, date, disk_usage, existing_directory, human, iso, mtime, one_line,
                      print_json, table)
 
@@ -121,7 +121,7 @@ def _read_row(row: dict, path: str) -> None:
     reads the parts)."""
     try:
         data = storage.read_manifest(path)
-        row["step"] = Manifest.tolerant(data).step
+        row["step"] = parse_manifest("", tolerant=True, data=data).step
         row["world_size"] = 1
         names = parts_of(path, data)
         if names is not None:

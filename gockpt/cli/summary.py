@@ -10,7 +10,8 @@ from typing import List, Optional
 import torch
 
 from .. import storage
-from ..storage.manifest import Manifest
+from ..storage.manifest import parse as parse_manifest
+from ..storage.schema import Manifest
 from ..storage.verify import Part, world_size_problems
 from .common import disk_usage, human, iso, mtime, one_line, select_part
 
@@ -68,7 +69,7 @@ def checkpoint_summary(path: str, m: Manifest, run_dir: Optional[str]) -> dict:
 def part_summary(path: str, parts: List[Part], rank: int) -> tuple:
     """(summary, manifest) of ``rank``'s part, marked with the checkpoint it belongs to."""
     part = select_part(path, parts, rank)
-    m = Manifest.tolerant(part.data)
+    m = parse_manifest("", tolerant=True, data=part.data)
     s = checkpoint_summary(part.path, m, None)
     s["part_of"] = {"checkpoint": os.path.abspath(path), "rank": rank, "name": part.name,
                     "world_size": len(parts)}
@@ -80,7 +81,7 @@ def parts_summary(path: str, data: dict, run_dir: Optional[str], parts: List[Par
     """Summary of a checkpoint written by several ranks (manifest ``data``): its parts, sizes
     summed over them, and what the model and optimizer look like (from the lowest readable
     rank, ``described_rank``)."""
-    top = Manifest.tolerant(data)
+    top = parse_manifest("", tolerant=True, data=data)
     rows, ref = [], None
     total = {"tensor_count": 0, "tensor_bytes": 0, "files": {}, "groups": {}}
     problems = world_size_problems(data, parts)
@@ -129,7 +130,7 @@ def _part_row(part: Part) -> tuple:
            "tensor_bytes": None, "disk_bytes": disk_usage(part.path), "metrics": None}
     if part.data is None:
         return row, None
-    m = Manifest.tolerant(part.data)
+    m = parse_manifest("", tolerant=True, data=part.data)
     ps = checkpoint_summary(part.path, m, None)
     row.update(step=m.step, tensors=len(m.tensors), tensor_bytes=ps["tensor_bytes"],
                metrics=ps["metrics"])

@@ -99,11 +99,6 @@ class CaptureBook:
     grad_tickets: List = field(default_factory=list)
     recorded: Set[Tuple[int, int]] = field(default_factory=set)
     """(window step, planned param group) whose gradients were recorded."""
-    small: object = None
-    """The small state frozen at F (a gockpt.storage.manifest.SmallSection)."""
-    small_tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
-    aligned: Dict[int, tuple] = field(default_factory=dict)
-    """Optimizer state index -> state keys stored as tensors."""
     samples: List = field(default_factory=list)
     """Self-check samples: (block, direct copies at F) (written by gockpt.replay.selfcheck)."""
     reads: Dict[int, object] = field(default_factory=dict)
@@ -118,14 +113,6 @@ class CaptureBook:
     reads the new one)."""
     live_digests: object = None
     """The digests of the live tensors at F (gockpt.capture.copies.LiveDigestBook)."""
-    states: Optional[list] = None
-    """Per slot: the optimizer's state dict, looked up once (gockpt.capture.copies)."""
-    missing_states: List[int] = field(default_factory=list)
-    states_seen: tuple = (None, ())
-    """(optimizer.state, the dicts it held) when ``states`` was first read: the same at F,
-    no state was replaced (gockpt.capture.copies)."""
-    states_len: int = 0
-    """len(optimizer.state) when the missing ``states`` were last looked for."""
     _tables: Dict[int, object] = field(default_factory=dict)
 
     def table(self, j: int):
@@ -188,6 +175,13 @@ class Job:
         self.on_fail: Optional[Callable[["Job"], None]] = None
         self.on_final: Optional[Callable[["Job", List[Block]], None]] = None
         """Called with blocks as they reach F (streaming persistence), if set."""
+        self.small = None
+        """The small state at F as the manifest stores it (a gockpt.storage.schema.SmallSection,
+        set by the pipeline at the boundary of F; None before)."""
+        self.small_tensors: Dict[str, torch.Tensor] = {}
+        """The stored tensors the small state refers to (copies taken at F)."""
+        self.aligned: Dict[int, tuple] = {}
+        """Optimizer state index -> the state keys the blocks carry (set at F)."""
         self.digests: Dict[Tuple[int, Optional[str]], str] = {}
         """(slot, None for the parameter or a state key) -> the digest of that tensor at F,
         verified against the staged copy (set by the pipeline before the job is staged; the

@@ -18,7 +18,7 @@ from ..core.plan import Plan
 from ..core.blocks import BlockTable
 from ..core.staging import Arena, HostCopy
 from .format import DTYPE_TO_CODE
-from .manifest import optim_tensor, param_tensor
+from .schema import optim_tensor, pack_name, param_tensor
 from .refs import TensorRef
 
 
@@ -88,7 +88,7 @@ def stored_layout(plan: Plan, host: HostCopy, aligned: Dict[int, tuple]) -> Stor
     """The layout of one checkpoint; ``aligned``: optimizer index -> state keys it has at F."""
     out = StoredLayout()
     for dtype, arena in host.param_arenas.items():
-        _place(out, arena, f"pack/model/{DTYPE_TO_CODE[dtype]}",
+        _place(out, arena, pack_name(None, DTYPE_TO_CODE[dtype]),
                {si: param_tensor(plan.slots[si].name) for si in arena.offset}, plan, None)
         for si in arena.offset:
             name = plan.slots[si].name
@@ -96,7 +96,7 @@ def stored_layout(plan: Plan, host: HostCopy, aligned: Dict[int, tuple]) -> Stor
     for (key, dtype), arena in host.state_arenas.items():
         slots = {si: optim_tensor(plan.slots[si].opt_index, key) for si in arena.offset
                  if key in aligned.get(plan.slots[si].opt_index, ())}
-        _place(out, arena, f"pack/optim/{key}/{DTYPE_TO_CODE[dtype]}", slots, plan, key)
+        _place(out, arena, pack_name(key, DTYPE_TO_CODE[dtype]), slots, plan, key)
         for si in slots:
             out.state_refs.setdefault(plan.slots[si].opt_index, {})[key] = \
                 _ref(out, plan, si, key)

@@ -33,7 +33,7 @@ from ..core.errors import GockptError, StorageError
 from ..core.job import Job
 from .commit import apply_retention
 from .layout import StoredLayout, stored_layout
-from .manifest import Manifest, ModelSection, OptimizerSection, PartsManifest, part_name
+from .schema import Manifest, ModelSection, OptimizerSection, PartsManifest, part_name
 from .ranks import Ranks
 from .writer import CheckpointWriter
 
@@ -113,17 +113,17 @@ class Persister:
             # The same for every checkpoint of a plan while the aligned state keys stay: built
             # once (its loops over thousands of slots would hold the GIL at every checkpoint).
             key = (id(job.plan), id(job.host), job.host.keys_version,
-                   tuple(sorted(job.capture.aligned.items())))
+                   tuple(sorted(job.aligned.items())))
             if self._layout_key != key:
                 self._layout_key = key
-                self._layout_cache = stored_layout(job.plan, job.host, job.capture.aligned)
+                self._layout_cache = stored_layout(job.plan, job.host, job.aligned)
             job.stream.layout = self._layout_cache
         return job.stream.layout
 
     def _host_tensors(self, job: Job) -> Dict[str, torch.Tensor]:
         """Every tensor of this process's checkpoint, shaped as stored."""
         tensors = {name: st.view() for name, st in self._layout(job).tensors.items()}
-        tensors.update(job.capture.small_tensors)
+        tensors.update(job.small_tensors)
         return tensors
 
     def _write_blocks(self, job: Job, blocks) -> None:
@@ -142,7 +142,7 @@ class Persister:
             try:
                 writer.begin({name: (t.dtype, tuple(t.shape))
                               for name, t in self._host_tensors(job).items()})
-                for name, t in job.capture.small_tensors.items():
+                for name, t in job.small_tensors.items():
                     writer.write(name, t)
             except BaseException:
                 writer.abort()
@@ -265,7 +265,7 @@ class Persister:
                                     job.digests.items() if key is None}),
                 optimizer=OptimizerSection(self.optimizer_class, self._layout(job).state_refs,
                                            _state_digests(job)),
-                small=job.capture.small, metrics=m.to_dict())
+                small=job.small, metrics=m.to_dict())
             t_commit = time.perf_counter()
             path = writer.commit(manifest.to_json(), update_latest=update_latest)
             if self.config.policy.persists_inline:

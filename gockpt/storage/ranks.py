@@ -20,7 +20,7 @@ import torch
 
 from ..core.errors import StorageError
 from .format import TMP_PREFIX
-from .manifest import PartsManifest, part_name
+from .schema import PartsManifest, part_name
 
 
 class Ranks:

@@ -5,7 +5,9 @@ would restore, without a model or optimizer to restore it into."""
 from __future__ import annotations
 
 from ..core.errors import CorruptCheckpointError
-from .manifest import Manifest
+from ..core.errors import LoadError
+from ..core.optstate import expand_columns
+from .schema import Manifest
 
 
 def model_state(path: str, m: Manifest, tensors: dict) -> tuple:
@@ -30,7 +32,7 @@ def model_state(path: str, m: Manifest, tensors: dict) -> tuple:
 def optimizer_state(path: str, m: Manifest, tensors: dict) -> dict:
     """The optimizer's ``state_dict`` at F, its state in index order."""
     try:
-        osd = m.optimizer_state_dict(path, tensors)
+        osd = optimizer_state_dict(m, path, tensors)
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptCheckpointError(f"{path}: manifest has no usable optimizer section "
                             f"({_one_line(exc)})") from None
@@ -40,3 +42,32 @@ def optimizer_state(path: str, m: Manifest, tensors: dict) -> dict:
 
 def _one_line(exc) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def optimizer_state_dict(m: Manifest, path: str, tensors: dict, optimizer=None,
+                     aligned: bool = True) -> dict:
+    """The optimizer's ``state_dict`` at F from the small state and the aligned tensors
+    (``aligned=False``: without the aligned tensors, to check the structure cheaply).
+
+    With ``optimizer`` given, raises LoadError if its class, number of param groups or
+    of parameters differs from the checkpoint's."""
+    opt = m.optimizer
+    if optimizer is not None and opt is not None and opt.cls \
+            and opt.cls != type(optimizer).__name__:
+        raise LoadError(f"{path}: saved with optimizer {opt.cls}, loading into "
+                        f"{type(optimizer).__name__}")
+    small = m.small.decode("optimizer", tensors)
+    if optimizer is not None:
+        n_live = sum(len(g["params"]) for g in optimizer.param_groups)
+        n_saved = sum(len(g["params"]) for g in small["param_groups"])
+        if n_live != n_saved or len(small["param_groups"]) != len(optimizer.param_groups):
+            raise LoadError(f"{path}: the optimizer has {len(optimizer.param_groups)} "
+                            f"groups / {n_live} parameters, the checkpoint "
+                            f"{len(small['param_groups'])} / {n_saved}")
+    state = expand_columns(small)
+    if aligned and opt is not None:
+        for idx, refs in opt.aligned.items():
+            for key, ref in refs.items():
+                t = ref.resolve(tensors)  # a packed one gets storage of its own
+                state.setdefault(idx, {})[key] = t if ref.shape is None else t.clone()
+    return {"state": state, "param_groups": small["param_groups"]}

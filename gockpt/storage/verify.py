@@ -17,7 +17,8 @@ from ..core.digest import as_pairs, digests, to_hex
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..core.paths import directory_to_read
 from .commit import is_committed, list_checkpoints, resolve
-from .manifest import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor, parts_of
+from .manifest import parse as parse_manifest, parts_of
+from .schema import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor
 from .reader import read_manifest, read_tensors
 
 __all__ = ["verify", "VerifyReport", "CheckpointReport", "PartReport", "BadTensor",
@@ -170,7 +171,7 @@ def read_parts(path: str, data: dict) -> Optional[List[Part]]:
     names = parts_of(path, data)
     if names is None:
         return None
-    top = Manifest.tolerant(data)
+    top = parse_manifest("", tolerant=True, data=data)
     out = []
     for r, name in enumerate(names):
         part = Part(r, name, os.path.abspath(os.path.join(path, name)), None)
@@ -187,7 +188,7 @@ def read_parts(path: str, data: dict) -> Optional[List[Part]]:
 
 
 def _part_problems(part: Part, top: Manifest, world: int) -> List[str]:
-    m, name, problems = Manifest.tolerant(part.data), part.name, []
+    m, name, problems = parse_manifest("", tolerant=True, data=part.data), part.name, []
     if _is_multi(part.path, part.data):
         problems.append(f"{name}: is itself a multi-rank checkpoint")
     if m.rank not in (None, part.rank):
@@ -202,7 +203,7 @@ def _part_problems(part: Part, top: Manifest, world: int) -> List[str]:
 
 def world_size_problems(data: dict, parts: List[Part]) -> List[str]:
     """What is wrong with a multi-rank checkpoint's own manifest ``data`` given its parts."""
-    ws = Manifest.tolerant(data).world_size
+    ws = parse_manifest("", tolerant=True, data=data).world_size
     if ws is not None and ws != len(parts):
         return [f"manifest world_size is {ws!r} but it lists {len(parts)} parts"]
     return []
@@ -219,7 +220,7 @@ def _verify_checkpoint(path: str, *, parts: bool = True) -> CheckpointReport:
     except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
         report.problems.append(_one_line(exc))
         return report
-    m = Manifest.tolerant(data)
+    m = parse_manifest("", tolerant=True, data=data)
     report.step = m.step
     if parts and _is_multi(path, data):
         _verify_parts(path, data, report)

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gockpt.capture.copies import Capture, _live_gradients
+from gockpt.capture.copies import Capture
+from gockpt.capture.gradients import live_gradients as _live_gradients
 from gockpt.capture.device import HostDevice
 from gockpt.core.plan import build_plan, flat, stepped_groups
 from gockpt.core.staging import GradPool, HostCopy
@@ -17,7 +18,9 @@ from gockpt.capture.transfer import CopyEngine
 from gockpt.core.errors import ConfigError, HookOrderError
 from gockpt.core.job import Job, State
 from gockpt.replay.adapters import adapter_for
-from gockpt.storage.manifest import SmallSection, expand_columns
+from gockpt.core.optstate import expand_columns
+from gockpt.pipeline import freeze_small_state
+from gockpt.storage.schema import SmallSection
 
 import harness as H
 
@@ -202,7 +205,7 @@ def test_copy_rest_copies_every_remaining_group_and_marks_captured(rig):
 
 # ------------------------------------------------------------------ small state
 
-def test_freeze_small_encodes_plain_json_and_tensors(rig):
+def test_small_state_encodes_plain_json_and_tensors(rig):
     optimizer_step(rig)
     job = new_job(rig, 2)
     called = []
@@ -211,8 +214,8 @@ def test_freeze_small_encodes_plain_json_and_tensors(rig):
         called.append(True)
         return {"t": torch.arange(3.0), "pair": (1, "a"), "raw": b"\x00\xff", "inf": float("inf")}
 
-    rig.capture.freeze_small(job, 6, extra)
-    small, tensors = job.capture.small, job.capture.small_tensors
+    freeze_small_state(rig.capture, job, 6, extra)
+    small, tensors = job.small, job.small_tensors
     assert called == [True]  # the callable was called at the boundary of F
     assert isinstance(small, SmallSection)
     json.dumps(asdict(small), allow_nan=False)  # plain JSON: nothing pickled
@@ -225,7 +228,7 @@ def test_freeze_small_encodes_plain_json_and_tensors(rig):
     assert torch.equal(buffers["bn.running_mean"], rig.model.bn.running_mean)
     # aligned: every optimizer state index that has state, with the keys stored as tensors
     in_state = {s.opt_index for s in rig.plan.slots if not s.static and s.param in rig.opt.state}
-    assert job.capture.aligned == {i: ("exp_avg", "exp_avg_sq") for i in in_state}
+    assert job.aligned == {i: ("exp_avg", "exp_avg_sq") for i in in_state}
     assert slot_index(rig, "frozen.weight") not in in_state
     opt_small = small.decode("optimizer", tensors)
     for idx, st in expand_columns(opt_small).items():
@@ -234,19 +237,19 @@ def test_freeze_small_encodes_plain_json_and_tensors(rig):
     assert small.decode("scheduler", tensors) == rig.sched.state_dict()
 
 
-def test_freeze_small_refuses_extra_state_that_needs_pickle(rig):
+def test_small_state_refuses_extra_state_that_needs_pickle(rig):
     job = new_job(rig, 1)
     with pytest.raises(ConfigError, match=r"step 4.*extra_state\['fn'\].*without pickle"):
-        rig.capture.freeze_small(job, 4, {"fn": object()})
-    assert job.capture.small is None and job.capture.small_tensors == {}
+        freeze_small_state(rig.capture, job, 4, {"fn": object()})
+    assert job.small is None and job.small_tensors == {}
 
 
-def test_freeze_small_refuses_self_containing_extra_state_as_a_config_error(rig):
+def test_small_state_refuses_self_containing_extra_state_as_a_config_error(rig):
     job = new_job(rig, 1)
     loop = {}
     loop["me"] = loop
     with pytest.raises(ConfigError, match="contains itself"):
-        rig.capture.freeze_small(job, 4, loop)
+        freeze_small_state(rig.capture, job, 4, loop)
 
 
 # ------------------------------------------------------------------ gradients

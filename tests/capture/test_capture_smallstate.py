@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from gockpt.capture import smallstate
-from gockpt.storage.manifest import expand_columns
+from gockpt.core.optstate import expand_columns
 
 import harness as H
 

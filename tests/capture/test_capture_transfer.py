@@ -1,6 +1,7 @@
 """The copy engine (gockpt.capture.transfer over _C.CopyEngine): copies land bit for bit,
 gradients overtake state, pacing, close()."""
 import gc
+import weakref
 import threading
 
 import numpy as np
@@ -117,9 +118,13 @@ def test_ticket_lets_its_tensors_go_after_completion():
     engine = CopyEngine(HostDevice())
     src, dst = torch.randn(1000), torch.empty(1000)
     t = engine.submit([(dst, src)], GRADIENT)
-    assert t._keep is not None
+    held = weakref.ref(src)
+    del src  # the ticket holds it while its copy may run
+    gc.collect()
+    assert held() is not None
     t.wait()
-    assert t._keep is None and t._engine is None and t.seconds >= 0
+    gc.collect()
+    assert held() is None and t.done() and t.seconds >= 0  # let go once complete
     t.wait()  # again: nothing left to wait for
     pending = engine.submit([(torch.empty(1000), torch.randn(1000))], STATE)
     del pending  # released (after its copy) by the ticket itself

@@ -11,7 +11,8 @@ import torch
 
 from gockpt.capture import smallstate
 from gockpt.core.errors import CorruptCheckpointError, LoadError
-from gockpt.storage import CheckpointWriter, manifest as M, tree
+from gockpt.storage import CheckpointWriter, manifest as M, schema as S, tree
+from gockpt.storage.statedict import optimizer_state_dict
 
 
 # What the storage layer's tensor table says of the stored tensors the sample refers to.
@@ -27,18 +28,18 @@ def ref(name, *a, **k):
 def sample_manifest(**kw):
     fields = dict(
         step=7, start_step=5, mode="gockpt-o", overlap_steps=3, rank=0, world_size=1,
-        model=M.ModelSection({"a.weight": ref("model/a.weight"), "a.bias": ref("model/a.bias"),
+        model=S.ModelSection({"a.weight": ref("model/a.weight"), "a.bias": ref("model/a.bias"),
                               "c.weight": ref("pack/model/F32", 4, (2, 3), (1, 0))},
                              {"b.weight": "a.weight"}),
-        small=M.SmallSection(model={"x": 1}, optimizer={"state": {}, "param_groups": []},
+        small=S.SmallSection(model={"x": 1}, optimizer={"state": {}, "param_groups": []},
                              scheduler=None, rng={"__t": "tensor", "k": "small/rng/0"},
                              extra_state=[1, "two"]),
-        optimizer=M.OptimizerSection("AdamW", {0: {"exp_avg": ref("optim/0/exp_avg"),
+        optimizer=S.OptimizerSection("AdamW", {0: {"exp_avg": ref("optim/0/exp_avg"),
                                                    "exp_avg_sq": ref("optim/0/exp_avg_sq")},
                                                1: {}}),
         metrics={"blocked_s": 0.5}, tensors=ENTRIES)
     fields.update(kw)
-    return M.Manifest(**fields)
+    return S.Manifest(**fields)
 
 
 def as_read(m):
@@ -53,7 +54,7 @@ def test_to_json_from_json_round_trip():
         "0": {"exp_avg": "optim/0/exp_avg", "exp_avg_sq": "optim/0/exp_avg_sq"}, "1": {}}
     assert data["model"]["params"]["c.weight"] == {"tensor": "pack/model/F32", "offset": 4,
                                                    "shape": [2, 3], "dims": [1, 0]}
-    back = M.Manifest.from_json("ck", as_read(m))
+    back = M.parse("ck", as_read(m))
     assert back == m
     assert back.model.expected()["b.weight"] == ref("model/a.weight")
     assert back.logical_shape(back.model.params["c.weight"]) == (2, 3)
@@ -63,11 +64,11 @@ D = "0123456789abcdef" * 2  # a digest as the manifest spells it
 
 
 def test_digests_round_trip_and_are_checked():
-    m = sample_manifest(model=M.ModelSection({"a.weight": ref("model/a.weight")}, {},
+    m = sample_manifest(model=S.ModelSection({"a.weight": ref("model/a.weight")}, {},
                                              {"a.weight": D}),
-                        optimizer=M.OptimizerSection("AdamW", {0: {"exp_avg": ref(
+                        optimizer=S.OptimizerSection("AdamW", {0: {"exp_avg": ref(
                             "optim/0/exp_avg")}}, {0: {"exp_avg": D}}))
-    back = M.Manifest.from_json("ck", as_read(m))
+    back = M.parse("ck", as_read(m))
     assert back == m
     assert [(what, r.tensor) for what, r, _ in back.digest_checks()] == [
         ("parameter 'a.weight'", "model/a.weight"),
@@ -80,15 +81,15 @@ def test_digests_round_trip_and_are_checked():
         data = as_read(m)
         data[section]["digests"] = value
         with pytest.raises(CorruptCheckpointError, match="'digests' are malformed"):
-            M.Manifest.from_json("ck", data)
-    assert M.Manifest.from_json("ck", as_read(sample_manifest())).model.digests == {}
+            M.parse("ck", data)
+    assert M.parse("ck", as_read(sample_manifest())).model.digests == {}
 
 
 def test_from_json_reads_the_earlier_format():
     data = as_read(sample_manifest())
     data["model"]["params"] = {"a.weight": "model/a.weight"}
     data["optimizer"]["aligned"] = {"0": ["exp_avg", "exp_avg_sq"]}  # keys: implied names
-    back = M.Manifest.from_json("ck", data)
+    back = M.parse("ck", data)
     assert back.model.params == {"a.weight": ref("model/a.weight")}
     assert back.optimizer.aligned == {0: {"exp_avg": ref("optim/0/exp_avg"),
                                           "exp_avg_sq": ref("optim/0/exp_avg_sq")}}
@@ -105,7 +106,7 @@ def test_from_json_refuses_a_reference_outside_the_stored_tensors(bad, message):
     data = as_read(sample_manifest())
     data["model"]["params"]["a.weight"] = bad
     with pytest.raises(CorruptCheckpointError, match=message):
-        M.Manifest.from_json("ck", data)
+        M.parse("ck", data)
 
 
 def test_a_reference_resolves_to_a_view_with_the_memory_layout():
@@ -120,7 +121,7 @@ def test_a_reference_resolves_to_a_view_with_the_memory_layout():
 def test_from_json_without_optimizer_and_defaults():
     data = as_read(sample_manifest(optimizer=None))
     del data["rank"], data["world_size"], data["metrics"]
-    back = M.Manifest.from_json("ck", data)
+    back = M.parse("ck", data)
     assert back.optimizer is None and back.rank == 0 and back.world_size == 1
     assert back.metrics == {}
 
@@ -164,14 +165,14 @@ def test_from_json_refuses_each_malformed_field(path, value, field):
     data = as_read(sample_manifest())
     _set(path, value)(data)
     with pytest.raises(CorruptCheckpointError, match=f"checkpoint 'ck/x': manifest: .*{field}"):
-        M.Manifest.from_json("ck/x", data)
+        M.parse("ck/x", data)
 
 
 def test_from_json_refuses_a_non_decimal_digit_index():
     data = as_read(sample_manifest())
     data["optimizer"]["aligned"] = {"²": ["exp_avg"]}
     with pytest.raises(CorruptCheckpointError, match="'optimizer' section"):
-        M.Manifest.from_json("ck", data)
+        M.parse("ck", data)
 
 
 # ------------------------------------------------------------------ optimizer_state_dict
@@ -180,14 +181,14 @@ def saved(opt):
     """A manifest and its small tensors as a checkpoint of ``opt`` stores them."""
     aligned = {i: ["exp_avg", "exp_avg_sq"] for i in range(len(opt.state))}
     tensors = {}
-    small = M.SmallSection(optimizer=tree.encode(smallstate.optimizer_small(opt, aligned),
-                                                 tensors, M.small_prefix("optimizer")))
+    small = S.SmallSection(optimizer=tree.encode(smallstate.optimizer_small(opt, aligned),
+                                                 tensors, S.small_prefix("optimizer")))
     for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
         for key in aligned[i]:
-            tensors[M.optim_tensor(i, key)] = opt.state[p][key].clone()
-    refs = {i: {k: ref(M.optim_tensor(i, k)) for k in keys} for i, keys in aligned.items()}
-    m = M.Manifest(7, 5, "gockpt", 3, M.ModelSection({}), small,
-                   M.OptimizerSection(type(opt).__name__, refs))
+            tensors[S.optim_tensor(i, key)] = opt.state[p][key].clone()
+    refs = {i: {k: ref(S.optim_tensor(i, k)) for k in keys} for i, keys in aligned.items()}
+    m = S.Manifest(7, 5, "gockpt", 3, S.ModelSection({}), small,
+                   S.OptimizerSection(type(opt).__name__, refs))
     return m, tensors
 
 
@@ -204,7 +205,7 @@ def two_group_adamw():
 def test_optimizer_state_dict_rebuilds_the_live_state_dict():
     model, opt = two_group_adamw()
     m, tensors = saved(opt)
-    sd = m.optimizer_state_dict("ck", tensors, opt)
+    sd = optimizer_state_dict(m, "ck", tensors, opt)
     live = opt.state_dict()
     assert sd["param_groups"] == live["param_groups"]
     assert set(sd["state"]) == set(live["state"])
@@ -212,7 +213,7 @@ def test_optimizer_state_dict_rebuilds_the_live_state_dict():
         assert set(sd["state"][i]) == set(st)
         for key, value in st.items():
             assert torch.equal(sd["state"][i][key], value), (i, key)
-    light = m.optimizer_state_dict("ck", tensors, opt, aligned=False)
+    light = optimizer_state_dict(m, "ck", tensors, opt, aligned=False)
     assert all(set(st) == {"step"} for st in light["state"].values())
 
 
@@ -221,7 +222,7 @@ def test_optimizer_state_dict_refuses_another_class():
     m, tensors = saved(opt)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(LoadError, match="saved with optimizer AdamW, loading into SGD"):
-        m.optimizer_state_dict("ck", tensors, sgd)
+        optimizer_state_dict(m, "ck", tensors, sgd)
 
 
 def test_optimizer_state_dict_refuses_other_group_or_parameter_counts():
@@ -229,11 +230,11 @@ def test_optimizer_state_dict_refuses_other_group_or_parameter_counts():
     m, tensors = saved(opt)
     one_group = torch.optim.AdamW(model.parameters())
     with pytest.raises(LoadError, match="1 groups / 4 parameters, the checkpoint 2 / 4"):
-        m.optimizer_state_dict("ck", tensors, one_group)
+        optimizer_state_dict(m, "ck", tensors, one_group)
     fewer = torch.optim.AdamW([{"params": model[0].parameters()},
                                {"params": [model[1].weight]}])
     with pytest.raises(LoadError, match="2 groups / 3 parameters, the checkpoint 2 / 4"):
-        m.optimizer_state_dict("ck", tensors, fewer)
+        optimizer_state_dict(m, "ck", tensors, fewer)
 
 
 # ------------------------------------------------------------------ parts of several ranks
@@ -241,7 +242,7 @@ def test_optimizer_state_dict_refuses_other_group_or_parameter_counts():
 @pytest.mark.parametrize("name", ["../x", "..", ".", ".hidden", "a/b", "a\\b", "", "a\0b", 5, None])
 def test_part_names_that_escape_are_refused(name):
     with pytest.raises(CorruptCheckpointError, match="invalid part name"):
-        M.check_part_name("ck", name)
+        S.check_part_name("ck", name)
     with pytest.raises(CorruptCheckpointError, match="invalid part name"):
         M.parts_of("ck", {"ranks": ["rank-00000", name]})
 
@@ -266,9 +267,9 @@ def write_two_rank_checkpoint(root, parts=None):
     """What storage.ranks writes: parts inside the top writer's temporary directory."""
     top = CheckpointWriter(root, "step-000000007")
     for r in range(2):
-        write_checkpoint(top.tmp_path, M.part_name(r),
+        write_checkpoint(top.tmp_path, S.part_name(r),
                          sample_manifest(rank=r, world_size=2, metrics={"r": r}).to_json())
-    manifest = M.PartsManifest(7, 5, "gockpt-o", 3, [M.part_name(r) for r in range(2)]).to_json()
+    manifest = S.PartsManifest(7, 5, "gockpt-o", 3, [S.part_name(r) for r in range(2)]).to_json()
     if parts is not None:
         manifest["ranks"] = parts
     top.write_tensors({})

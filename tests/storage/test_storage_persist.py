@@ -23,7 +23,9 @@ from gockpt.capture.transfer import CopyEngine
 from gockpt.core.config import Config
 from gockpt.core.errors import CheckpointFailedError, StorageError
 from gockpt.core.job import Job, State
+from gockpt.pipeline import freeze_small_state
 from gockpt.storage import manifest as M
+from gockpt.storage import schema as S
 from gockpt.storage.persist import Persister
 from gockpt.storage.ranks import Ranks
 
@@ -116,7 +118,7 @@ def captured_job(rig, start_step, k=2):
               os.path.join(rig.dir, storage.checkpoint_name(start_step + k - 1)), host=rig.host,
               plan=rig.plan)
     rig.capture.copy_rest(job)
-    rig.capture.freeze_small(job, start_step + k - 1, {"note": "at F"})
+    freeze_small_state(rig.capture, job, start_step + k - 1, {"note": "at F"})
     rig.capture.copy_at_f(job)  # the static slots
     job.accounts_closed.set()  # no hook will charge it any more: its metrics are final
     return job
@@ -124,10 +126,10 @@ def captured_job(rig, start_step, k=2):
 
 def stored_elements(job, rig):
     """Elements of every stored tensor of ``job`` (parameters, aligned state, small state)."""
-    n = sum(t.numel() for t in job.capture.small_tensors.values())
+    n = sum(t.numel() for t in job.small_tensors.values())
     for b in rig.plan.blocks:
         s = rig.plan.slots[b.slot]
-        n += b.numel * (1 + (0 if s.static else len(job.capture.aligned.get(s.opt_index, ()))))
+        n += b.numel * (1 + (0 if s.static else len(job.aligned.get(s.opt_index, ()))))
     return n
 
 
@@ -168,7 +170,7 @@ def test_blocks_stream_before_commit_each_written_once(rig):
     stored = storage.read_tensors(where, m)
     for si, s in enumerate(rig.plan.slots):
         assert torch.equal(m.model.params[s.name].resolve(stored), s.param), s.name
-        for key in job.capture.aligned.get(s.opt_index, ()):
+        for key in job.aligned.get(s.opt_index, ()):
             assert torch.equal(m.optimizer.aligned[s.opt_index][key].resolve(stored),
                                rig.opt.state[s.param][key]), (s.name, key)
 
@@ -186,12 +188,12 @@ def test_commit_writes_the_typed_manifest_and_metrics(rig):
     _, m = M.read(path)
     assert (m.step, m.start_step, m.mode, m.overlap_steps, m.rank, m.world_size) == \
         (7, 5, "async", 3, 0, 1)
-    assert m.model.params == {s.name: M.TensorRef(M.param_tensor(s.name))
+    assert m.model.params == {s.name: M.TensorRef(S.param_tensor(s.name))
                               for s in rig.plan.slots}
     assert m.optimizer.cls == "AdamW"
-    assert m.optimizer.aligned == {i: {k: M.TensorRef(M.optim_tensor(i, k)) for k in keys}
-                                   for i, keys in job.capture.aligned.items()}
-    assert m.small == M.SmallSection(**json.loads(json.dumps(asdict(job.capture.small))))
+    assert m.optimizer.aligned == {i: {k: M.TensorRef(S.optim_tensor(i, k)) for k in keys}
+                                   for i, keys in job.aligned.items()}
+    assert m.small == S.SmallSection(**json.loads(json.dumps(asdict(job.small))))
     assert m.small.decode("extra_state", storage.read_tensors(path, m)) == {"note": "at F"}
     assert m.metrics["blocked_by_hook_s"] == {"save_checkpoint": 0.125}
     assert (m.metrics["step_time_s"], m.metrics["host_bytes"]) == (0.25, 1234)

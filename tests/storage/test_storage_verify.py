@@ -1,6 +1,5 @@
 """gockpt.verify: a library call that checks committed checkpoints without loading them."""
 
-import json
 import os
 import shutil
 

@@ -61,7 +61,8 @@ import torch
 from ... import storage
 from ...storage.commit import replace_file, write_latest
 from ...storage.format import TMP_PREFIX, fsync_dir, fsync_path
-from ...storage.manifest import Manifest
+from ...storage.manifest import parse as parse_manifest
+from ...storage.schema import Manifest
 from ...core.errors import ConfigError, CorruptCheckpointError
 from ...storage.statedict import model_state, optimizer_state
 
@@ -229,7 +230,7 @@ def _deepspeed():
 
 
 def _read(path: str, data: dict) -> Part:
-    m = Manifest.from_json(path, data)
+    m = parse_manifest(path, data)
     tensors = storage.read_tensors(path, m, verify=True)
     try:
         record = m.small.decode("extra_state", tensors)
@@ -562,11 +563,6 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     """A copy with storage of its own (a stored tensor may be a view into a packed one, and
     ``torch.save`` writes a view's whole storage)."""
     return t.clone()
-
-
-def one_line(exc) -> str:
-    """An exception (or message) as one line."""
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def one_line(exc) -> str:

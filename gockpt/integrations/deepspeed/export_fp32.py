@@ -11,7 +11,8 @@ import math
 import torch
 
 from ... import storage
-from ...storage.manifest import Manifest, is_small_tensor
+from ...storage.manifest import parse as parse_manifest
+from ...storage.schema import Manifest, is_small_tensor
 from ...core.errors import CorruptCheckpointError
 
 
@@ -20,7 +21,7 @@ def consolidated_fp32(sources) -> dict:
     ``{parameter name: fp32 tensor}`` in the model's order."""
     out, covered, shapes = {}, {}, {}
     for path, data in sources:
-        m = Manifest.from_json(path, data)
+        m = parse_manifest(path, data)
         small = storage.read_tensors(path, m, [n for n in m.tensors if is_small_tensor(n)],
                                      verify=True)
         try:

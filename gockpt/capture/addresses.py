@@ -1,0 +1,91 @@
+"""Where the live tensors a copy reads are, and whether something wrote them meanwhile.
+
+Per role (None: the parameter, else an optimizer state key) and per slot, the address of the
+live tensor in the parameter's planned memory order, read with a few list operations per role
+(not a Python step per tensor); the tensors read are kept with their version counters, so that
+an in-place write outside the optimizer during the copy is found when it lands.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..core.lists import has_none
+from ..core.plan import Plan, flat
+
+
+def live_bases(plan: Plan, states: list, slots: np.ndarray, roles) -> Tuple[Dict, "Reads", list]:
+    """Per role, per slot of ``plan``: the address of the live tensor (0 where the optimizer
+    has no such state yet: ``states`` per slot); the tensors read (a :class:`Reads`); and the
+    copies made of tensors laid out unlike their parameter (to keep alive with the copy)."""
+    n = len(plan.slots)
+    sis, params = slots.tolist(), plan.params()
+    slot_states = [states[si] for si in sis]
+    bases, columns, copies = {}, [], []
+    for key in roles:
+        if key is None:
+            have, tensors = sis, [params[si] for si in sis]
+        else:
+            tensors = [st.get(key) if st is not None else None for st in slot_states]
+            have = sis
+            if has_none(tensors):  # no such state yet
+                have = [si for si, t in zip(sis, tensors) if t is not None]
+                tensors = [t for t in tensors if t is not None]
+        columns.append((have, tensors))
+        base = bases[key] = np.zeros(n, dtype=np.int64)
+        base[have] = [t.data_ptr() for t in in_memory_order(plan, have, tensors, copies)]
+    return bases, Reads(columns), copies
+
+
+def in_memory_order(plan: Plan, slots: list, tensors: list, keep: list) -> list:
+    """``tensors`` (one per slot of ``slots``) each laid out as its parameter was planned: the
+    tensor itself, or (rare: a state tensor or gradient with other strides) a flat copy in the
+    parameter's memory order, also appended to ``keep`` (alive until its copy has run)."""
+    planned = plan.strides()
+    if [t.stride() for t in tensors] == [planned[si] for si in slots]:
+        return tensors
+    out = list(tensors)
+    for i, si in enumerate(slots):
+        if out[i].stride() != planned[si]:
+            out[i] = flat(out[i], plan.slots[si].dims)
+            keep.append(out[i])
+    return out
+
+
+class Reads:
+    """The live tensors some queued copies (or digests) read, role by role as
+    ``columns = [(slot indices, tensors), ...]``, with their versions when queued: an
+    in-place write since then (outside the optimizer) is found by :meth:`written`."""
+
+    def __init__(self, columns: list):
+        self.columns = columns
+        self.versions = [[t._version for t in tensors] for _, tensors in columns]
+
+    def written(self) -> set:
+        """The slots of the tensors written since they were queued."""
+        out = set()
+        for (slots, tensors), before in zip(self.columns, self.versions):
+            now = [t._version for t in tensors]
+            if now != before:
+                out.update(si for si, a, b in zip(slots, now, before) if a != b)
+        return out
+
+
+class Zeros:
+    """Zero bytes to copy from where the optimizer has no state yet (grown as needed)."""
+
+    def __init__(self):
+        self.buffer: Optional[torch.Tensor] = None
+
+    def address(self, nbytes: int) -> int:
+        """Address of at least ``nbytes`` zero bytes (keep :attr:`buffer` alive with the copy:
+        a larger one may replace it before the copy lands)."""
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            self.buffer = torch.zeros(max(nbytes, 1 << 16), dtype=torch.uint8)
+        return self.buffer.data_ptr()
+
+
+__all__: List[str] = ["live_bases", "in_memory_order", "Reads", "Zeros"]

@@ -1,0 +1,154 @@
+"""The gradients a step consumes, copied for the replay: in the optimizer's step pre-hook,
+exactly what the update consumes, for the blocks captured before it (only those are replayed).
+
+Three ways across (the transfer engine queues each): the gradients themselves (the update must
+not start before they are read: gockpt), a device-side snapshot made at device memory speed
+first and copied from there (the update overlaps the slow copy: gockpt-o), or bf16 images times
+one multiplier made on the device (:mod:`.transport`; 2 bytes per element instead of 4).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from ..core.blocks import BlockTable
+from ..core.errors import HookOrderError, UnsupportedOptimizerError
+from ..core.job import Job
+from ..core.lists import has_none
+from ..core.plan import flat
+from ..core.protocols import ReplayAdapter
+from ..core.records import StepRecord
+from ..core.staging import GradPool
+from .addresses import in_memory_order
+from .states import StateWatch
+from .transfer import GRADIENT, CopyEngine
+from .transport import Bf16Transport
+
+
+class GradientCopies:
+    """Gradient records of the steps inside checkpoints' windows."""
+
+    def __init__(self, engine: CopyEngine, states: StateWatch,
+                 transport: Optional[Bf16Transport] = None):
+        self.engine, self.states = engine, states
+        self.transport = transport  # None: gradients cross in fp32
+        self._snapshot = None  # (plan, the device-side gradient snapshot, its D2H ticket)
+
+    def record(self, job: Job, j: int, groups, grad_pool: GradPool, adapter: ReplayAdapter,
+               snapshot: bool = False) -> Optional[StepRecord]:
+        """Queue the copies of this step's gradients for the blocks captured so far of the
+        planned param groups ``groups`` (the optimizer's ``param_groups`` now, in order: all
+        of them, or the one DeepSpeed's ZeRO steps at a time); the record to replay, or None
+        when GradScaler skips the step (nothing changes).
+
+        With ``snapshot`` the gradients are first copied on the device (at device memory
+        speed, before the update may start) and the slow device-to-host copy reads that
+        snapshot: nothing the loop does to ``.grad`` afterwards can reach it (gockpt-o)."""
+        if adapter.skipped_by_scaler():
+            return None
+        why = adapter.unsupported_step()
+        if why:
+            raise UnsupportedOptimizerError(f"this optimizer step cannot be replayed: {why}")
+        stepped = {(j, gi) for gi in groups}
+        new_step = all(r[0] != j for r in job.capture.recorded)
+        if stepped & job.capture.recorded:
+            raise HookOrderError("optimizer.step() ran twice in one training step; gockpt "
+                                 "supports one optimizer step per save_checkpoint() boundary")
+        job.capture.recorded |= stepped
+        plan = job.plan
+        table = job.capture.captured_table()  # only these gradients are replayed
+        grads = live_gradients(plan, table.slots[plan.in_groups(groups)[table.slots]].tolist())
+        steps = adapter.step_counts(grads, self.states.of(job))
+        table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))
+        # bf16: images made on the device now, so the copy reads them and not .grad (a
+        # snapshot); fp32 when the transport is off or this step's images are not exact
+        encoded = self.transport.encode({si: grads[si] for si in table.slots.tolist()}) \
+            if self.transport is not None else None
+        dtype, mul = (torch.bfloat16, encoded[1]) if encoded else (torch.float32, 1.0)
+        bufs = grad_pool.acquire()
+        grad_base = grad_pool.arena(bufs, dtype).bases(len(plan.slots))
+        snapshot = encoded is not None or (snapshot and not self.engine.device.asynchronous_copies)
+        if encoded is not None:
+            ticket = self._copy(job, table, encoded[0], bufs, grad_pool, grad_base)
+            ticket.keep(encoded[0])  # the images the copy reads
+        elif snapshot:
+            ticket = self._copy_snapshot(job, table, grads, grad_base)
+        else:
+            ticket = self._copy(job, table, grads, bufs, grad_pool, grad_base)
+        scalars = {groups[i]: sc for i, sc in adapter.scalars().items()}
+        record = StepRecord(j, scalars, steps, table, bufs, grad_base, ticket,
+                            lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
+                            final=j == job.k - 1, snapshot=snapshot, grad_dtype=dtype,
+                            grad_mul=mul)
+        job.metrics.add_grad_step(self.transport.name if encoded else "fp32", ticket.nbytes,
+                                  new_step)
+        job.capture.grad_tickets.append(ticket)
+        return record
+
+    def _copy_snapshot(self, job: Job, table: BlockTable, grads, grad_base: np.ndarray):
+        """Copy the gradients of ``table``'s blocks to the device-side snapshot now, then queue
+        the device-to-host copy from it (the snapshot is reused once that copy has landed)."""
+        device, plan = self.engine.device, job.plan
+        if self._snapshot is None or self._snapshot[0] is not plan:
+            sizes = {si: s.numel for si, s in enumerate(plan.slots) if not s.static}
+            self._snapshot = (plan, device.device_arena(torch.float32, sizes), None)
+        _, arena, previous = self._snapshot
+        if previous is not None:  # its copy still reads the snapshot
+            device.order_after(previous)
+        live, _ = _bases(job, table, grads)
+        snap = arena.bases(len(plan.slots))
+        offset, nbytes = table.start * 4, table.numel * 4  # float32 (the replay modes)
+        device.copy_now(snap[table.slot] + offset, live[table.slot] + offset, nbytes)
+        ticket = self.engine.submit_segments(grad_base[table.slot] + offset,
+                                             snap[table.slot] + offset, nbytes, GRADIENT)
+        self._snapshot = (plan, arena, ticket)
+        return ticket
+
+    def _copy(self, job: Job, table: BlockTable, grads, bufs, grad_pool: GradPool,
+              grad_base: np.ndarray):
+        """Queue the copies of ``grads`` (slot -> live gradient) for ``table``'s blocks into
+        the gradient set ``bufs``, in the parameters' memory order."""
+        plan = job.plan
+        live, keep = _bases(job, table, grads)
+        if self.engine.device.asynchronous_copies:
+            pairs = [(grad_pool.buffer(bufs, b.slot, grads[b.slot])[b.start:b.end],
+                      flat(grads[b.slot], plan.slots[b.slot].dims)[b.start:b.end])
+                     for b in table.blocks]
+            return self.engine.submit(pairs, GRADIENT)
+        item = next(iter(grads.values())).element_size() if grads else 4  # fp32 or bf16 images
+        return self.engine.submit_segments(grad_base[table.slot] + table.start * item,
+                                           live[table.slot] + table.start * item,
+                                           table.numel * item, GRADIENT).keep(keep)
+
+
+def _bases(job: Job, table: BlockTable, grads):
+    """Per slot: the address of the live gradient in the parameter's memory order; and the
+    copies made of gradients laid out unlike their parameter."""
+    plan, keep = job.plan, []
+    live = np.zeros(len(plan.slots), dtype=np.int64)
+    slots = table.slots.tolist()
+    tensors = in_memory_order(plan, slots, [grads[si] for si in slots], keep)
+    live[table.slots] = [g.data_ptr() for g in tensors]
+    return live, keep
+
+
+def live_gradients(plan, slots: list) -> Dict[int, torch.Tensor]:
+    """Slot -> the ``.grad`` of each parameter of ``slots`` that has one, read with a few
+    list operations (the step pre-hook's cost per tensor is kept to the reads it needs);
+    UnsupportedOptimizerError for a gradient the replay cannot use."""
+    params = plan.params()
+    tensors = [params[si].grad for si in slots]
+    if has_none(tensors):  # not trained at this step: not stepped either
+        slots = [si for si, g in zip(slots, tensors) if g is not None]
+        tensors = [g for g in tensors if g is not None]
+    if {(g.dtype, g.layout) for g in tensors} - {(torch.float32, torch.strided)}:
+        si, g = next((si, g) for si, g in zip(slots, tensors) if g.dtype != torch.float32
+                     or g.layout != torch.strided)  # the replay modes: fp32 params
+        layout = "dense" if g.layout == torch.strided else str(g.layout).replace("torch.", "")
+        raise UnsupportedOptimizerError(
+            f"the gradient of {plan.slots[si].name!r} is a {layout} {g.dtype} tensor; the "
+            "replay needs dense torch.float32 gradients (mode='async-o' copies at the step)")
+    return dict(zip(slots, tensors))
