@@ -253,7 +253,7 @@ class Checkpointer:
         if self.ranks.several and self.config.fixed_overlap_steps() is None:
             self._agreed_k = self.ranks.agree_max(self._measured_k())  # for the next window
         self._last_asked = job
-        job.handle._complete = lambda: self._complete_on_wait(job)
+        job.progress.on_wait = lambda: self._complete_on_wait(job)
         return job.handle
 
     def _drop_window(self, job: Job, step: int, asked: bool) -> None:
@@ -304,7 +304,7 @@ class Checkpointer:
         last = self._last_asked
         if last is not None:
             self._complete_on_wait(last)
-            last.handle._durable.wait()
+            last.progress.durable.wait()
         self.loop.raise_pending()
 
     def _complete_on_wait(self, job: Job) -> None:
@@ -345,7 +345,7 @@ class Checkpointer:
             self.persister.close()
         finally:
             if self._staging is not None:  # never taken: no checkpoint was started
-                self._staging._thread.join()
+                self._staging.join()
                 self._staging = None
             self.engine.close()
             if self.digester is not None:
@@ -481,7 +481,7 @@ class Checkpointer:
                               "(on_busy='skip')", stacklevel=4)
             return None
         t0 = time.perf_counter()
-        prev.handle._durable.wait()
+        prev.progress.durable.wait()
         waited = time.perf_counter() - t0
         self.loop.raise_pending()
         return waited

@@ -187,7 +187,7 @@ def test_background_write_failure_surfaces_and_keeps_previous_latest(tmp_path, m
     # run (a window planned for 13 would wait for this write, which the gate holds)
     H.train_steps(model, opt, sched, 8, 11, ck, force={10}, on_boundary=on_boundary)
     DiskFull.gate.set()
-    assert handle._durable.wait(60)  # finished (failed) in the background
+    assert handle.progress.durable.wait(60)  # finished (failed) in the background
     with pytest.raises(gockpt.CheckpointFailedError, match="No space left"):
         H.train_steps(model, opt, sched, 11, 12, ck)  # ... or at the next hook, once
     ck.close()

@@ -369,7 +369,7 @@ def test_a_checkpoint_due_while_the_previous_persists(tmp_path, monkeypatch, pol
             GatedWriter.gate.set()  # the new checkpoint waits for the old: let it finish
             return super().wait(timeout)
 
-    first._durable = OpensGateWhenWaitedOn()
+    first.progress.durable = OpensGateWhenWaitedOn()
     if policy == "skip":
         with pytest.warns(UserWarning, match="still persisting"):
             H.train_steps(model, opt, sched, 2, 3, ck, force={3},

@@ -145,7 +145,7 @@ def test_begin_boundary_land_order_for_k_3():
     assert log == [("enqueue", 1), ("land", 1), ("enqueue", 2), ("land", 2),
                    ("freeze", 7, {"x": 1}), ("digest",), ("copy at F",), ("open",), ("blocks final", 0), ("enqueue", 3), ("land", 3),
                    ("write captured",), ("barrier",), ("queue persist",)]
-    assert job.state is State.STAGED and job.handle._staged.is_set()
+    assert job.state is State.STAGED and job.handle.progress.staged.is_set()
     # blocked time is charged by the Checkpointer around whole hooks (test_checkpointer)
 
 

@@ -81,7 +81,7 @@ class Capture:
             ticket, _ = self._copy(job, table, GRADIENT)
             ticket.wait()
             job.capture.captured.extend(table.blocks)
-            job.capture._tables["at_f"] = table
+            job.capture.at_f_table = table
         return table.blocks
 
     def _copy(self, job: Job, table: BlockTable, priority: int):
@@ -198,7 +198,7 @@ class Capture:
             book.tickets[j].wait()
         book.captured = [b for g in book.groups for b in g]
         book.landed = list(range(1, job.k + 1))
-        book._tables.pop("at_f", None)
+        book.at_f_table = None
         job.captured()
 
     def small_state(self, job: Job, extra_state) -> Tuple[Dict[str, object], Dict[int, tuple]]:

@@ -38,49 +38,60 @@ class State(enum.Enum):
     DROPPED = "dropped"       # abandoned at close() before F: nothing of it is visible
 
 
+class Progress:
+    """How far one checkpoint got, shared by its handle (which waits on it) and its job (its
+    only writer): ``staged`` and ``durable`` events, the ``error`` it failed with, whether that
+    error was ``reported`` already, and ``on_wait``: set by the Checkpointer once the
+    checkpoint's step is reached, it copies what is left right away when a wait is called
+    from the training loop's thread, so that a wait never hangs on steps that will not come
+    (a save at the last step)."""
+
+    def __init__(self):
+        self.staged = threading.Event()
+        self.durable = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.reported = False
+        self.on_wait: Optional[Callable[[], None]] = None
+
+
 class CheckpointHandle:
     """A checkpoint in flight, as the caller sees it. ``final_step`` is known when it starts."""
 
-    def __init__(self, final_step: int, path: str):
+    def __init__(self, final_step: int, path: str, progress: Optional[Progress] = None):
         self.final_step = final_step
         self.path = path
-        self.error: Optional[BaseException] = None
-        self._staged = threading.Event()
-        self._durable = threading.Event()
-        self._reported = False
-        self._complete: Optional[Callable[[], None]] = None
-        """Set by the Checkpointer once the checkpoint's step is reached: copies what is left
-        right away when called from the training loop's thread, so a wait never hangs on
-        steps that will not come (a save at the last step)."""
+        self.progress = progress if progress is not None else Progress()
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Why the checkpoint failed (None: it has not)."""
+        return self.progress.error
 
     def done(self) -> bool:
         """True once the checkpoint is durable (or has failed)."""
-        return self._durable.is_set()
+        return self.progress.durable.is_set()
 
     def wait_staged(self, timeout: Optional[float] = None) -> None:
         """Block until version F is complete and consistent in host memory."""
-        if self._complete is not None:
-            self._complete()
-        self._staged.wait(timeout)
-        self._raise()
+        self._wait(self.progress.staged, timeout)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until the checkpoint is written, fsynced and committed; re-raise its error."""
-        if self._complete is not None:
-            self._complete()
-        self._durable.wait(timeout)
-        self._raise()
+        self._wait(self.progress.durable, timeout)
 
-    def _raise(self):
+    def _wait(self, event: threading.Event, timeout: Optional[float]) -> None:
+        if self.progress.on_wait is not None:
+            self.progress.on_wait()
+        event.wait(timeout)
         if self.error is not None:
-            self._reported = True
+            self.progress.reported = True
             raise CheckpointFailedError(
                 f"checkpoint of step {self.final_step} failed: {self.error}",
                 self.final_step) from self.error
 
     def __repr__(self):
         state = "failed" if self.error else "durable" if self.done() else \
-            "staged" if self._staged.is_set() else "in flight"
+            "staged" if self.progress.staged.is_set() else "in flight"
         return f"CheckpointHandle(final_step={self.final_step}, {state}, path={self.path!r})"
 
 
@@ -113,24 +124,27 @@ class CaptureBook:
     reads the new one)."""
     live_digests: object = None
     """The digests of the live tensors at F (gockpt.capture.copies.LiveDigestBook)."""
-    _tables: Dict[int, object] = field(default_factory=dict)
+    group_tables: Dict[int, BlockTable] = field(default_factory=dict)
+    """Group j -> its blocks as a BlockTable (the plan's, built once per K)."""
+    at_f_table: Optional[BlockTable] = None
+    """The blocks copied directly at F, once copied."""
+    _captured_table: tuple = (-1, None)  # (len(captured) when built, the table)
 
-    def table(self, j: int):
+    def table(self, j: int) -> BlockTable:
         """Group j as a BlockTable (built once)."""
-        if j not in self._tables:
-            self._tables[j] = BlockTable(self.groups[j - 1])
-        return self._tables[j]
+        if j not in self.group_tables:
+            self.group_tables[j] = BlockTable(self.groups[j - 1])
+        return self.group_tables[j]
 
-    def captured_table(self):
+    def captured_table(self) -> BlockTable:
         """``captured`` as a BlockTable, derived from the groups' tables (no loop per block)
         and kept until another group lands."""
         key = len(self.captured)
-        cached = self._tables.get("captured")
-        if cached is None or cached[0] != key:
-            at_f = [self._tables["at_f"]] if "at_f" in self._tables else []
-            cached = self._tables["captured"] = (
+        if self._captured_table[0] != key:
+            at_f = [self.at_f_table] if self.at_f_table is not None else []
+            self._captured_table = (
                 key, BlockTable.concat([self.table(j) for j in self.landed] + at_f))
-        return cached[1]
+        return self._captured_table[1]
 
 
 @dataclass
@@ -159,7 +173,9 @@ class Job:
         self.state = State.CAPTURING
         self.error: Optional[BaseException] = None
         self.t_start = time.perf_counter()
-        self.handle = CheckpointHandle(start_step + k - 1, path)
+        self.progress = Progress()
+        """What the handle waits on (written here only)."""
+        self.handle = CheckpointHandle(start_step + k - 1, path, self.progress)
         self.named = False  # the caller named it (save_checkpoint(name=...)): never renamed
         self.metrics = metrics_mod.CheckpointMetrics(start_step, start_step + k - 1, mode, k)
         self.host = host
@@ -167,7 +183,7 @@ class Job:
         """The plan this checkpoint was started with (a re-plan affects later ones only)."""
         self.capture = CaptureBook(groups)
         if tables is not None:  # the plan's (built once per K): group j is tables[j - 1]
-            self.capture._tables = {j + 1: t for j, t in enumerate(tables)}
+            self.capture.group_tables = {j + 1: t for j, t in enumerate(tables)}
         self.stream = StreamBook()
         self.accounts_closed = threading.Event()
         """Set once no hook will charge blocked time to this job any more: its metrics are
@@ -218,19 +234,19 @@ class Job:
         """Version F is complete and consistent in host memory."""
         if self.error is None:
             self.state = State.STAGED
-            self.handle._staged.set()
+            self.progress.staged.set()
 
     def durable(self, path: str) -> None:
         """Committed at ``path``."""
         self.handle.path = path
         self.state = State.DURABLE
-        self.handle._durable.set()
+        self.progress.durable.set()
 
     def fail(self, exc: BaseException) -> None:
         """Fail the checkpoint (any thread; the first error wins and aborts the writer)."""
         if self.error is None:
             self.error = exc
-            self.handle.error = exc
+            self.progress.error = exc
             self.state = State.FAILED
             with self.stream.lock:
                 if self.stream.writer is not None:
@@ -238,13 +254,13 @@ class Job:
             if self.on_fail:
                 self.on_fail(self)
         self.accounts_closed.set()
-        self.handle._staged.set()
-        self.handle._durable.set()
+        self.progress.staged.set()
+        self.progress.durable.set()
 
     def fail_reported(self, exc: BaseException) -> None:
         """Fail with an error that the caller raises right away (so it is reported once)."""
         self.fail(exc)
-        self.handle._reported = True
+        self.progress.reported = True
 
     def drop(self) -> None:
         """Abandon a checkpoint that still needed training steps (or whose step was not asked
@@ -255,10 +271,10 @@ class Job:
             if self.stream.writer is not None:
                 self.stream.writer.abort()
         self.accounts_closed.set()
-        self.handle.error = CheckpointFailedError("dropped at close()")
-        self.handle._reported = True
-        self.handle._staged.set()
-        self.handle._durable.set()
+        self.progress.error = CheckpointFailedError("dropped at close()")
+        self.progress.reported = True
+        self.progress.staged.set()
+        self.progress.durable.set()
 
     @property
     def name(self) -> str:
@@ -273,7 +289,7 @@ class Job:
 
     @property
     def reported(self) -> bool:
-        return self.handle._reported
+        return self.progress.reported
 
     def mark_reported(self) -> None:
-        self.handle._reported = True
+        self.progress.reported = True

@@ -190,12 +190,14 @@ class StagingAllocation:
                                for si, s in enumerate(plan.slots) if not s.static})
             pool = GradPool(plan, device) if grad_dtypes else None
             if pool is not None:
-                for bufs in pool._sets:
-                    for dtype in grad_dtypes:
-                        pool.arena(bufs, dtype)
+                pool.allocate(grad_dtypes)
             self._result = (host, pool)
         except BaseException as exc:  # raised by take(), on the training thread
             self._error = exc
+
+    def join(self) -> None:
+        """Wait until the allocation is over (what it gave is dropped unless taken)."""
+        self._thread.join()
 
     def take(self) -> Tuple[HostCopy, Optional[GradPool]]:
         """The staging, once allocated (raises what allocating it raised)."""
@@ -243,6 +245,12 @@ class GradPool:
             arena = arenas[dtype] = Arena(self.device, dtype, sizes)
             bufs.update({si: arena.view(si) for si in sizes})  # once per set: its views
         return arena
+
+    def allocate(self, dtypes) -> None:
+        """Lay out every set's arena of each of ``dtypes`` now (not at its first use)."""
+        for bufs in self._sets:
+            for dtype in dtypes:
+                self.arena(bufs, dtype)
 
     def release(self, bufs: Dict[int, torch.Tensor]) -> None:
         with self._cv:

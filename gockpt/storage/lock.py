@@ -55,10 +55,15 @@ _held: "weakref.WeakSet[DirectoryLock]" = weakref.WeakSet()
 class DirectoryLock:
     """The writer lock of ``directory`` (acquired on creation, released by :meth:`release`)."""
 
-    def __init__(self, directory: str):
-        self.path = os.path.join(directory, LOCK_FILE)
+    def __init__(self, directory: Optional[str]):
+        """Acquire the lock of ``directory``; None: a lock that holds nothing (what the ranks
+        other than 0 hold: rank 0's lock covers them)."""
+        self.path = os.path.join(directory, LOCK_FILE) if directory is not None else None
         self._fd: Optional[int] = None
         self._stop = threading.Event()
+        self._heartbeat: Optional[threading.Thread] = None
+        if directory is None:
+            return
         with _guard(directory):
             fd = _open_lock_file(self.path)
             try:
@@ -108,22 +113,20 @@ class DirectoryLock:
     @classmethod
     def shared(cls) -> "DirectoryLock":
         """What the ranks other than 0 hold: rank 0's lock covers them."""
-        lock = cls.__new__(cls)
-        lock.path, lock._fd, lock._stop = None, None, threading.Event()
-        return lock
+        return cls(None)
 
     def release(self) -> None:
         """Drop the lock (idempotent). The file stays: removing it would race with a new
         holder that has just opened it."""
         self._stop.set()
-        beat = getattr(self, "_heartbeat", None)
+        beat = self._heartbeat
         if beat is not None and beat is not threading.current_thread():
             beat.join()  # a close() leaves no gockpt thread behind
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # closing the last descriptor of the open file releases the flock
 
-    def _forget_in_child(self) -> None:
+    def forget_in_child(self) -> None:
         """In a forked child: close the inherited descriptor (the parent keeps the lock)."""
         fd, self._fd = self._fd, None
         if fd is not None:
@@ -137,7 +140,7 @@ class DirectoryLock:
 
 def _after_fork_in_child() -> None:
     for lock in list(_held):
-        lock._forget_in_child()
+        lock.forget_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

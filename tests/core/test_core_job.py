@@ -25,7 +25,7 @@ def test_a_job_moves_capturing_captured_staged_durable():
     h = job.handle
     assert job.state is State.CAPTURING and job.capturing
     assert (h.final_step, job.metrics.start_step, job.metrics.final_step) == (12, 10, 12)
-    assert not h._staged.is_set() and not h.done()
+    assert not h.progress.staged.is_set() and not h.done()
     job.captured()
     assert job.state is State.CAPTURED and not job.capturing
     job.staged()
@@ -56,7 +56,7 @@ def test_first_error_wins_releases_both_events_aborts_writer_calls_on_fail_once(
     job.fail(second)
     assert job.error is first and job.handle.error is first
     assert job.state is State.FAILED
-    assert job.handle._staged.is_set() and job.handle.done()
+    assert job.handle.progress.staged.is_set() and job.handle.done()
     assert writer.aborted == 1 and calls == [job]
     assert not job.reported
 
@@ -88,7 +88,7 @@ def test_drop_abandons_the_job():
     job.drop()
     assert job.state is State.DROPPED and job.dropped and not job.capturing
     assert writer.aborted == 1 and calls == []
-    assert job.reported and job.handle.done() and job.handle._staged.is_set()
+    assert job.reported and job.handle.done() and job.handle.progress.staged.is_set()
     with pytest.raises(CheckpointFailedError, match="dropped"):
         job.handle.wait(0)
 

@@ -8,8 +8,10 @@ product beta2^t differs from pow(beta2, t), so a resume that does not rebuild th
 would drift (see gockpt/integrations/deepspeed/state.py: warm_cpu_adam).
 """
 
+import gc
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -98,6 +100,28 @@ def test_a_save_right_before_the_script_ends_is_committed_at_exit(tmp_path):
     runs(tmp_path, 1, stage=1, steps=3, save_at=3, exit_without_wait=True)("save")
     assert holds_gockpt_checkpoint(tmp_path / "ckpt", None)
     assert gockpt.verify(str(tmp_path / "ckpt")).ok
+
+
+def test_the_registry_of_patched_engines_lets_a_dropped_engine_go():
+    class Engine:  # what patch() reads of an engine before its first checkpoint
+        optimizer = None
+        _config = types.SimpleNamespace(_param_dict={})
+
+        def zero_optimization_stage(self):
+            return 1
+
+        def forward(self, x):
+            return x
+
+        backward = step = save_checkpoint = load_checkpoint = forward
+
+    engine = Engine()
+    gockpt_ds.patch(engine, mode="async")
+    assert gockpt_ds._patches[engine].engine is engine and engine.forward(3) == 3
+    freed = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert freed() is None and len(gockpt_ds._patches) == 0
 
 
 # ---------------------------------------------------------------------- options, refusals

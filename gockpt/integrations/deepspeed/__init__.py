@@ -50,17 +50,19 @@ from .state import base_optimizer
 DEFAULT_MODE = "async-o"
 
 _installed = {}                      # method name -> the original, while install() is active
-_patched = weakref.WeakSet()         # engines with an EnginePatch (wait() at exit)
+# engine -> its EnginePatch, kept beside the engine rather than on it (an attribute of
+# ours on DeepSpeed's object could collide with its own names); weak: a dropped engine
+# takes its patch along.  wait() at exit walks it.
+_patches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def patch(engine, **options) -> None:
     """Route this engine's checkpoints through gockpt (see the module docstring for options).
 
     Raises :class:`gockpt.ConfigError` for a configuration gockpt cannot checkpoint exactly."""
-    if getattr(engine, "_gockpt", None) is not None:
+    if engine in _patches:
         return
-    engine._gockpt = EnginePatch(engine, _options(engine, options))
-    _patched.add(engine)
+    _patches[engine] = EnginePatch(engine, _options(engine, options))
     _wait_at_exit()
     if not _installed:  # per engine: wrap the bound methods of this instance only
         for name, wrapper in _WRAPPERS.items():
@@ -82,7 +84,7 @@ def install(**options) -> None:
         _installed[name] = original
 
         def method(self, *args, _w=wrapper, _o=original, **kwargs):
-            if getattr(self, "_gockpt", None) is None:
+            if self not in _patches:
                 patch(self, **_install_options)
             return _w(functools.partial(_o, self), self, *args, **kwargs)
         functools.update_wrapper(method, original)
@@ -101,8 +103,8 @@ def uninstall() -> None:
 def wait(engine=None) -> None:
     """Block until every checkpoint ``engine`` (default: every patched engine) started is
     durable, and re-raise a background error.  Runs at interpreter exit too."""
-    for e in [engine] if engine is not None else list(_patched):
-        p = getattr(e, "_gockpt", None)
+    for e in [engine] if engine is not None else list(_patches.keys()):
+        p = _patches.get(e)
         if p is not None:
             p.close()
 
@@ -158,19 +160,19 @@ def _replay_refusal(engine):
 # Each gets the original bound method first, then the engine, then the caller's arguments.
 
 def _forward(original, engine, *args, **kwargs):
-    engine._gockpt.before_forward()
+    _patches[engine].before_forward()
     return original(*args, **kwargs)
 
 
 def _backward(original, engine, *args, **kwargs):
-    engine._gockpt.before_backward()
+    _patches[engine].before_backward()
     return original(*args, **kwargs)
 
 
 def _step(original, engine, *args, **kwargs):
-    real = engine._gockpt.before_step()
+    real = _patches[engine].before_step()
     out = original(*args, **kwargs)
-    engine._gockpt.after_step(real)
+    _patches[engine].after_step(real)
     return out
 
 
@@ -179,14 +181,14 @@ def _save_checkpoint(original, engine, save_dir, tag=None, client_state={}, save
     if exclude_frozen_parameters:
         raise ConfigError("gockpt_ds: exclude_frozen_parameters is not supported (gockpt "
                           "checkpoints hold every parameter)")
-    return engine._gockpt.save(save_dir, tag, client_state, save_latest)
+    return _patches[engine].save(save_dir, tag, client_state, save_latest)
 
 
 def _load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True,
                      load_optimizer_states=True, load_lr_scheduler_states=True,
                      load_module_only=False, custom_load_fn=None):
     if not holds_gockpt_checkpoint(load_dir, tag):  # a native checkpoint: DeepSpeed's own
-        engine._gockpt.close()
+        _patches[engine].close()
         return original(load_dir, tag=tag, load_module_strict=load_module_strict,
                         load_optimizer_states=load_optimizer_states,
                         load_lr_scheduler_states=load_lr_scheduler_states,
@@ -194,7 +196,7 @@ def _load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tr
     if custom_load_fn is not None or not load_module_strict:
         raise ConfigError("gockpt_ds: custom_load_fn and load_module_strict=False are not "
                           "supported for gockpt checkpoints")
-    return engine._gockpt.load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+    return _patches[engine].load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                load_module_only)
 
 

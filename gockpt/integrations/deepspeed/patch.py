@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -27,10 +28,12 @@ from .state import (EngineState, base_optimizer, engine_record, fp32_layout, res
 
 
 class EnginePatch:
-    """gockpt's state for one engine (``engine._gockpt``)."""
+    """gockpt's state for one engine (kept in ``gockpt.integrations.deepspeed._patches``)."""
 
     def __init__(self, engine, options: dict):
-        self.engine = engine
+        # weak: the registry maps the engine to this patch, and a strong reference back
+        # would keep every patched engine (and its model) alive for the whole process
+        self._engine = weakref.ref(engine)
         self.options = options
         self.ck: Optional[Checkpointer] = None
         self.state: Optional[EngineState] = None
@@ -44,6 +47,10 @@ class EnginePatch:
         if options.get("grad_transport") == "bf16" and watch_unscale(engine.optimizer, self):
             options["grad_multiplier"] = \
                 lambda: self.multiplier() if self.multiplier is not None else None
+
+    @property
+    def engine(self):
+        return self._engine()
 
     # ------------------------------------------------------------------ the loop
 
