@@ -1,5 +1,12 @@
-# Lets tests import their shared helpers (tests/harness.py) by name.
-import os
-import sys
+"""pytest setup of the repository.  The tests import their shared helpers and workers as the
+package ``tests._support`` (``tests`` and its folders are packages; pytest puts this directory
+on ``sys.path``).
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
+Tiers: ``pytest -m "not slow" tests`` is the inner loop of development (a few minutes on a
+2-core machine); ``./run test`` runs all of ``tests/``, the ``slow`` tests included."""
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: end-to-end tests that take long (subprocess ranks, DeepSpeed, crash and "
+        "fuzz runs); deselect with -m \"not slow\"")

@@ -1,7 +1,7 @@
 """The loader fuzz test (tests/test_fuzz_load.py), longer: many seeded attacks on real
 checkpoints, each followed by gockpt.load and gockpt.verify, which must give the identical
-state or a gockpt error naming the damage (tests/fuzz_attacks.py says what is attacked and
-what is allowed).
+state or a gockpt error naming the damage (tests/_support/fuzz_attacks.py says what is attacked
+and what is allowed).
 
     python experiments/fuzz_load.py --attacks 20000 [--seed 0] [--json OUT]
 
@@ -22,10 +22,10 @@ import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(os.path.dirname(HERE), "tests"), os.path.dirname(HERE)]
+sys.path.insert(0, os.path.dirname(HERE))  # the repository root: gockpt, tests._support
 
 import gockpt  # noqa: E402
-import fuzz_attacks as F  # noqa: E402
+from tests._support import fuzz_attacks as F  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -19,36 +19,32 @@ lives in its own package: ``capture/`` -> ``replay/`` -> ``storage/``.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import logging
-import os
 import threading
 import time
-import warnings
-import weakref
-from typing import Callable, List, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
-from . import storage
 from .capture.copies import Capture
 from .core.digest import LiveDigests
-from .capture.device import device_for
+from .capture.devices import device_for
 from .core.names import is_replicated
-from .core.plan import build_plan, check_layouts, fingerprint, stepped_groups
-from .core.staging import GradPool, HostCopy, StagingAllocation, planned_host_bytes
+from .core.plan import build_plan, check_layouts, fingerprint
+from .core.staging import (HostStaging, expected_state_keys, gradient_dtypes,
+                           planned_host_bytes)
 from .capture.transfer import CopyEngine
 from .capture.transport import Bf16Transport
-from .core.config import Config
-from .core.errors import (ConfigError, ConsistencyError, GockptError, HookOrderError,
-                     UnsupportedOptimizerError)
+from .core.config import Config, GradTransport, Interval, OnBusy, check_step
+from .core.errors import ConfigError, GockptError, UnsupportedOptimizerError
 from .core.job import CheckpointHandle, Job
+from .exit import close_at_exit, forget_at_exit
+from .hooks import BlockedTime, StepHooks
 from .loop import BACKWARD, IDLE, UPDATE, Loop
 from .replay.adapters import adapter_for
 from .replay.replayer import Replayer
 from .pipeline import Pipeline
-from .schedule import Schedule
+from .schedule import Busy, Schedule
 from .storage.commit import check_new_name, cleanup_temporaries, ensure_writable
 from .storage.lock import lock_for_ranks
 from .storage.persist import Persister
@@ -93,8 +89,8 @@ class Checkpointer:
         self.policy = self.config.policy
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.ranks = Ranks()  # collective on several ranks: every rank builds its Checkpointer
-        if self.ranks.several and (self.config.interval == "auto"
-                                   or self.config.on_busy == "skip"):
+        if self.ranks.several and (self.config.interval is Interval.AUTO
+                                   or self.config.on_busy is OnBusy.SKIP):
             raise ConfigError("with several ranks every rank must start the same checkpoints: "
                               "use a fixed interval (or force) and on_busy='wait'")
         if self.config.replicated is None:
@@ -111,7 +107,7 @@ class Checkpointer:
             if self.adapter is not None:
                 self.adapter.close()
             raise
-        _close_at_exit(self)
+        close_at_exit(self)
 
     def _build(self, model, optimizer, scheduler) -> None:
         """Everything that needs the directory lock."""
@@ -122,33 +118,31 @@ class Checkpointer:
             raise ConfigError("emulate_link_gbps emulates a GPU link for training on the CPU; "
                               f"the parameters live on {self.device.kind}")
         self.engine = CopyEngine(self.device, link_gbps=self.config.emulate_link_gbps)
-        self.host: Optional[HostCopy] = None          # taken at the first checkpoint from
-        self.grad_pool: Optional[GradPool] = None     # the allocation started here
-        self._staging: Optional[StagingAllocation] = self._allocate_staging()
+        self.staging = HostStaging(self.plan, self.device,
+                                   expected_state_keys(self.optimizer, self.adapter),
+                                   gradient_dtypes(self.policy.replays, self.config.grad_transport))
         self.replayer = Replayer(self.adapter, self.config.replay_threads) if self.adapter else None
         transport = Bf16Transport(self.config.grad_multiplier) \
-            if self.config.grad_transport == "bf16" and self.adapter is not None else None
+            if self.config.grad_transport is GradTransport.BF16 and self.adapter is not None else None
         self.capture = Capture(model, optimizer, scheduler, self.engine, self.adapter, transport)
-        self.schedule = Schedule(self.config)
+        self.schedule = Schedule(self.config, self.ranks.several)
         self.persister = Persister(self.config, self.plan, self.ranks, type(optimizer).__name__,
                                    step_time=self.schedule.median_step_time,
-                                   host_bytes=lambda: self.host_bytes,
+                                   host_bytes=self.staging.nbytes,
                                    on_durable=lambda job: self.schedule.durable(
                                        job.metrics.blocked_s))
         self.digester = LiveDigests(self.device) if self.config.verify else None
         self.pipeline = Pipeline(self.config, self.capture, self.replayer, self.persister,
-                                 lambda step: _checkpoint_path(self.config.directory, step),
-                                 self.digester)
+                                 digester=self.digester)
         self.loop = Loop()
         self._thread = threading.get_ident()  # the training thread: it builds the Checkpointer
         self._job: Optional[Job] = None
         self._last_asked: Optional[Job] = None  # the last checkpoint whose step was reached
-        self._agreed_k = self.config.overlap_steps or 2  # several ranks: K agreed at each F
-        self._warned_k = False
         self._windows_off = False  # the replay could not follow: copied at the step from now
-        self._grad_tickets: List = []
-        self._hooks = [optimizer.register_step_pre_hook(self._on_optimizer_step),
-                       optimizer.register_step_post_hook(self._after_optimizer_step)]
+        self._blocked = BlockedTime(lambda: self._job)
+        self._step_hooks = StepHooks(optimizer, self.loop, lambda: self._job, self.pipeline,
+                                     self.staging, self.device, self.policy.replays,
+                                     self._blocked)
         log.info("gockpt: %s mode, %d tensors in %d blocks, %.1f MiB host staging planned",
                  self.config.mode, len(self.plan.slots), len(self.plan.blocks),
                  self.planned_host_bytes / 2**20)
@@ -160,9 +154,7 @@ class Checkpointer:
 
         May be called again for the same step when the previous attempt was abandoned
         (``loss.backward()`` raised, or a gockpt error was raised and caught)."""
-        self.loop.check_open()
-        self.loop.expect("backward_begin", IDLE)
-        self.loop.phase = BACKWARD
+        self.loop.enter("backward_begin", IDLE, BACKWARD)
         self.loop.raise_pending()  # after the transition: a caught error leaves the loop usable
 
     def update_begin(self) -> None:
@@ -171,7 +163,7 @@ class Checkpointer:
         self.loop.check_open()
         self.loop.expect("update_begin", BACKWARD)
         self.schedule.reached_update()
-        with self._charged("update_begin"):
+        with self._blocked("update_begin"):
             self.pipeline.before_update()
             job = self._job
             if job is not None and job.capturing and job.error is None:
@@ -193,27 +185,19 @@ class Checkpointer:
         instead (a tag such as DeepSpeed's ``global_step<N>``); it must not exist yet.
 
         When the step of the next checkpoint is known in advance (``interval``,
-        :meth:`plan_checkpoint`, or the spacing of the previous forced saves), the replay modes start copying K - 1 steps
-        before it so that the copy rides under training; a checkpoint asked for without
-        notice is copied under the next step's forward/backward (as ``async-o``).
+        :meth:`plan_checkpoint`, or the spacing of the previous forced saves), the replay
+        modes start copying K - 1 steps before it so that the copy rides under training; a
+        checkpoint asked for without notice is copied under the next step's forward/backward
+        (as ``async-o``).
         """
         self.loop.check_open()
         if name is not None:
             check_new_name(self.config.directory, name)
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise ConfigError(f"step must be an int, got {step!r}")
+        check_step(step)
         loop = self.loop
-        if loop.phase != UPDATE and not (loop.phase == IDLE and loop.steps_seen == 0):
-            raise HookOrderError(
-                f"save_checkpoint({step}) called in phase '{loop.phase}'; call it once per "
-                "step, after update_begin() and optimizer.step()")
-        completed = loop.phase == UPDATE
-        loop.steps_seen += completed
-        self.schedule.reached_boundary(completed)
-        loop.boundary += 1
-        loop.phase = IDLE
+        self.schedule.reached_boundary(loop.reach_boundary(step))
         handle = None
-        with self._charged("save_checkpoint"):
+        with self._blocked("save_checkpoint"):
             asked = force or self.schedule.due(step)
             job = self._job
             if job is not None and job.capturing and job.error is None:
@@ -221,7 +205,11 @@ class Checkpointer:
                     self.pipeline.boundary(job, step, loop.boundary, extra_state, name)
                     handle = self._asked(job, step)
                 elif job.is_final_boundary(loop.boundary) or asked:
-                    self._drop_window(job, step, asked)  # its step is not the one asked for
+                    # its step is not the one asked for: nothing of it is visible
+                    log.info("gockpt: the checkpoint planned for step %d is dropped (%s at "
+                             "step %d)", job.handle.final_step,
+                             "a save asked" if asked else "no save", step)
+                    job.drop()
                 else:
                     self.pipeline.boundary(job, step, loop.boundary, extra_state)
             loop.raise_pending()  # the boundary is recorded; no new checkpoint after a failure
@@ -243,25 +231,18 @@ class Checkpointer:
         and the replay modes copy its state over the K steps up to it instead of under the
         step after it (as for a checkpoint asked for without notice)."""
         self.loop.check_open()
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise ConfigError(f"step must be an int, got {step!r}")
+        check_step(step)
         self.schedule.announce(step)
 
     def _asked(self, job: Job, step: int) -> CheckpointHandle:
         """``job`` reached the step it was asked for: what ``wait()`` now waits for."""
         self.schedule.asked(step)
         if self.ranks.several and self.config.fixed_overlap_steps() is None:
-            self._agreed_k = self.ranks.agree_max(self._measured_k())  # for the next window
+            self.schedule.agreed_k = self.ranks.agree_max(  # for the next window
+                self.schedule.measured_k(self.plan, self.engine.bandwidth(), self.policy.replays))
         self._last_asked = job
         job.progress.on_wait = lambda: self._complete_on_wait(job)
         return job.handle
-
-    def _drop_window(self, job: Job, step: int, asked: bool) -> None:
-        """A window started for a step that was not asked for after all (a save at another
-        step, or none at its end): nothing of it is visible."""
-        log.info("gockpt: the checkpoint planned for step %d is dropped (%s at step %d)",
-                 job.handle.final_step, "a save asked" if asked else "no save", step)
-        job.drop()
 
     def _maybe_start_window(self, step: int) -> None:
         """Start the window of the next expected checkpoint when it must start here: K - 1
@@ -269,31 +250,9 @@ class Checkpointer:
         if not self.policy.replays or self._windows_off or (
                 self._job is not None and self._job.capturing):
             return
-        k = self._window_k()
+        k = self.schedule.window_k(self.plan, self.engine.bandwidth(), self.policy.replays)
         if k > 1 and self.schedule.expected(step + k - 1):
             self._start(step, k, None, None)
-
-    def _window_k(self) -> int:
-        """K of a window starting now: configured, measured (on several ranks: agreed at the
-        last checkpoint), at most the spacing of the saves, at most the blocks to copy."""
-        k = self.config.fixed_overlap_steps()
-        if k is None:
-            k = self._agreed_k if self.ranks.several else self._measured_k()
-        spacing = self.schedule.spacing()
-        if spacing is not None:
-            k = min(k, spacing)
-        groups = len(self.plan.groups(k))
-        if groups < k and self.config.overlap_steps and not self._warned_k:
-            self._warned_k = True
-            warnings.warn(f"gockpt: overlap_steps={self.config.overlap_steps} but only "
-                          f"{groups} blocks are replayed (the others are copied at the final "
-                          f"step): K={groups}", stacklevel=4)
-        return groups
-
-    def _measured_k(self) -> int:
-        return self.schedule.choose_k(
-            self.plan.state_bytes(2), self.plan.optimized_bytes() if self.policy.replays else 0,
-            self.engine.bandwidth())
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -315,7 +274,7 @@ class Checkpointer:
                 and self.loop.boundary >= job.f_boundary and self.loop.phase != UPDATE
                 and threading.get_ident() == self._thread):
             return
-        with self._charged("wait"):
+        with self._blocked("wait"):
             self.capture.copy_rest(job)
             job.accounts_closed.set()
             self.pipeline.finish_capture(job)
@@ -329,7 +288,7 @@ class Checkpointer:
         if self.loop.closed:
             return
         self.loop.closed = True
-        _open.discard(self)
+        forget_at_exit(self)
         job = self._job
         try:
             if job is not None and job.capturing and job.error is None:
@@ -339,20 +298,15 @@ class Checkpointer:
                     log.info("gockpt: close() before step %d: the checkpoint planned for it "
                              "is dropped", job.handle.final_step)
                     job.drop()
-            self._wait_grad_copies()
-            if self.replayer is not None:
-                self.replayer.close()
-            self.persister.close()
+            self._step_hooks.wait_copies()
+            self.pipeline.close()
         finally:
-            if self._staging is not None:  # never taken: no checkpoint was started
-                self._staging.join()
-                self._staging = None
+            self.staging.close()
             self.engine.close()
             if self.digester is not None:
                 self.digester.close()
             self.lock.release()
-            for hook in self._hooks:
-                hook.remove()
+            self._step_hooks.remove()
             if self.adapter is not None:
                 self.adapter.close()
         self.loop.raise_pending()
@@ -361,19 +315,22 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
+        try:
             self.close()
-        else:
-            try:
-                self.close()
-            except GockptError as err:  # the training error is the one to see
-                log.error("gockpt: while closing after an exception: %s", err)
+        except GockptError as err:
+            if exc_type is None:
+                raise
+            log.error("gockpt: while closing after an exception: %s", err)  # (theirs shows)
 
     @property
     def host_bytes(self) -> int:
         """Host memory gockpt holds for staging (state copy + gradient buffers)."""
-        n = self.host.nbytes() if self.host else 0
-        return n + (self.grad_pool.nbytes() if self.grad_pool else 0)
+        return self.staging.nbytes()
+
+    @property
+    def host(self):
+        """The host copy of the state (None before the first checkpoint)."""
+        return self.staging.host
 
     # ------------------------------------------------------------------ the window
 
@@ -383,60 +340,34 @@ class Checkpointer:
         (asked for now); K > 1 is the window of the checkpoint expected at ``step + K - 1``.
         None when it does not start (the previous one is still busy and ``on_busy="skip"``;
         a window whose K no longer fits the plan starts at a later boundary)."""
-        waited = self._wait_for_previous(step, quiet=k > 1)
-        if waited is None:
+        prev, waited = self._job, 0.0
+        busy = self.schedule.previous_busy(prev, step, self.loop.boundary, quiet=k > 1)
+        if busy is Busy.SKIP:
             return None
+        if busy is Busy.WAIT:
+            t0 = time.perf_counter()
+            prev.progress.durable.wait()
+            waited = time.perf_counter() - t0
+            self.loop.raise_pending()
         if self._job is not None and self._job.error is not None:
             self.pipeline.settle(self._job)  # its staging is about to be reused
         if fingerprint(self.optimizer) != self.plan.fingerprint:
             self._replan()
         check_layouts(self.plan)
         self.plan.copy_at_f(self.loop.take_adapted())
-        groups, tables = self.plan.groups(k), self.plan.group_tables(k)
-        if len(groups) != k:  # fewer blocks to replay than planned: a shorter window, later
+        tables = self.plan.group_tables(k)
+        if len(tables) != k:  # fewer blocks to replay than planned: a shorter window, later
             return None
-        if self.host is None and self._staging is not None:
-            staging, self._staging = self._staging, None
-            self.host, self.grad_pool = staging.take()
-        if self.host is None:  # planned again: allocated now
-            self.host = HostCopy(self.plan, self.device)
-            if self.policy.replays:
-                self.grad_pool = GradPool(self.plan, self.device)
-        final = step + k - 1
-        job = Job(step, k, self.loop.boundary, groups, self.config.mode,
-                  os.path.join(self.config.directory, name) if name is not None else
-                  _checkpoint_path(self.config.directory, final), host=self.host,
-                  plan=self.plan, tables=tables)
-        job.on_fail = self._on_job_failed
-        job.named = name is not None
-        if not self.ranks.several and self.policy.streams:
-            job.on_final = self.persister.blocks_final
-        job.metrics.add_blocked("save_checkpoint_busy_wait", waited)
-        self.capture.declare_state_keys(self.host)
-        job.metrics.state_bytes = self.capture.state_bytes(self.host)
-        self._job = job
-        log.info("gockpt: checkpoint of step %d: %s", final,
-                 f"copied over the {k} steps up to it (K={k}, "
-                 f"{'as configured' if self.config.overlap_steps else 'measured'})" if k > 1
-                 else "copied under the next step")
+        self.staging.ready(self.plan)
+        self._job = job = self.pipeline.new_job(
+            step, k, self.loop.boundary, self.plan, tables, self.staging.host, name, waited,
+            self._on_job_failed, not self.ranks.several and self.policy.streams)
         self.pipeline.begin(job, step, self.loop.boundary, extra_state)
         return job.handle
 
     def _min_blocks(self) -> int:
         """Blocks the plan needs: an explicit K of a replay mode needs K groups."""
         return self.config.overlap_steps or 1 if self.policy.replays else 1
-
-    def _allocate_staging(self) -> StagingAllocation:
-        """Start allocating the host staging in the background (see StagingAllocation)."""
-        if self.adapter is not None:
-            keys = self.adapter.state_keys
-        elif isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            keys = ("exp_avg", "exp_avg_sq")  # what its state will hold after the first step
-        else:
-            keys = None
-        grads = () if not self.policy.replays else \
-            (torch.bfloat16,) if self.config.grad_transport == "bf16" else (torch.float32,)
-        return StagingAllocation(self.plan, self.device, keys, grads)
 
     def _replan(self) -> None:
         """The optimizer's parameters changed: plan again (a replay mode checks the new param
@@ -453,109 +384,9 @@ class Checkpointer:
             raise ConfigError("the optimizer's new parameters live on another device")
         self.plan = plan
         self.planned_host_bytes = planned_host_bytes(self.plan, self.policy.replays, self.config.max_host_bytes)
-        if self._staging is not None:  # allocated for the old plan: let it go
-            self._staging.take()
-        self.host, self.grad_pool, self._staging = None, None, None
+        self.staging.replanned()
         log.info("gockpt: the optimizer's parameters changed: planned again (%d tensors)",
                  len(plan.slots))
-
-    def _wait_for_previous(self, step: int, quiet: bool = False) -> Optional[float]:
-        """Seconds waited for the previous checkpoint to persist; None: skip this one (with a
-        warning unless ``quiet``: a window not asked for yet, decided again at its step)."""
-        prev = self._job
-        # On several ranks decided from the step count alone, so that every rank decides
-        # alike; on one, a window that failed before its step lets that step be taken anew.
-        if prev is not None and self.loop.boundary <= prev.f_boundary and not prev.dropped \
-                and (prev.capturing or self.ranks.several):
-            if not quiet:
-                warnings.warn(f"gockpt: checkpoint at step {step} skipped: the checkpoint of "
-                              f"step {prev.handle.final_step} is still being captured",
-                              stacklevel=4)
-            return None
-        if prev is None or prev.handle.done():
-            return 0.0
-        if self.config.on_busy == "skip":
-            if not quiet:
-                warnings.warn(f"gockpt: checkpoint at step {step} skipped: the checkpoint of "
-                              f"step {prev.handle.final_step} is still persisting "
-                              "(on_busy='skip')", stacklevel=4)
-            return None
-        t0 = time.perf_counter()
-        prev.progress.durable.wait()
-        waited = time.perf_counter() - t0
-        self.loop.raise_pending()
-        return waited
-
-    # ------------------------------------------------------------------ gradients
-
-    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
-        """Step pre-hook: the gradients are exactly what this update consumes."""
-        with self._charged("optimizer_step"):
-            self._record_gradients()
-
-    def _record_gradients(self) -> None:
-        job = self._job
-        if self.loop.phase != UPDATE:
-            msg = (f"optimizer.step() ran in phase '{self.loop.phase}': call "
-                   "ck.update_begin() after backward and before optimizer.step()")
-            self.loop.hook_error(msg)
-            if job is not None and job.capturing:
-                job.fail_reported(HookOrderError(msg))  # reported by the HookOrderError itself
-            return
-        if job is None or not job.capturing or job.error is not None:
-            return
-        groups = stepped_groups(job.plan.fingerprint, self.optimizer)
-        if groups is None:
-            job.capture.replan = True
-            job.fail(ConsistencyError(
-                "the optimizer's parameters changed during the checkpoint (add_param_group, or a "
-                "param group's list edited)"))
-            return
-        if self.adapter is None:
-            return
-        j = job.window_step(self.loop.boundary)
-        if j < job.k:  # the update of window step K produces F + 1: not needed
-            ticket = self.pipeline.record_gradients(job, j, groups, self.grad_pool)
-            if ticket is not None:
-                self._grad_tickets.append(ticket)
-
-    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        """Step post-hook (gockpt-o): the update overlapped the gradient copies; nothing that
-        runs after it (an in-place zero_grad, another backward accumulating into .grad) may
-        change a gradient before its copy has landed. On a GPU the compute stream waits for
-        the copies (the CPU goes on); on the CPU this thread waits."""
-        if self._grad_tickets:
-            with self._charged("optimizer_step"):
-                self._wait_grad_copies()
-
-    def _wait_grad_copies(self) -> None:
-        tickets, self._grad_tickets = self._grad_tickets, []
-        for t in tickets:
-            try:
-                self.device.order_after(t)
-            except BaseException as exc:
-                if self._job is not None:
-                    self._job.fail(exc)
-
-    @contextlib.contextmanager
-    def _charged(self, hook: str):
-        """Time spent in this hook counts as blocked time of the checkpoint in its window (or
-        of the one the hook starts); parts that inner code charged under their own name
-        (e.g. the busy wait) are not counted twice."""
-        job = self._job if self._job is not None and self._job.capturing else None
-        before = job.metrics.blocked_s if job is not None else 0.0
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            elapsed = time.perf_counter() - t0
-            if self._job is not job:
-                job, before = self._job, 0.0  # started by this hook
-            if job is not None:
-                inner = job.metrics.blocked_s - before
-                job.metrics.add_blocked(hook, max(0.0, elapsed - inner))
-                if not job.capturing:
-                    job.accounts_closed.set()  # its window is over: the metrics are final
 
     def _on_job_failed(self, job: Job) -> None:
         """Any thread: ``job`` failed (see Loop.job_failed); on several ranks it still votes."""
@@ -567,29 +398,3 @@ class Checkpointer:
         self.loop.job_failed(job, retaken=retaken)
         if self.ranks.several and not job.stream.entered and not job.dropped:
             self.persister.queue_persist(job)  # it still votes, so that the other ranks do not wait
-
-
-def _checkpoint_path(directory: str, step: int) -> str:
-    return os.path.join(directory, storage.checkpoint_name(step))
-
-
-# Checkpointers not closed when the interpreter exits (an exception escaped the loop, no
-# ``with``): closed by an atexit hook, before the interpreter stops its daemon threads --
-# stopped there, a thread inside the C++ writer would end the process with std::terminate.
-_open: "weakref.WeakSet" = weakref.WeakSet()
-_exit_hook = []
-
-
-def _close_at_exit(ck: Checkpointer) -> None:
-    _open.add(ck)
-    if not _exit_hook:
-        _exit_hook.append(atexit.register(_close_open))
-
-
-def _close_open() -> None:
-    for ck in list(_open):
-        try:
-            ck.close()
-        except Exception as exc:  # noqa: BLE001 -- the process is ending: say it, go on
-            log.error("gockpt: closing the checkpointer of %s at exit: %s",
-                      ck.config.directory, exc)

@@ -12,14 +12,33 @@ be called again.
 
 from __future__ import annotations
 
+import enum
 import threading
 import warnings
 from typing import List, Optional, Set
 
-from .core.errors import (CheckpointFailedError, ConsistencyError, GockptError, HookOrderError,
-                     UnsupportedOptimizerError)
+from .core.errors import (Adaptation, CheckpointFailedError, ConsistencyError, GockptError,
+                          HookOrderError, UnsupportedOptimizerError)
 
-IDLE, BACKWARD, UPDATE = "idle (after save_checkpoint)", "backward", "update"
+class Phase(enum.Enum):
+    """Where the training thread is in its step (what the last hook said)."""
+
+    IDLE = "idle (after save_checkpoint)"
+    BACKWARD = "backward"
+    UPDATE = "update"
+
+    def __str__(self) -> str:  # as messages name it
+        return self.value
+
+
+IDLE, BACKWARD, UPDATE = Phase.IDLE, Phase.BACKWARD, Phase.UPDATE
+
+
+# What the next checkpoints do, as the warning says it.
+_NEXT = {Adaptation.COPY_AT_F: "From now on these tensors are copied directly at the step "
+                               "boundary of each checkpoint",
+         Adaptation.REPLAN: "The next one is planned for the optimizer's new parameters",
+         Adaptation.NEW_STATE: "The next one reads the optimizer's new state"}
 
 
 class Loop:
@@ -37,7 +56,27 @@ class Loop:
         self._warnings: List[str] = []
         self._lock = threading.Lock()
 
-    def expect(self, hook: str, phase: str) -> None:
+    def enter(self, hook: str, expected: Phase, phase: Phase) -> None:
+        """``hook`` was called: the loop must be open and in ``expected``; it is now in
+        ``phase``."""
+        self.check_open()
+        self.expect(hook, expected)
+        self.phase = phase
+
+    def reach_boundary(self, step: int) -> bool:
+        """``save_checkpoint(step)``: the step boundary. Returns whether a training step
+        completed (False: the boundary before the first step)."""
+        if self.phase is not UPDATE and not (self.phase is IDLE and self.steps_seen == 0):
+            raise HookOrderError(
+                f"save_checkpoint({step}) called in phase '{self.phase}'; call it once per "
+                "step, after update_begin() and optimizer.step()")
+        completed = self.phase is UPDATE
+        self.steps_seen += completed
+        self.boundary += 1
+        self.phase = IDLE
+        return completed
+
+    def expect(self, hook: str, phase: Phase) -> None:
         """Raise HookOrderError unless the loop is in ``phase``."""
         after_error, self._after_error = self._after_error, False
         if hook == "backward_begin" and (after_error or self.phase == BACKWARD):
@@ -62,8 +101,6 @@ class Loop:
         then the next checkpoints adapt, and a warning says so once (``handle.wait()`` still
         raises). ``retaken``: it failed in its window, before its step, which is then taken
         anew when it is reached."""
-        outside = sorted(job.capture.written_outside)
-        book = job.capture
         if retaken and isinstance(job.error, UnsupportedOptimizerError):
             job.mark_reported()  # training goes on; the checkpoint is still taken at its step
             step = job.handle.final_step
@@ -71,13 +108,11 @@ class Loop:
                        f"step {step} and the checkpoints after it are copied at their step "
                        "(as async-o does) instead of over the steps before it")
             return
-        if isinstance(job.error, ConsistencyError) and (outside or book.replan or
-                                                        book.state_replaced):
+        adapt = job.error.adapt if isinstance(job.error, ConsistencyError) else None
+        if adapt is not None:
             job.mark_reported()
-            what = ("From now on these tensors are copied directly at the step boundary of "
-                    "each checkpoint" if outside else
-                    "The next one is planned for the optimizer's new parameters" if book.replan
-                    else "The next one reads the optimizer's new state")
+            outside = sorted(job.error.tensors) if adapt is Adaptation.COPY_AT_F else []
+            what = _NEXT[adapt]
             step = job.handle.final_step
             self.adapt(outside, f"gockpt: the copies of the checkpoint of step {step} were "
                        f"refused: {job.error}. {what}; step {step} is copied at once when it "

@@ -13,6 +13,7 @@ warning (gockpt.loop), and the next one reads the new state.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -21,28 +22,64 @@ from typing import Callable, List, Optional
 from .capture.copies import Capture
 from .core.digest import LiveDigests
 from .core.config import Config
-from .core.errors import CheckpointFailedError, ConfigError, ConsistencyError, GockptError
+from .core.errors import (Adaptation, CheckpointFailedError, ConfigError, ConsistencyError,
+                          GockptError)
 from .core.job import Job
 from .core.modes import GRADS_AT_BACKWARD, GRADS_IN_STEP
 from .replay import selfcheck
 from .replay.replayer import Replayer
+from .storage.format import checkpoint_name
 from .storage.persist import Persister
 from .storage.schema import SmallSection
+
+log = logging.getLogger("gockpt")
 
 
 class Pipeline:
     """Moves jobs through capture -> replay -> self-check -> persist."""
 
     def __init__(self, config: Config, capture: Capture, replayer: Optional[Replayer],
-                 persister: Persister, path_of: Callable[[int], str],
+                 persister: Persister, path_of: Optional[Callable[[int], str]] = None,
                  digester: Optional[LiveDigests] = None):
         self.config, self.policy = config, config.policy
         self.capture, self.replayer, self.persister = capture, replayer, persister
-        self.path_of = path_of  # step -> directory of its checkpoint
+        # step -> directory of its checkpoint
+        self.path_of = path_of or (lambda step: os.path.join(config.directory,
+                                                             checkpoint_name(step)))
         self.digester = digester  # None: Config.verify is off
         self._digests_to_wait: List[Job] = []  # live digests the next update must not overtake
 
+    def close(self) -> None:
+        """Stop the replay thread, then the persist thread (each finishes what it holds)."""
+        if self.replayer is not None:
+            self.replayer.close()
+        self.persister.close()
+
     # ------------------------------------------------------------------ at boundaries
+
+    def new_job(self, step: int, k: int, boundary: int, plan, tables, host,
+                name: Optional[str], waited: float, on_fail, streams_blocks: bool) -> Job:
+        """The checkpoint of K steps starting at ``boundary`` (its step F = ``step + k - 1``),
+        into ``name`` or the directory of F; ``waited``: seconds the start waited for the
+        previous one; ``streams_blocks``: its blocks stream to the writer as they reach F.
+        :meth:`begin` starts it."""
+        final = step + k - 1
+        path = os.path.join(self.config.directory, name) if name is not None \
+            else self.path_of(final)
+        job = Job(step, k, boundary, plan.groups(k), self.config.mode, path, host=host,
+                  plan=plan, tables=tables)
+        job.on_fail = on_fail
+        job.named = name is not None
+        if streams_blocks:
+            job.on_final = self.persister.blocks_final
+        job.metrics.add_blocked("save_checkpoint_busy_wait", waited)
+        self.capture.declare_state_keys(host)
+        job.metrics.state_bytes = self.capture.state_bytes(host)
+        log.info("gockpt: checkpoint of step %d: %s", final,
+                 f"copied over the {k} steps up to it (K={k}, "
+                 f"{'as configured' if self.config.overlap_steps else 'measured'})" if k > 1
+                 else "copied under the next step")
+        return job
 
     def begin(self, job: Job, step: int, boundary: int, extra_state) -> None:
         """The boundary that starts ``job``: queue group 1 (everything, blocking, in the
@@ -87,12 +124,11 @@ class Pipeline:
             job.renamed(step, None if job.named else self.path_of(step))
         replaced = self.capture.replaced_states(job)
         if replaced:  # the next checkpoint reads the new state (a warning, not an error)
-            job.capture.state_replaced = True
             job.fail(ConsistencyError(
                 f"the optimizer state of {', '.join(replaced[:5])}"
                 f"{f' (and {len(replaced) - 5} more)' if len(replaced) > 5 else ''} was "
                 "replaced during the checkpoint (optimizer.load_state_dict(), or a state dict "
-                "assigned)"))
+                "assigned)", adapt=Adaptation.NEW_STATE))
             return
         freeze_small_state(self.capture, job, step, extra_state)
         if self.replayer is not None:

@@ -4,14 +4,16 @@ bandwidth. Everything here is decided from step counts and measurements of this 
 
 from __future__ import annotations
 
+import enum
 import logging
 import statistics
 import time
+import warnings
 from typing import List, Optional
 
 import torch
 
-from .core.config import Config
+from .core.config import Config, Interval, OnBusy
 from .interval import auto_interval
 
 log = logging.getLogger("gockpt")
@@ -22,11 +24,22 @@ _HISTORY = 16  # measurements kept (the medians ignore a few outliers)
 _MAX_K = 8
 
 
+class Busy(enum.Enum):
+    """What a checkpoint starting now does about the previous one."""
+
+    FREE = "free"  # none, or it is durable: start
+    WAIT = "wait"  # still persisting, on_busy="wait": wait until it is durable, then start
+    SKIP = "skip"  # still being captured, or persisting with on_busy="skip": do not start
+
+
 class Schedule:
     """Step-time measurements and the decisions made from them."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, several_ranks: bool = False):
         self.config = config
+        self.several_ranks = several_ranks
+        self.agreed_k = config.overlap_steps or 2  # several ranks: K agreed at each F
+        self._warned_k = False
         self.fwd_bwd_times: List[float] = []    # boundary -> update_begin
         self.step_times: List[float] = []       # boundary -> boundary
         self._t_boundary = time.perf_counter()
@@ -74,7 +87,7 @@ class Schedule:
         interval = self.config.interval
         if interval is None:
             return False
-        if interval != "auto":
+        if interval is not Interval.AUTO:
             return step % interval == 0
         self._update_auto_interval()
         if self._last_asked is None:
@@ -108,7 +121,52 @@ class Schedule:
         interval = self.config.interval
         if isinstance(interval, int):
             return interval
-        return self.auto_interval if interval == "auto" else self._learned
+        return self.auto_interval if interval is Interval.AUTO else self._learned
+
+    def previous_busy(self, prev, step: int, boundary: int, quiet: bool = False) -> Busy:
+        """Whether a checkpoint starting at ``boundary`` (for ``step``) waits for ``prev``, the
+        previous one (or None), or is skipped (with a warning unless ``quiet``: a window not
+        asked for yet, decided again at its step)."""
+        # On several ranks decided from the step count alone, so that every rank decides
+        # alike; on one, a window that failed before its step lets that step be taken anew.
+        if prev is not None and boundary <= prev.f_boundary and not prev.dropped \
+                and (prev.capturing or self.several_ranks):
+            if not quiet:
+                warnings.warn(f"gockpt: checkpoint at step {step} skipped: the checkpoint of "
+                              f"step {prev.handle.final_step} is still being captured",
+                              stacklevel=4)
+            return Busy.SKIP
+        if prev is None or prev.handle.done():
+            return Busy.FREE
+        if self.config.on_busy is OnBusy.SKIP:
+            if not quiet:
+                warnings.warn(f"gockpt: checkpoint at step {step} skipped: the checkpoint of "
+                              f"step {prev.handle.final_step} is still persisting "
+                              "(on_busy='skip')", stacklevel=4)
+            return Busy.SKIP
+        return Busy.WAIT
+
+    def window_k(self, plan, bandwidth: float, replays: bool) -> int:
+        """K of a window starting now: configured, measured (on several ranks: agreed at the
+        last checkpoint), at most the spacing of the saves, at most the blocks to copy."""
+        k = self.config.fixed_overlap_steps()
+        if k is None:
+            k = self.agreed_k if self.several_ranks else self.measured_k(plan, bandwidth, replays)
+        spacing = self.spacing()
+        if spacing is not None:
+            k = min(k, spacing)
+        groups = len(plan.groups(k))
+        if groups < k and self.config.overlap_steps and not self._warned_k:
+            self._warned_k = True
+            warnings.warn(f"gockpt: overlap_steps={self.config.overlap_steps} but only "
+                          f"{groups} blocks are replayed (the others are copied at the final "
+                          f"step): K={groups}", stacklevel=4)
+        return groups
+
+    def measured_k(self, plan, bandwidth: float, replays: bool) -> int:
+        """:meth:`choose_k` for ``plan``'s state (and, with a replay, its gradients)."""
+        return self.choose_k(plan.state_bytes(2), plan.optimized_bytes() if replays else 0,
+                             bandwidth)
 
     def choose_k(self, state_bytes: int, grad_bytes: int, bandwidth: float) -> int:
         """K: the fewest steps whose forward/backward passes carry the state copy and the

@@ -19,8 +19,8 @@ import gockpt
 from gockpt import storage
 from gockpt.storage.commit import read_latest
 
-import harness as H
-from manifests import read_raw, rewrite, write_sealed, write_sealed_text
+from tests._support import harness as H
+from tests._support.manifests import read_raw, rewrite, write_sealed, write_sealed_text
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import gockpt
 from gockpt import storage
 from gockpt.replay import adapters as replay
 
-import harness as H
+from tests._support import harness as H, worker_env
 
 
 def make(tmp_path, **kw):
@@ -260,9 +260,8 @@ def test_an_exception_out_of_the_loop_without_close_ends_the_process_cleanly(tmp
     import sys
     script = tmp_path / "loop.py"
     script.write_text(f"""
-import sys
-sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-import gockpt, harness as H
+import gockpt
+from tests._support import harness as H
 model, opt, sched = H.build()
 ck = gockpt.Checkpointer(model, opt, {str(tmp_path / "ck")!r}, mode="gockpt-o",
                          overlap_steps=2, interval=3, scheduler=sched)
@@ -270,7 +269,7 @@ H.train_steps(model, opt, sched, 0, 4, ck)
 raise RuntimeError("the loop failed")
 """)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=worker_env())
     assert proc.returncode == 1 and "RuntimeError: the loop failed" in proc.stderr
     assert "terminate" not in proc.stderr, proc.stderr
     assert storage.list_checkpoints(str(tmp_path / "ck")) == [storage.checkpoint_name(3)]

@@ -7,7 +7,6 @@ import errno
 import os
 import random
 import subprocess
-import sys
 import time
 
 import pytest
@@ -15,17 +14,18 @@ import pytest
 import gockpt
 from gockpt import storage
 
-import harness as H
+from tests._support import harness as H, worker_command, worker_env
 
-WORKER = os.path.join(os.path.dirname(__file__), "crash_worker.py")
+WORKER = "crash_worker"  # a module of tests._support
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_instants_never_exposes_a_partial_checkpoint(tmp_path):
     rng = random.Random(1234)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = worker_env()
     resumed_from = []
     for attempt in range(20):
-        proc = subprocess.Popen([sys.executable, WORKER, str(tmp_path)], stdout=subprocess.PIPE,
+        proc = subprocess.Popen(worker_command(WORKER, tmp_path), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env)
         first = proc.stdout.readline()
         assert first.startswith("resumed"), first + proc.stderr.read()
@@ -44,7 +44,7 @@ def test_kill_9_at_random_instants_never_exposes_a_partial_checkpoint(tmp_path):
     assert resumed_from[0] == 0 and resumed_from[-1] > 0
     assert resumed_from == sorted(resumed_from)
     # the last state loads and verifies too
-    final = subprocess.run([sys.executable, WORKER, str(tmp_path), "--check-only"], env=env,
+    final = subprocess.run(worker_command(WORKER, tmp_path, "--check-only"), env=env,
                            timeout=120, capture_output=True, text=True)
     assert final.returncode == 0 and final.stdout.startswith("resumed"), final.stderr
 

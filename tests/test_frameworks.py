@@ -1,10 +1,8 @@
 """The frameworks users wrap their models in: what gockpt supports works, what it does not
 support yet is refused at construction with a clear error -- never a silently wrong checkpoint.
-Multi-rank cases run real gloo ranks (tests/frameworks_worker.py)."""
+Multi-rank cases run real gloo ranks (tests/_support/frameworks_worker.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -13,11 +11,12 @@ from torch import nn
 import gockpt
 import gockpt.storage.manifest
 import gockpt.testing
-from dist_ranks import run_ranks
+from tests._support.dist_ranks import run_ranks
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "frameworks_worker.py")
+WORKER = "frameworks_worker"  # a module of tests._support
 
 
+@pytest.mark.slow
 def test_fsdp2_is_refused_in_every_mode_on_two_ranks(tmp_path):
     run_ranks(tmp_path, "fsdp2-refused", world=2, worker=WORKER)
 
@@ -50,6 +49,7 @@ def _assert_loaded(expected, model, opt):
         assert why is None, why
 
 
+@pytest.mark.slow
 def test_a_ddp_checkpoint_loads_unwrapped_on_one_rank(tmp_path):
     directory = str(tmp_path / "ddp")
     run_ranks(directory, "ddp-save", world=2, worker=WORKER)
@@ -60,8 +60,9 @@ def test_a_ddp_checkpoint_loads_unwrapped_on_one_rank(tmp_path):
     _assert_loaded(torch.load(directory + ".expected.pt", weights_only=True), model, opt)
 
 
+@pytest.mark.slow
 def test_an_unwrapped_checkpoint_loads_into_ddp_on_two_ranks(tmp_path):
-    from frameworks_worker import train_and_save
+    from tests._support.frameworks_worker import train_and_save
     directory = str(tmp_path / "plain")
     model, opt = _tiny()
     ck = gockpt.Checkpointer(model, opt, directory, mode="gockpt-o", overlap_steps=2,
@@ -72,7 +73,7 @@ def test_an_unwrapped_checkpoint_loads_into_ddp_on_two_ranks(tmp_path):
 
 @pytest.mark.parametrize("compiled_at", ["save", "load"])
 def test_a_compiled_model_and_its_original_share_checkpoints(tmp_path, compiled_at):
-    from frameworks_worker import train_and_save
+    from tests._support.frameworks_worker import train_and_save
     model, opt = _tiny()
     wrapped = torch.compile(model, backend="eager")  # the OptimizedModule (_orig_mod.) names
     assert next(iter(wrapped.state_dict())).startswith("_orig_mod.")
@@ -85,6 +86,7 @@ def test_a_compiled_model_and_its_original_share_checkpoints(tmp_path, compiled_
     _assert_loaded(expected, fresh, fresh_opt)
 
 
+@pytest.mark.slow
 def test_per_rank_state_is_refused_on_another_world_size(tmp_path):
     directory = str(tmp_path / "per-rank")
     run_ranks(directory, "per-rank-save", world=2, worker=WORKER)

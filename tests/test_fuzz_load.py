@@ -9,7 +9,9 @@ import collections
 
 import pytest
 
-import fuzz_attacks as F
+from tests._support import fuzz_attacks as F
+
+pytestmark = pytest.mark.slow
 
 ATTACKS_PER_SEED = 500
 

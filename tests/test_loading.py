@@ -15,7 +15,7 @@ import torch
 import gockpt
 from gockpt import storage
 
-import harness as H
+from tests._support import harness as H
 
 
 def extra(step):
@@ -157,7 +157,7 @@ def test_a_chunk_size_beyond_the_reader_is_refused_not_skipped(saved, tmp_path):
     # block_bytes 2**64 - 4096 (a multiple of 4096, one checksum for the tensor: the manifest
     # checks pass) wrapped the C++ reader's chunk count to 0: the parameter was neither read
     # nor checksummed and the fresh model's values stayed (with verify=False, silently).
-    from manifests import rewrite
+    from tests._support.manifests import rewrite
 
     root, snaps = saved
     shutil.copytree(root, tmp_path / "copy")
@@ -204,7 +204,7 @@ def test_intact_bytes_that_are_not_the_training_state_are_refused(tmp_path, buil
     # A storage plugin writes zeros for one stored tensor: its checksums match (computed on
     # what was written), only the digests of the live tensors at F, recorded in the manifest,
     # tell. Packed small tensors are checked too (each by its own range).
-    from faulty_storage import misplacing_writer
+    from tests._support.faulty_storage import misplacing_writer
     H.seed_all(0)
     model, opt, sched = build()
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="async", scheduler=sched,

@@ -11,12 +11,12 @@ import gockpt
 from gockpt import storage
 from gockpt.capture.copies import Capture
 from gockpt.core.config import Config
-from gockpt.core.errors import CheckpointFailedError, ConfigError, ConsistencyError
+from gockpt.core.errors import Adaptation, CheckpointFailedError, ConfigError, ConsistencyError
 from gockpt.core.job import Job, State
 from gockpt.loop import Loop
 from gockpt.pipeline import Pipeline
 
-import harness as H
+from tests._support import harness as H
 
 
 class FakeCapture:
@@ -239,7 +239,7 @@ def test_an_optimizer_state_replaced_before_F_fails_the_job_without_raising():
     pipe.boundary(job, 6, 6, None)
     pipe.land(job, 2)
     pipe.boundary(job, 7, 7, None)  # F: nothing frozen, the last group not queued
-    assert isinstance(job.error, ConsistencyError) and job.capture.state_replaced
+    assert isinstance(job.error, ConsistencyError) and job.error.adapt is Adaptation.NEW_STATE
     assert "optimizer state of w, b was replaced" in str(job.error) and not job.reported
     assert ("freeze", 7, None) not in log and ("enqueue", 3) not in log
 

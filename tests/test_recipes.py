@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import gockpt
-from dist_ranks import free_port
+from tests._support.dist_ranks import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "integrations")
@@ -64,6 +64,7 @@ def assert_resumed_bitwise(resumed, full, steps):
     assert resumed["digest"] == full["digest"]
 
 
+@pytest.mark.slow
 def test_custom_loop_recipe_resumes_bit_for_bit_after_a_crash(tmp_path):
     # K = 3: each checkpoint copied over 3 steps, 2 optimizer steps replayed on the CPU
     args = ["--steps", "24", "--every", "6", "--overlap-steps", "3", "--warmup", "5", *TINY]
@@ -89,6 +90,7 @@ def deepspeed_installed():
     pytest.importorskip("deepspeed")  # installed by the README's setup: never skips in CI
 
 
+@pytest.mark.slow
 def test_deepspeed_recipe_one_rank_resumes_bit_for_bit_after_a_crash(tmp_path,
                                                                       deepspeed_installed):
     """The shipped ds_config.json as it is (bf16, ZeRO 1, AdamW (0.9, 0.95), clipping,
@@ -109,6 +111,7 @@ def test_deepspeed_recipe_one_rank_resumes_bit_for_bit_after_a_crash(tmp_path,
     assert gockpt.verify(str(tmp_path / "ckpt")).ok
 
 
+@pytest.mark.slow
 def test_deepspeed_recipe_two_ranks_stopped_and_continued_bit_for_bit(tmp_path,
                                                                        deepspeed_installed):
     """Two gloo ranks (torchrun's environment), the shipped config with overlap_steps 3 added

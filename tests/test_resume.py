@@ -2,23 +2,24 @@
 produces bitwise the same losses and final parameters as an uninterrupted run."""
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
 from gockpt import storage
 
-WORKER = os.path.join(os.path.dirname(__file__), "resume_worker.py")
+from tests._support import worker_command, worker_env
+
+pytestmark = pytest.mark.slow
+
+WORKER = "resume_worker"  # a module of tests._support
 TOTAL = 30
 
 
 def run(*args):
     # The worker imports the gockpt this test imported (this checkout's), not an installed one.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True,
-                          text=True, timeout=300, env=env)
+    proc = subprocess.run(worker_command(WORKER, *args), capture_output=True,
+                          text=True, timeout=300, env=worker_env())
     return proc
 
 

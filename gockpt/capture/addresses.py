@@ -22,7 +22,7 @@ def live_bases(plan: Plan, states: list, slots: np.ndarray, roles) -> Tuple[Dict
     has no such state yet: ``states`` per slot); the tensors read (a :class:`Reads`); and the
     copies made of tensors laid out unlike their parameter (to keep alive with the copy)."""
     n = len(plan.slots)
-    sis, params = slots.tolist(), plan.params()
+    sis, params = slots.tolist(), plan.params
     slot_states = [states[si] for si in sis]
     bases, columns, copies = {}, [], []
     for key in roles:
@@ -44,7 +44,7 @@ def in_memory_order(plan: Plan, slots: list, tensors: list, keep: list) -> list:
     """``tensors`` (one per slot of ``slots``) each laid out as its parameter was planned: the
     tensor itself, or (rare: a state tensor or gradient with other strides) a flat copy in the
     parameter's memory order, also appended to ``keep`` (alive until its copy has run)."""
-    planned = plan.strides()
+    planned = plan.strides
     if [t.stride() for t in tensors] == [planned[si] for si in slots]:
         return tensors
     out = list(tensors)

@@ -21,15 +21,16 @@ import torch
 
 from ..core.blocks import BlockTable
 from ..core.digest import LiveDigests, Ticket as DigestTicket
-from ..core.errors import ConsistencyError
+from ..core.errors import Adaptation, ConsistencyError
 from ..core.job import Job
+from ..core.optstate import optimizer_small
 from ..core.plan import fingerprint, flat
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
 from ..core.staging import GradPool, HostCopy
 from . import smallstate
 from .addresses import Reads, Zeros, live_bases
-from .gradients import GradientCopies
+from .gradients import GradientCopies, block_runs
 from .states import StateWatch
 from .transfer import GRADIENT, STATE, CopyEngine
 from .transport import Bf16Transport
@@ -76,7 +77,7 @@ class Capture:
     def copy_at_f(self, job: Job) -> list:
         """At the boundary of F: copy the blocks planned to be copied directly at F, now
         (before anything of the next step can write them); returns them."""
-        table = job.plan.at_f_table()
+        table = job.plan.at_f_table
         if len(table):
             ticket, _ = self._copy(job, table, GRADIENT)
             ticket.wait()
@@ -87,10 +88,13 @@ class Capture:
     def _copy(self, job: Job, table: BlockTable, priority: int):
         """Queue the copies of every tensor of ``table``'s blocks (the parameter and its
         aligned state; zeros where the optimizer has none yet): (ticket, the tensors read)."""
-        states = self.states.of(job)  # (checked at F: replaced_states)
-        if self.engine.device.asynchronous_copies:
-            return self.engine.submit(self._pairs(job, table.blocks, states), priority), \
-                Reads([])
+        group = _StateCopies(self, job, table, self.states.of(job))  # (checked at F)
+        ticket = self.engine.submit_group(group, priority)
+        return ticket, group.reads
+
+    def segments_of(self, job: Job, table: BlockTable, states: list):
+        """The copies of ``table``'s blocks as host memcpy segments, in the planned memory
+        order of each role: (dst, src, nbytes, keep, the tensors read)."""
         roles = (None,) + job.host.roles()
         live, read, keep = live_bases(job.plan, states, table.slots, roles)
         dst, src, size = [], [], []
@@ -111,10 +115,8 @@ class Capture:
             src.append(src_rows)
             size.append(nbytes)
         if not dst:
-            return self.engine.submit([], priority), read
-        ticket = self.engine.submit_segments(np.concatenate(dst), np.concatenate(src),
-                                             np.concatenate(size), priority)
-        return ticket.keep(keep), read
+            return _NO_SEGMENTS + ([], read)
+        return np.concatenate(dst), np.concatenate(src), np.concatenate(size), keep, read
 
     def digest_live(self, job: Job, digester: LiveDigests) -> None:
         """At the boundary of F, after the small state is frozen: queue the digests
@@ -148,18 +150,18 @@ class Capture:
             self.engine.device.order_after_digests(book.parts[0][1])
         job.capture.live_digests = book
 
-    def _pairs(self, job: Job, blocks, states: list) -> list:
-        """(host destination, live source) of every tensor of ``blocks`` (for a device whose
-        copies are enqueued tensor by tensor); ``states``: per slot, its optimizer state."""
+    def pairs_of(self, job: Job, table: BlockTable, states: list) -> list:
+        """(host destination, live source) of every tensor of ``table``'s blocks, a pair per
+        run of consecutive blocks (for a device whose copies are enqueued tensor by tensor);
+        ``states``: per slot, its optimizer state."""
         host, plan = job.host, job.plan
         pairs = []
-        for b in blocks:
-            slot = plan.slots[b.slot]
-            s, e = b.start, b.end
-            pairs.append((host.param[b.slot][s:e], flat(slot.param, slot.dims)[s:e]))
-            live = states[b.slot] or {}
-            for key in host.keys[b.slot]:
-                dst = host.state[b.slot][key][s:e]
+        for si, s, e in block_runs(table):
+            slot = plan.slots[si]
+            pairs.append((host.param[si][s:e], flat(slot.param, slot.dims)[s:e]))
+            live = states[si] or {}
+            for key in host.keys[si]:
+                dst = host.state[si][key][s:e]
                 if key in live:
                     pairs.append((dst, flat(live[key], slot.dims)[s:e]))
                 else:
@@ -178,13 +180,12 @@ class Capture:
         written = book.reads[j].written() if j in book.reads else set()
         written = sorted({job.plan.slots[si].name for si in written})
         if written:
-            book.written_outside.update(written)
             raise ConsistencyError(
                 f"{', '.join(written[:5])} {'was' if len(written) == 1 else 'were'} written "
                 f"during the training step in which gockpt copied {'it' if len(written) == 1 else 'them'}"
                 " (an in-place write outside the optimizer, e.g. nn.Embedding(max_norm=...)); "
                 "the checkpoint is not committed and these tensors are copied at the step "
-                "boundary from now on")
+                "boundary from now on", adapt=Adaptation.COPY_AT_F, tensors=written)
         book.captured.extend(book.groups[j - 1])
         book.landed.append(j)
 
@@ -209,17 +210,17 @@ class Capture:
             extra_state = extra_state()
         plan = job.plan
         states = self.states.of(job)  # checked at F by replaced_states()
-        with_state = [(si, index) for si, index in plan.optimized() if states[si] is not None]
+        with_state = [(si, index) for si, index in plan.optimized if states[si] is not None]
         known = [(index, states[si]) for si, index in with_state]
         keys = job.host.keys
         aligned = {index: keys[si] for si, index in with_state}
         # The plan's indices hold while the optimizer's parameters are the planned ones (a
         # parameter added after the last step pre-hook of the window: ask state_dict())
-        indices = plan.group_indices() if fingerprint(self.optimizer) == plan.fingerprint \
+        indices = plan.group_indices if fingerprint(self.optimizer) == plan.fingerprint \
             else None
         values = {
-            "model": smallstate.model_small(self.model, plan.slot_of_id()),
-            "optimizer": smallstate.optimizer_small(
+            "model": smallstate.model_small(self.model, plan.slot_of_id),
+            "optimizer": optimizer_small(
                 self.optimizer, aligned, (known, indices) if indices is not None else None),
             "scheduler": smallstate.scheduler_state(self.scheduler),
             "rng": smallstate.capture_rng(),
@@ -263,3 +264,38 @@ class LiveDigestBook:
 
     def seconds(self) -> float:
         return sum(t.seconds for t in self.tickets())
+
+
+_NO_SEGMENTS = (np.zeros(0, np.int64),) * 3
+
+
+class _StateCopies:
+    """The copies of a table's blocks, in the form the device takes them
+    (``device.CopyGroup``): memcpy segments or tensor pairs; either way the live tensors they
+    read are watched for in-place writes until they land (:attr:`reads`)."""
+
+    def __init__(self, capture: Capture, job: Job, table: BlockTable, states: list):
+        self.capture, self.job, self.table, self.states = capture, job, table, states
+        self.reads = Reads([])
+
+    def segments(self):
+        *segments, self.reads = self.capture.segments_of(self.job, self.table, self.states)
+        return tuple(segments)
+
+    def pairs(self):
+        pairs = self.capture.pairs_of(self.job, self.table, self.states)
+        # An enqueued copy reads its source when the device runs it: a write in the step
+        # (nn.Embedding(max_norm=...) in forward) tears it as surely as a host memcpy's --
+        # found at land_group, before F, as there (unwatched, only the digests at F saw it,
+        # too late to take that step again, and nothing did with verify=False).
+        slots, tensors = [], []
+        for si in self.table.slots.tolist():
+            slot, live = self.job.plan.slots[si], self.states[si] or {}
+            slots.append(si)
+            tensors.append(slot.param)
+            for key in self.job.host.keys[si]:
+                if key in live:
+                    slots.append(si)
+                    tensors.append(live[key])
+        self.reads = Reads([(slots, tensors)])
+        return pairs

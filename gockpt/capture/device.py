@@ -1,25 +1,119 @@
 """The one place that knows whether state lives on a GPU or on the CPU.
 
-On a GPU, copies to the host run on side CUDA streams into pinned host buffers and are
-tracked with events; on the CPU, a copy is a plain host memcpy run by the transfer thread.
-Everything above this module is written once for both.
+Everything above this module talks to a :class:`Device` and is written once for all of them;
+it never asks which kind of device it has. Three implement it:
+
+* :class:`HostDevice` -- training tensors on the CPU: host buffers are ordinary memory, a copy
+  is a memcpy run by the transfer thread (``_C.CopyEngine``), and "ordering training work
+  after a copy" means the training thread waits for it.
+* :class:`CudaDevice` -- training tensors on a GPU: pinned host buffers, copies enqueued on
+  side streams behind the compute stream, completion by CUDA events, ordering by stream waits.
+* :class:`~gockpt.capture.simulated.SimulatedAsyncDevice` -- CPU tensors behaving like the
+  CUDA device (enqueued copies that run late on a worker thread, events, poisoned
+  destinations), chosen by ``GOCKPT_SIMULATED_DEVICE`` (see that module).
+
+The last two share everything but a few primitives (:class:`AsyncDevice`), so a test run on
+the simulated device exercises, line for line, the code the GPU runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import ContextManager, List, Protocol, Tuple
 
+import numpy as np
 import torch
 
-from ..core.errors import ConfigError
+from gockpt import _C
+
 from ..core.staging import Arena
+from .transfer import GRADIENT, Ticket
+
+
+class CopyGroup(Protocol):
+    """One group of device-to-host copies, described in both forms a device may take; the
+    device calls exactly one of them, once, inside :meth:`Device.submit` (training thread)."""
+
+    def segments(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+        """``(dst, src, nbytes, keep)``: host addresses and sizes (int64 arrays of one length)
+        of memcpy segments, and the objects whose memory they use (alive until the copies
+        ran). ValueError, naming it, for a copy that cannot run (the ticket then fails)."""
+
+    def pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(host destination, live source)`` tensors, each pair contiguous, of one dtype and
+        size, for a device that enqueues tensor copies."""
+
+
+class Device(Protocol):
+    """What the capture stages ask of the device holding the training tensors.
+
+    Threads: the *training thread* runs the loop's hooks and the optimizer's step hooks; the
+    *staging thread* allocates host memory at construction; the *digest thread* digests live
+    tensors at F; the *transfer thread* (host engine) and the *replay thread* wait on tickets.
+    "Training work issued from now on" means the kernels (or, on the CPU, the Python calls)
+    that the training thread issues after the method returns.
+    """
+
+    kind: str
+    """Where the training tensors live ("cpu", "cuda"): for messages and for comparing two
+    devices (a replan must find the new parameters on the same kind); never branched on."""
+
+    overlap_needs_snapshot: bool
+    """Whether a gradient copy that overlaps the update (gockpt-o) must read a device-side
+    snapshot (taken with :meth:`device_arena` and :meth:`copy_now`) rather than ``.grad``
+    itself: True where training work cannot be queued behind the copy (the CPU), so that the
+    step is not held up by the slow copy."""
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat host staging buffer that copies may target (pinned on a GPU). Staging
+        thread, at construction (or the first checkpoint); its contents are undefined."""
+
+    def submit(self, engine, group: CopyGroup, priority: int) -> Ticket:
+        """Queue ``group``'s copies (``priority``: GRADIENT before STATE) through ``engine``
+        (a :class:`~gockpt.capture.transfer.CopyEngine` of this device). Training thread.
+        Before: the sources hold the version to copy, and every write of them issued so far
+        precedes the copies. After: the destinations are valid only once the ticket is done
+        (``wait``/``done``); the sources must not be written, nor freed, by training work
+        until :meth:`order_after` (or ``wait``) on the ticket -- the device keeps what it
+        reads alive itself. A copy that cannot run fails the ticket (raised by ``wait``)."""
+
+    def order_after(self, ticket: Ticket) -> None:
+        """Training work issued from now on runs after ``ticket``'s copies have landed (the
+        CPU: this thread waits; a GPU: the compute stream waits, the thread goes on). Training
+        thread, before it writes (or frees) what the copies read. Raises the ticket's error."""
+
+    def mark(self):
+        """A marker of the training work issued so far (the state of the live tensors now),
+        for :meth:`behind`. Training thread."""
+
+    def behind(self, mark) -> ContextManager[dict]:
+        """Run the block's device work (a digest's) after the work ``mark`` marks. Digest
+        thread. The yielded dict gets ``"event"``, complete once that work is, when the work
+        completes after the block ends (nothing: done when the block ends)."""
+
+    def order_after_digests(self, ticket) -> None:
+        """Training work issued from now on runs after the digests of ``ticket`` (a
+        :class:`gockpt.core.digest.Ticket`) have read the live tensors. Training thread,
+        before the next optimizer update."""
+
+    def device_arena(self, dtype: torch.dtype, sizes) -> Arena:
+        """An arena in device memory (slot -> numel) for the gradient snapshot. Training
+        thread; called only when :attr:`overlap_needs_snapshot`."""
+
+    def copy_now(self, dst, src, nbytes) -> None:
+        """Device-local copies by address (int64 numpy arrays), complete when this returns.
+        Training thread; called only when :attr:`overlap_needs_snapshot`."""
+
+    def close(self) -> None:
+        """Complete every queued copy and stop the device's own threads. Called once, by
+        ``CopyEngine.close`` when the Checkpointer closes; nothing is submitted after."""
 
 
 class HostDevice:
     """Training tensors on the CPU: host buffers are ordinary memory, copies are memcpy."""
 
     kind = "cpu"
-    asynchronous_copies = False  # the transfer thread performs each copy itself
+    overlap_needs_snapshot = True  # nothing can be queued behind a copy: snapshot, go on
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat host staging buffer."""
@@ -28,6 +122,16 @@ class HostDevice:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy now, in the calling thread (the transfer thread)."""
         dst.copy_(src)
+
+    def submit(self, engine, group: CopyGroup, priority: int) -> Ticket:
+        """Whole groups of memcpy segments to the host engine's thread (one call each)."""
+        try:
+            dst, src, nbytes, keep = group.segments()
+        except ValueError as exc:  # a copy that cannot run fails its ticket (at wait())
+            return Ticket(0, 0, error=RuntimeError(str(exc)))
+        if not len(dst):
+            return Ticket(0, 0)
+        return engine.submit_segments(dst, src, nbytes, priority).keep(keep)
 
     def order_after(self, ticket) -> None:
         """Training work issued from now on must not run before ``ticket``'s copies have
@@ -56,22 +160,71 @@ class HostDevice:
     def copy_now(self, dst, src, nbytes) -> None:
         """Device-local copies (addresses as numpy arrays), done when this returns: at memory
         speed, never through the (possibly emulated, paced) device-to-host link."""
-        from gockpt import _C
         if self._local is None:
             self._local = _C.CopyEngine(0.0)
         ticket = self._local.submit(0, dst, src, nbytes)
         self._local.wait(ticket)
         self._local.release(ticket)
 
+    def close(self) -> None:
+        """Nothing of its own runs: the host engine's thread is the CopyEngine's."""
+
     _local = None
 
 
-class CudaDevice:
+class AsyncDevice:
+    """A device whose copies are enqueued behind the training work and complete at events
+    (:class:`CudaDevice`, and the simulated one). Everything the stages call is here, written
+    once; a subclass provides the primitives: :meth:`empty`, :meth:`enqueue` (copies behind
+    the work issued so far, returning their event: ``query()``/``synchronize()``),
+    :meth:`wait_event` (the compute stream waits for an event), :meth:`mark`, :meth:`behind`.
+    """
+
+    overlap_needs_snapshot = False  # the compute stream waits for the copies instead
+
+    def submit(self, engine, group: CopyGroup, priority: int) -> Ticket:
+        """Enqueue the group's tensor copies on the stream of ``priority``; the ticket holds
+        their event (the device keeps the sources alive until the copies have read them)."""
+        pairs = group.pairs()
+        if not pairs:
+            return Ticket(0, 0)
+        nbytes = sum(src.nbytes for _, src in pairs)
+        event = self.enqueue(pairs, high_priority=priority == GRADIENT)
+        engine.note_enqueued(nbytes)
+        return Ticket(len(pairs), nbytes, event=event)
+
+    def order_after(self, ticket) -> None:
+        """Training work issued from now on waits for ``ticket``'s copies (on the device's
+        compute stream; the calling thread goes on where the device can queue the wait)."""
+        if ticket.event is not None:
+            self.wait_event(ticket.event)
+        elif ticket.error is not None:
+            raise ticket.error
+
+    def order_after_digests(self, ticket) -> None:
+        """Training work issued from now on waits for ``ticket``'s digests to have read the
+        live tensors (the calling thread waits only until they are queued)."""
+        ticket.reads_done.wait()
+        if ticket.done_event is not None:
+            self.wait_event(ticket.done_event)
+
+    def device_arena(self, dtype: torch.dtype, sizes):
+        raise NotImplementedError("an asynchronous device takes no gradient snapshot "
+                                  "(overlap_needs_snapshot is False)")
+
+    def copy_now(self, dst, src, nbytes) -> None:
+        raise NotImplementedError("an asynchronous device takes no gradient snapshot "
+                                  "(overlap_needs_snapshot is False)")
+
+    def close(self) -> None:
+        """Nothing to stop (a subclass with threads overrides)."""
+
+
+class CudaDevice(AsyncDevice):
     """Training tensors on a GPU: pinned host buffers, side streams (gradients on a
     high-priority stream so that they overtake state copies), completion by events."""
 
     kind = "cuda"
-    asynchronous_copies = True
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -82,13 +235,10 @@ class CudaDevice:
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
 
-    def order_after(self, ticket) -> None:
-        """Kernels queued on the compute stream from now on wait for ``ticket``'s copies (on
-        the GPU; the CPU goes on)."""
-        if ticket.cuda_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(ticket.cuda_event)
-        elif ticket.error is not None:
-            raise ticket.error
+    def wait_event(self, event) -> None:
+        """Kernels queued on the compute stream from now on wait for ``event`` (on the GPU;
+        the CPU goes on)."""
+        torch.cuda.current_stream(self.device).wait_event(event)
 
     def mark(self):
         """An event behind the work queued so far on the compute stream (the state now)."""
@@ -110,13 +260,6 @@ class CudaDevice:
             event.record(stream)
             done["event"] = event
 
-    def order_after_digests(self, ticket) -> None:
-        """Kernels queued on the compute stream from now on wait for ``ticket``'s digests to
-        have read the live tensors (on the GPU; the CPU waits only until they are queued)."""
-        ticket.reads_done.wait()
-        if ticket.done_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(ticket.done_event)
-
     _digest_stream = None
 
     def enqueue(self, pairs, high_priority: bool):
@@ -135,18 +278,3 @@ class CudaDevice:
                 src.record_stream(stream)
             done.record(stream)
         return done
-
-
-def device_for(tensors) -> "HostDevice | CudaDevice":
-    """Pick the device layer from where the training tensors live (all on one device)."""
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ConfigError(
-            f"parameters live on several devices ({sorted(map(str, devices))}); gockpt "
-            "checkpoints one device per process: give each rank its own Checkpointer")
-    dev = next(iter(devices), torch.device("cpu"))
-    if dev.type == "cuda":
-        return CudaDevice(dev)
-    if dev.type != "cpu":
-        raise ConfigError(f"parameters on device type {dev.type!r} are not supported")
-    return HostDevice()

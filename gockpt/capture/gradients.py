@@ -9,7 +9,7 @@ one multiplier made on the device (:mod:`.transport`; 2 bytes per element instea
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -70,7 +70,9 @@ class GradientCopies:
         dtype, mul = (torch.bfloat16, encoded[1]) if encoded else (torch.float32, 1.0)
         bufs = grad_pool.acquire()
         grad_base = grad_pool.arena(bufs, dtype).bases(len(plan.slots))
-        snapshot = encoded is not None or (snapshot and not self.engine.device.asynchronous_copies)
+        # an overlapped copy reads a device-side snapshot where the device cannot queue the
+        # training work behind the copy (the CPU); elsewhere .grad, the stream waiting for it
+        snapshot = encoded is not None or (snapshot and self.engine.device.overlap_needs_snapshot)
         if encoded is not None:
             ticket = self._copy(job, table, encoded[0], bufs, grad_pool, grad_base)
             ticket.keep(encoded[0])  # the images the copy reads
@@ -111,17 +113,48 @@ class GradientCopies:
               grad_base: np.ndarray):
         """Queue the copies of ``grads`` (slot -> live gradient) for ``table``'s blocks into
         the gradient set ``bufs``, in the parameters' memory order."""
-        plan = job.plan
-        live, keep = _bases(job, table, grads)
-        if self.engine.device.asynchronous_copies:
-            pairs = [(grad_pool.buffer(bufs, b.slot, grads[b.slot])[b.start:b.end],
-                      flat(grads[b.slot], plan.slots[b.slot].dims)[b.start:b.end])
-                     for b in table.blocks]
-            return self.engine.submit(pairs, GRADIENT)
+        return self.engine.submit_group(
+            _GradientCopies(job, table, grads, bufs, grad_pool, grad_base), GRADIENT)
+
+
+class _GradientCopies:
+    """One step's gradient copies in the form the device takes them (``device.CopyGroup``):
+    memcpy segments into the set's arenas, or tensor pairs into its per-slot buffers."""
+
+    def __init__(self, job: Job, table: BlockTable, grads, bufs, grad_pool: GradPool,
+                 grad_base: np.ndarray):
+        self.job, self.table, self.grads = job, table, grads
+        self.bufs, self.grad_pool, self.grad_base = bufs, grad_pool, grad_base
+
+    def segments(self):
+        table, grads = self.table, self.grads
+        live, keep = _bases(self.job, table, grads)
         item = next(iter(grads.values())).element_size() if grads else 4  # fp32 or bf16 images
-        return self.engine.submit_segments(grad_base[table.slot] + table.start * item,
-                                           live[table.slot] + table.start * item,
-                                           table.numel * item, GRADIENT).keep(keep)
+        # the set's arenas too: a copy must not outlive the memory it writes (a pool dropped
+        # before its copy ran, as a test may, was freed under the engine's memcpy)
+        return (self.grad_base[table.slot] + table.start * item,
+                live[table.slot] + table.start * item, table.numel * item, keep + [self.bufs])
+
+    def pairs(self):
+        plan, grads = self.job.plan, self.grads
+        return [(self.grad_pool.buffer(self.bufs, si, grads[si])[start:end],
+                 flat(grads[si], plan.slots[si].dims)[start:end])
+                for si, start, end in block_runs(self.table)]
+
+
+def block_runs(table: BlockTable) -> List[Tuple[int, int, int]]:
+    """``(slot, start, end)`` of the runs of ``table``'s blocks that follow one another in one
+    slot: one tensor copy per run, not per block (found with array operations, so that the
+    hooks' Python work grows with the tensors copied, not with their blocks)."""
+    if not len(table):
+        return []
+    end = table.start + table.numel
+    new = np.ones(len(table), dtype=bool)
+    new[1:] = (table.slot[1:] != table.slot[:-1]) | (table.start[1:] != end[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(table)) - 1
+    return list(zip(table.slot[first].tolist(), table.start[first].tolist(),
+                    end[last].tolist()))
 
 
 def _bases(job: Job, table: BlockTable, grads):
@@ -139,7 +172,7 @@ def live_gradients(plan, slots: list) -> Dict[int, torch.Tensor]:
     """Slot -> the ``.grad`` of each parameter of ``slots`` that has one, read with a few
     list operations (the step pre-hook's cost per tensor is kept to the reads it needs);
     UnsupportedOptimizerError for a gradient the replay cannot use."""
-    params = plan.params()
+    params = plan.params
     tensors = [params[si].grad for si in slots]
     if has_none(tensors):  # not trained at this step: not stepped either
         slots = [si for si, g in zip(slots, tensors) if g is not None]

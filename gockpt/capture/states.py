@@ -70,7 +70,7 @@ class StateWatch:
 
     def read(self, plan: Plan) -> list:
         """Per slot of ``plan``: the optimizer's state dict for its parameter now, or None."""
-        index, states = plan.slot_of_id(), [None] * len(plan.slots)
+        index, states = plan.slot_of_id, [None] * len(plan.slots)
         for p, st in self.optimizer.state.items():
             si = index.get(id(p))
             if si is not None:

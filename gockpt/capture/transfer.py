@@ -5,8 +5,10 @@ the C++ engine (``_C.CopyEngine``, csrc/copy_engine.h) runs them on its own thre
 at most 1 MiB, re-choosing by priority after each piece, so a gradient submitted while a long
 state transfer is running waits for at most one piece; a whole group of copies is one call.
 On a GPU the copies are enqueued on side streams of different priorities and the thread is not
-involved (``Ticket._cuda_event``).  ``link_gbps`` paces the host engine like a link of that
-many GB/s (1e9 bytes/s), to develop the overlap on a CPU-only machine.
+involved (``Ticket.event``).  Which of the two runs a group is the device's choice
+(``Device.submit`` in :mod:`.device`); the engine only holds the host thread and the counts.
+``link_gbps`` paces the host engine like a link of that many GB/s (1e9 bytes/s), to develop the
+overlap on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -29,18 +31,19 @@ class Ticket:
     """Completion of one submitted group of copies.
 
     Made by ``CopyEngine`` (``n_pairs``: how many copies it stands for, ``nbytes``: their
-    bytes; ``engine``/``engine_id``: the host engine's ticket running them; ``cuda_event``:
-    the event behind copies enqueued on a GPU); ``Ticket(0, 0)`` is a ticket with nothing to
+    bytes; ``engine``/``engine_id``: the host engine's ticket running them; ``event``: the
+    event behind copies enqueued on an asynchronous device, with ``query()`` and
+    ``synchronize()``: a CUDA event, or a simulated one); ``Ticket(0, 0)`` is a ticket with nothing to
     wait for.  While the host engine runs it, it holds the engine ticket and the objects whose
     memory the copies use (:meth:`keep`); the first ``done()``/``wait()`` that sees it complete
     takes its time and lets both go.
     """
 
     def __init__(self, n_pairs: int = 0, nbytes: int = 0, *, engine=None, engine_id: int = 0,
-                 cuda_event=None, error: Optional[BaseException] = None):
+                 event=None, error: Optional[BaseException] = None):
         self.nbytes = nbytes
         self.error = error  # the group could not be queued (raised by wait())
-        self.cuda_event = cuda_event
+        self.event = event
         self._engine = engine  # the _C.CopyEngine running it, until it is seen complete
         self._id = engine_id
         self._keep: list = []  # objects whose memory the pending copies read or write
@@ -69,8 +72,8 @@ class Ticket:
             self._engine, self._keep = None, []
 
     def done(self) -> bool:
-        if self.cuda_event is not None:
-            return self.cuda_event.query()
+        if self.event is not None:
+            return self.event.query()
         with self._lock:
             if self._engine is not None and not self._engine.done(self._id):
                 return False
@@ -79,8 +82,8 @@ class Ticket:
 
     def wait(self) -> None:
         """Block until every copy of this ticket has landed; raise a submission error."""
-        if self.cuda_event is not None:
-            self.cuda_event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
         else:
             engine = self._engine
             if engine is not None:
@@ -124,6 +127,20 @@ def _pair_arrays(pairs) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.array(nbytes, dtype=np.int64))
 
 
+class TensorPairs:
+    """Tensor pairs ``(dst, src)`` as a copy group (``device.CopyGroup``)."""
+
+    def __init__(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]):
+        self._pairs = pairs
+
+    def pairs(self):
+        return list(self._pairs)
+
+    def segments(self):
+        """Their addresses; ValueError naming the first pair that cannot be copied so."""
+        return (*_pair_arrays(self._pairs), [self._pairs])
+
+
 class CopyEngine:
     """Runs copies ``dst <- src`` by priority, off the training thread."""
 
@@ -148,20 +165,16 @@ class CopyEngine:
     def submit(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], priority: int) -> Ticket:
         """Queue copies; returns a ticket to wait on. ``pairs`` are (host dst, device src),
         contiguous, of one dtype and size; a pair that is not fails the ticket (at wait())."""
-        if not pairs:
-            return Ticket(0, 0)
-        if self.device.asynchronous_copies:
-            nbytes = sum(src.nbytes for _, src in pairs)
-            self._async_bytes += nbytes
-            return Ticket(len(pairs), nbytes, cuda_event=self.device.enqueue(
-                pairs, high_priority=priority == GRADIENT))
-        try:
-            dst, src, sizes = _pair_arrays(pairs)
-        except ValueError as exc:
-            return Ticket(len(pairs), sum(src.nbytes for _, src in pairs),
-                          error=RuntimeError(str(exc)))
-        return Ticket(len(pairs), int(sizes.sum()), engine=self._engine,
-                      engine_id=self._engine.submit(int(priority), dst, src, sizes)).keep(pairs)
+        return self.submit_group(TensorPairs(pairs), priority)
+
+    def submit_group(self, group, priority: int) -> Ticket:
+        """Queue a group of copies described both ways (``device.CopyGroup``): the device
+        takes the form it runs."""
+        return self.device.submit(self, group, priority)
+
+    def note_enqueued(self, nbytes: int) -> None:
+        """Count bytes a device enqueued on its own streams (not run by the host engine)."""
+        self._async_bytes += nbytes
 
     def submit_segments(self, dst, src, nbytes, priority: int) -> Ticket:
         """Queue ``memcpy(dst[i], src[i], nbytes[i])`` for every i: host addresses as 1-D integer
@@ -178,5 +191,6 @@ class CopyEngine:
         return (self._async_bytes + bytes_done) / seconds if seconds > 0 else self._link_rate
 
     def close(self) -> None:
-        """Finish queued copies and stop the transfer thread."""
+        """Finish queued copies and stop the transfer thread (and the device's own)."""
         self._engine.close()
+        self.device.close()

@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from .errors import ConfigError, StorageError
-from .modes import MODES, POLICIES, ModePolicy
+from .modes import MODES, POLICIES, Mode, ModePolicy
 from .paths import real_directory
 
-GRAD_TRANSPORTS = ("fp32", "bf16")
+
+
+class _Named(str, enum.Enum):
+    """An option value: a ``str`` (users pass ``"wait"``; ``OnBusy.WAIT == "wait"``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class OnBusy(_Named):
+    """What a checkpoint due while the previous one is still persisting does."""
+
+    WAIT = "wait"
+    SKIP = "skip"
+
+
+class GradTransport(_Named):
+    """How the replay modes carry gradients across the link."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class Interval(_Named):
+    """The interval that is not a number of steps."""
+
+    AUTO = "auto"  # Young/Daly's N*, re-measured (Config.interval)
+
+
+GRAD_TRANSPORTS = tuple(t.value for t in GradTransport)
+
 
 @dataclass
 class Config:
@@ -23,7 +54,7 @@ class Config:
     followed, ``..`` only after a name that exists), so that ``gockpt.load`` and the tools find
     it under the same string. One Checkpointer (one job) writes a directory at a time."""
 
-    mode: str = "gockpt-o"
+    mode: Mode = Mode.GOCKPT_O
     """What may block training (see :mod:`gockpt.core.modes`): ``sync`` copies and writes at the step
     boundary; ``async`` copies at the boundary and writes in the background; ``async-o`` lets the
     copies ride under the next step's forward/backward; ``gockpt`` spreads them over K steps and
@@ -35,7 +66,7 @@ class Config:
     ``None`` picks K from the measured forward/backward time and copy bandwidth. Ignored (K = 1)
     by the other modes."""
 
-    interval: Union[int, str, None] = None
+    interval: Union[int, Interval, None] = None
     """Start a checkpoint at every step divisible by ``interval``; ``None``: only when forced;
     ``"auto"``: every N* steps, N* recomputed after each checkpoint from its measured stall and
     step time and ``mtbf`` (Young/Daly, see :mod:`gockpt.interval`)."""
@@ -68,7 +99,7 @@ class Config:
     self_check_strict: bool = True
     """A self-check mismatch fails the checkpoint (it is never committed). ``False`` only warns."""
 
-    on_busy: str = "wait"
+    on_busy: OnBusy = OnBusy.WAIT
     """A checkpoint due while the previous one is still persisting: ``wait`` for it (counted as
     blocked time) or ``skip`` the new one with a warning."""
 
@@ -83,7 +114,7 @@ class Config:
     replay_threads: Optional[int] = None
     """Threads of the C++ replay kernel; ``None``: the number of CPU cores."""
 
-    grad_transport: str = "fp32"
+    grad_transport: GradTransport = GradTransport.FP32
     """How the replay modes carry the gradients they replay across the link: ``fp32`` (the
     consumed gradient as it is) or ``bf16`` (2 bytes per element: a bfloat16 image of the
     consumed gradient divided by ``grad_multiplier``, plus that one float32 scalar). bf16 is
@@ -111,8 +142,9 @@ class Config:
     number of ranks that wrote it."""
 
     storage_writer: Optional[Callable] = None
-    """Storage plugin: ``storage_writer(root, name)`` returns the writer of one checkpoint, an
-    object with :class:`gockpt.storage.CheckpointWriter`'s methods (usually a subclass of it).
+    """Storage plugin: ``storage_writer(root, name)`` returns the writer of one checkpoint, a
+    :class:`gockpt.core.protocols.StorageWriter` (its call order is documented there), usually
+    a subclass of :class:`gockpt.storage.CheckpointWriter`.
     ``None``: :class:`~gockpt.storage.CheckpointWriter`. Tests inject faults through it."""
 
     def __post_init__(self):
@@ -130,12 +162,14 @@ class Config:
                                "can write to") from exc
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        self.mode = Mode(self.mode)
         if self.overlap_steps is not None:
             if isinstance(self.overlap_steps, bool) or not isinstance(self.overlap_steps, int) \
                     or self.overlap_steps < 1:
                 raise ConfigError(
                     f"overlap_steps must be None or an int >= 1, got {self.overlap_steps!r}")
-        if self.interval == "auto":
+        if isinstance(self.interval, str) and self.interval == Interval.AUTO:
+            self.interval = Interval.AUTO
             if isinstance(self.mtbf, bool) or not isinstance(self.mtbf, (int, float)) \
                     or not self.mtbf > 0:
                 raise ConfigError("interval='auto' needs mtbf=SECONDS (the mean time between "
@@ -155,6 +189,7 @@ class Config:
             raise ConfigError(f"verify must be True or False, got {self.verify!r}")
         if self.on_busy not in ("wait", "skip"):
             raise ConfigError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
+        self.on_busy = OnBusy(self.on_busy)
         for name in ("keep_last", "max_host_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -169,6 +204,7 @@ class Config:
         if self.grad_transport not in GRAD_TRANSPORTS:
             raise ConfigError(f"grad_transport must be one of {', '.join(GRAD_TRANSPORTS)}; "
                               f"got {self.grad_transport!r}")
+        self.grad_transport = GradTransport(self.grad_transport)
         if self.grad_multiplier is not None and not callable(self.grad_multiplier):
             raise ConfigError(f"grad_multiplier must be None or a callable, got "
                               f"{self.grad_multiplier!r}")
@@ -191,3 +227,8 @@ class Config:
         """K when it does not depend on measurements, else ``None``."""
         return self.policy.fixed_k or self.overlap_steps
 
+
+def check_step(step) -> None:
+    """A training step number given to a hook must be an int (ConfigError otherwise)."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ConfigError(f"step must be an int, got {step!r}")

@@ -1,5 +1,7 @@
 """Exceptions raised by gockpt. Every error a user can cause or meet is one of these."""
 
+import enum
+
 
 class GockptError(Exception):
     """Base class of every error gockpt raises."""
@@ -51,8 +53,28 @@ class LoadError(GockptError):
     """A checkpoint does not fit the objects it is being loaded into."""
 
 
+class Adaptation(enum.Enum):
+    """What the next checkpoints do about a checkpoint refused for a reason outside gockpt's
+    replay (the ``adapt`` of its :class:`ConsistencyError`): training goes on with a
+    warning, and ``handle.wait()`` still raises."""
+
+    COPY_AT_F = "copy at F"  # tensors written outside the optimizer: copied at F from now on
+    REPLAN = "replan"        # the optimizer's parameters changed: planned again
+    NEW_STATE = "new state"  # an optimizer state was replaced: the next one reads the new one
+
+
 class ConsistencyError(GockptError):
-    """The self-check found replayed state that differs from a direct copy at version F."""
+    """What was staged is not the state at version F: a replay that differs from a direct copy
+    or from the live tensors, or (``adapt`` given) something outside the optimizer changed what
+    the checkpoint read -- ``tensors`` names them for :attr:`Adaptation.COPY_AT_F`."""
+
+    def __init__(self, message, adapt: "Adaptation | None" = None, tensors=()):
+        super().__init__(message)
+        self.adapt = adapt
+        self.tensors = tuple(tensors)
+
+    def __reduce__(self):  # picklable with its outcome
+        return (type(self), (str(self), self.adapt, self.tensors))
 
 
 class CheckpointFailedError(GockptError):

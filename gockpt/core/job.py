@@ -8,9 +8,10 @@ A job lives through explicit states::
 
 Its window is K steps: the checkpoint starts at boundary N (``start_boundary``) and holds
 version F, the state right after the update of boundary ``f_boundary = N + K - 1``. Each stage
-keeps its own part of the book-keeping in its own object (``job.capture`` written by
-:mod:`gockpt.capture.copies`, ``job.stream`` by :mod:`gockpt.storage.persist`), so that no field
-is written from two modules; the job alone moves the state and releases the handle's events.
+keeps its own part of the book-keeping in its own object (``job.capture`` written by the
+capture stage, ``job.samples`` by :mod:`gockpt.replay.selfcheck`, ``job.stream`` by
+:mod:`gockpt.storage.persist`), so that no field is written by two stages; the job alone moves
+the state and releases the handle's events (its :class:`Progress`).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class CheckpointHandle:
 
 @dataclass
 class CaptureBook:
-    """What the capture stage has queued and frozen (written by gockpt.capture.copies only)."""
+    """What the capture stage has queued and landed (written by gockpt.capture only)."""
 
     groups: List[List[Block]]
     """Group j (1-based) is copied during step j of the window."""
@@ -110,18 +111,9 @@ class CaptureBook:
     grad_tickets: List = field(default_factory=list)
     recorded: Set[Tuple[int, int]] = field(default_factory=set)
     """(window step, planned param group) whose gradients were recorded."""
-    samples: List = field(default_factory=list)
-    """Self-check samples: (block, direct copies at F) (written by gockpt.replay.selfcheck)."""
     reads: Dict[int, object] = field(default_factory=dict)
     """Group j -> the tensors its copies read, with their versions when queued
     (gockpt.capture.copies.Reads)."""
-    written_outside: Set[str] = field(default_factory=set)
-    """Slots found written outside the optimizer (to be copied at F from now on)."""
-    replan: bool = False
-    """The optimizer's parameters changed during the window (plan again for the next one)."""
-    state_replaced: bool = False
-    """An optimizer state read by this checkpoint was replaced before F (the next checkpoint
-    reads the new one)."""
     live_digests: object = None
     """The digests of the live tensors at F (gockpt.capture.copies.LiveDigestBook)."""
     group_tables: Dict[int, BlockTable] = field(default_factory=dict)
@@ -185,6 +177,9 @@ class Job:
         if tables is not None:  # the plan's (built once per K): group j is tables[j - 1]
             self.capture.group_tables = {j + 1: t for j, t in enumerate(tables)}
         self.stream = StreamBook()
+        self.samples: List = []
+        """Self-check samples: (block, direct copies at F) (written by gockpt.replay.selfcheck
+        only: taken at F, compared and dropped after the replay)."""
         self.accounts_closed = threading.Event()
         """Set once no hook will charge blocked time to this job any more: its metrics are
         final (the persister waits for it before committing them)."""

@@ -15,19 +15,39 @@ paper's baselines are ablations of one engine, not separate code paths.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Optional
 
-#: Where a replaying mode waits for the gradient copies of a step.
-GRADS_IN_STEP = "optimizer step"         # gockpt: before the update may change anything
-GRADS_AT_BACKWARD = "next backward"      # gockpt-o: overlapped with the update and next forward
+
+class Mode(str, enum.Enum):
+    """The five modes (a ``str``: ``Mode.ASYNC_O == "async-o"``, as users pass them)."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+    ASYNC_O = "async-o"
+    GOCKPT = "gockpt"
+    GOCKPT_O = "gockpt-o"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class GradWait(enum.Enum):
+    """Where a replaying mode waits for the gradient copies of a step."""
+
+    IN_STEP = "optimizer step"     # gockpt: before the update may change anything
+    AT_BACKWARD = "next backward"  # gockpt-o: overlapped with the update and next forward
+
+
+GRADS_IN_STEP, GRADS_AT_BACKWARD = GradWait.IN_STEP, GradWait.AT_BACKWARD
 
 
 @dataclass(frozen=True)
 class ModePolicy:
     """What one mode does; see the module table."""
 
-    name: str
+    name: Mode
     replays: bool
     """Blocks captured before F are brought to F by replaying optimizer steps (needs an exact
     replay arithmetic for the optimizer)."""
@@ -35,7 +55,7 @@ class ModePolicy:
     """Every copy is taken, blocking, inside the save_checkpoint that starts the checkpoint."""
     persists_inline: bool
     """The write and commit happen inside save_checkpoint (the whole checkpoint blocks)."""
-    grad_wait: Optional[str]
+    grad_wait: Optional[GradWait]
     """Where gradient copies are waited for (GRADS_IN_STEP / GRADS_AT_BACKWARD); None: the
     mode records no gradients."""
 
@@ -51,18 +71,18 @@ class ModePolicy:
 
 
 POLICIES = {
-    "sync": ModePolicy("sync", replays=False, copies_at_start=True, persists_inline=True,
-                       grad_wait=None),
-    "async": ModePolicy("async", replays=False, copies_at_start=True, persists_inline=False,
-                        grad_wait=None),
-    "async-o": ModePolicy("async-o", replays=False, copies_at_start=False,
-                          persists_inline=False, grad_wait=None),
-    "gockpt": ModePolicy("gockpt", replays=True, copies_at_start=False, persists_inline=False,
-                         grad_wait=GRADS_IN_STEP),
-    "gockpt-o": ModePolicy("gockpt-o", replays=True, copies_at_start=False,
-                           persists_inline=False, grad_wait=GRADS_AT_BACKWARD),
+    Mode.SYNC: ModePolicy(Mode.SYNC, replays=False, copies_at_start=True,
+                          persists_inline=True, grad_wait=None),
+    Mode.ASYNC: ModePolicy(Mode.ASYNC, replays=False, copies_at_start=True,
+                           persists_inline=False, grad_wait=None),
+    Mode.ASYNC_O: ModePolicy(Mode.ASYNC_O, replays=False, copies_at_start=False,
+                             persists_inline=False, grad_wait=None),
+    Mode.GOCKPT: ModePolicy(Mode.GOCKPT, replays=True, copies_at_start=False,
+                            persists_inline=False, grad_wait=GRADS_IN_STEP),
+    Mode.GOCKPT_O: ModePolicy(Mode.GOCKPT_O, replays=True, copies_at_start=False,
+                              persists_inline=False, grad_wait=GRADS_AT_BACKWARD),
 }
 
-MODES = tuple(POLICIES)
+MODES = tuple(m.value for m in POLICIES)
 #: Modes that need no optimizer replay and therefore accept any optimizer.
-NO_REPLAY_MODES = tuple(m for m, p in POLICIES.items() if not p.replays)
+NO_REPLAY_MODES = tuple(m.value for m, p in POLICIES.items() if not p.replays)

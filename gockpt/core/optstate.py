@@ -1,13 +1,17 @@
 """The optimizer state codec: how the small per-parameter state of an optimizer (Adam's step
-counters) is gathered by key into columns when a checkpoint takes it
-(:func:`gockpt.capture.smallstate.optimizer_small`), and put back in place when one is loaded."""
+counters) is gathered by key into columns when a checkpoint takes it (:func:`optimizer_small`),
+and put back in place when one is loaded (:func:`expand_columns`)."""
 
 from __future__ import annotations
+
+from typing import Dict
+
+import torch
 
 
 def expand_columns(small: dict) -> dict:
     """The per-parameter state of a decoded optimizer small section, with the gathered
-    scalar columns (see gockpt.capture.smallstate.optimizer_small) put back in place as 0-dim
+    scalar columns (see :func:`optimizer_small`) put back in place as 0-dim
     tensors of their own."""
     state = small["state"]
     for key, groups in (small.get("columns") or {}).items():
@@ -19,3 +23,101 @@ def expand_columns(small: dict) -> dict:
             for i, idx in enumerate(group["index"]):
                 state.setdefault(idx, {})[key] = values[i].clone()
     return state
+
+
+def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys, known=None) -> dict:
+    """``optimizer.state_dict()`` without the aligned per-element state (which travels as
+    blocks): param groups, step counts and any other small state, copied (frozen at this
+    version).
+
+    Scalar state (0-dim tensors: Adam's step counters) is gathered per key and dtype into one
+    tensor with one stack -- one copy from a GPU, one stored value -- under ``"columns"``:
+    ``{key: [{"index": [state index, ...], "values": 1-D tensor}, ...]}``;
+    :func:`gockpt.core.optstate.expand_columns` puts them back in place.
+
+    ``known``: ([(state index, state dict), ...] of every parameter with state, [each param
+    group's state indices]) as the caller's plan has them: used instead of asking
+    ``optimizer.state_dict()`` (a walk over every parameter) when that method is torch's own,
+    with no hook, and ``optimizer.state`` holds nothing else."""
+    if known is not None and _plain_optimizer(optimizer) and \
+            len(optimizer.state) == len(known[0]) and len(known[1]) == len(optimizer.param_groups):
+        items = known[0]
+        param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(index)}
+                        for g, index in zip(optimizer.param_groups, known[1])]
+    else:
+        sd = optimizer.state_dict()
+        items, param_groups = sd["state"].items(), sd["param_groups"]
+    state, gathered = {}, {}
+    for keys, entries in _by_keys(items, aligned_keys).items():
+        for key in keys:
+            values = [st[key] for _, st in entries]
+            dtypes = {v.dtype for v in values} if set(map(type, values)) == {torch.Tensor} \
+                else ()
+            if len(dtypes) == 1:  # the usual case: checked as a whole when stacked below
+                group = gathered.setdefault((key, dtypes.pop()), ([], []))
+                group[0].extend(idx for idx, _ in entries)
+                group[1].extend(values)
+            else:
+                _place(state, gathered, key, [idx for idx, _ in entries], values)
+    columns = {}
+    for (key, _), (index, values) in gathered.items():
+        try:
+            column = torch.stack(values)  # refuses other shapes and mixed devices
+        except RuntimeError:
+            column = None
+        if column is None or column.dim() != 1:  # not all 0-dim, or on several devices
+            split: dict = {}
+            _place(state, split, key, index, values)
+            for sub_index, sub_values in split.values():
+                columns.setdefault(key, []).append(
+                    {"index": sub_index, "values": torch.stack(sub_values).to("cpu")})
+            continue
+        columns.setdefault(key, []).append({"index": index, "values": column.to("cpu")})
+    return {"state": state, "columns": columns, "param_groups": param_groups}
+
+
+def _place(state: dict, gathered: dict, key: str, index: list, values: list) -> None:
+    """One by one: 0-dim tensors into ``gathered`` by (key, (dtype, device)), anything else
+    copied into ``state``."""
+    for idx, value in zip(index, values):
+        if type(value) is torch.Tensor and value.dim() == 0:  # (state holds no grad)
+            group = gathered.setdefault((key, (value.dtype, value.device)), ([], []))
+            group[0].append(idx)
+            group[1].append(value)
+        else:
+            state.setdefault(idx, {})[key] = value.detach().to("cpu", copy=True) \
+                if isinstance(value, torch.Tensor) else value
+
+
+def _by_keys(items, aligned_keys) -> Dict[tuple, list]:
+    """The (state index, state dict) pairs grouped by the keys they keep (their keys less the
+    aligned ones): Adam's thousands of states fall in one or two groups, walked key by key.
+    The usual case -- every state with the same keys and the same aligned keys -- is found
+    by two C-level counts, not a Python step per state."""
+    items = list(items)
+    if not items:
+        return {}
+    keys = list(map(tuple, [st for _, st in items]))
+    skips = list(map(aligned_keys.get, [idx for idx, _ in items]))
+    if keys.count(keys[0]) == len(keys) and skips.count(skips[0]) == len(skips):
+        return {_kept((keys[0], skips[0])): items}
+    out: Dict[tuple, list] = {}
+    kept: Dict[tuple, tuple] = {}
+    for entry, sig in zip(items, zip(keys, skips)):
+        if sig not in kept:
+            kept[sig] = _kept(sig)
+        out.setdefault(kept[sig], []).append(entry)
+    return out
+
+
+def _kept(sig: tuple) -> tuple:
+    """(a state's keys, its aligned keys or None) -> the keys kept in the small state."""
+    keys, aligned = sig
+    return tuple(k for k in keys if k not in (aligned or ()))
+
+
+def _plain_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.state_dict()`` is torch's own, with no hook to change it."""
+    return (type(optimizer).state_dict is torch.optim.Optimizer.state_dict
+            and not getattr(optimizer, "_optimizer_state_dict_pre_hooks", None)
+            and not getattr(optimizer, "_optimizer_state_dict_post_hooks", None))

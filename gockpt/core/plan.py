@@ -12,6 +12,7 @@ groups and replayed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -62,21 +63,23 @@ class Plan:
     aliases: Dict[str, str]  # extra state_dict names of tied parameters -> canonical name
     fingerprint: tuple = ()  # the optimizer's parameters when planned (see fingerprint())
     block_elems: int = 1     # elements per block (the last block of a slot is shorter)
-    _windows: dict = field(default_factory=dict, repr=False)
-    """k -> (groups, their BlockTables), "at_f" -> the blocks copied at F, "bytes" -> the
-    sizes of :meth:`_bytes`: computed once, dropped when copy_at_f changes which slots are
-    copied at F."""
+    # Derived once and kept: the slots never change (a change of parameters makes a new
+    # plan) -- except which are copied at F, and what depends on that (the blocks copied at
+    # F, the capture groups per K) is dropped explicitly by copy_at_f.
+    _at_f_table: Optional[BlockTable] = field(default=None, repr=False)
+    _windows: Dict[int, tuple] = field(default_factory=dict, repr=False)  # K -> groups, tables
+    _in_groups: Dict[tuple, "np.ndarray"] = field(default_factory=dict, repr=False)
 
     def blocks_at_f(self) -> List[Block]:
         """The blocks copied directly at the boundary of F."""
-        return self.at_f_table().blocks
+        return self.at_f_table.blocks
 
-    def at_f_table(self):
+    @property
+    def at_f_table(self) -> BlockTable:
         """:meth:`blocks_at_f` as a BlockTable (built once, until copy_at_f changes it)."""
-        if "at_f" not in self._windows:
-            self._windows["at_f"] = BlockTable(
-                [b for b in self.blocks if self.slots[b.slot].at_f])
-        return self._windows["at_f"]
+        if self._at_f_table is None:
+            self._at_f_table = BlockTable([b for b in self.blocks if self.slots[b.slot].at_f])
+        return self._at_f_table
 
     def copy_at_f(self, names) -> List[str]:
         """From now on, copy the slots named ``names`` directly at F; returns those that were
@@ -86,74 +89,67 @@ class Plan:
             if s.name in names and not s.at_f:
                 s.at_f = True
                 changed.append(s.name)
-        if changed:
+        if changed:  # what depends on which slots are copied at F
+            self._at_f_table = None
             self._windows.clear()
         return changed
 
+    @cached_property
     def params(self) -> List[torch.Tensor]:
-        """Every slot's parameter, as a list (built once)."""
-        if "params" not in self._windows:
-            self._windows["params"] = [s.param for s in self.slots]
-        return self._windows["params"]
+        """Every slot's parameter, as a list."""
+        return [s.param for s in self.slots]
 
+    @cached_property
     def slot_of_id(self) -> Dict[int, int]:
-        """``id()`` of each planned parameter -> its slot index (built once)."""
-        if "slot_of_id" not in self._windows:
-            self._windows["slot_of_id"] = {id(s.param): si for si, s in enumerate(self.slots)}
-        return self._windows["slot_of_id"]
+        """``id()`` of each planned parameter -> its slot index."""
+        return {id(s.param): si for si, s in enumerate(self.slots)}
 
+    @cached_property
     def optimized(self) -> List[Tuple[int, int]]:
-        """(slot index, optimizer state index) of every optimized slot (built once)."""
-        if "optimized" not in self._windows:
-            self._windows["optimized"] = [(si, s.opt_index) for si, s in enumerate(self.slots)
-                                          if not s.static]
-        return self._windows["optimized"]
+        """(slot index, optimizer state index) of every optimized slot."""
+        return [(si, s.opt_index) for si, s in enumerate(self.slots) if not s.static]
 
     def in_groups(self, groups) -> "np.ndarray":
         """Per slot: whether it is optimized by one of the param groups ``groups`` (a bool
         array, built once per tuple of groups)."""
-        key = ("in_groups", tuple(groups))
-        if key not in self._windows:
-            wanted = set(groups)
-            self._windows[key] = np.fromiter(
+        key = tuple(groups)
+        if key not in self._in_groups:
+            wanted = set(key)
+            self._in_groups[key] = np.fromiter(
                 (not s.static and s.group in wanted for s in self.slots), bool, len(self.slots))
-        return self._windows[key]
+        return self._in_groups[key]
 
+    @cached_property
     def strides(self) -> List[Tuple[int, ...]]:
-        """Every slot's planned strides, as a list (built once)."""
-        if "strides" not in self._windows:
-            self._windows["strides"] = [s.strides for s in self.slots]
-        return self._windows["strides"]
+        """Every slot's planned strides, as a list."""
+        return [s.strides for s in self.slots]
 
+    @cached_property
     def group_indices(self) -> Optional[List[List[int]]]:
-        """Per param group, its parameters' indices as ``optimizer.state_dict()`` numbers them
-        (built once); None when a parameter is listed twice (torch then numbers it once)."""
-        if "indices" not in self._windows:
-            optimized = [s for s in self.slots if not s.static]
-            unique = len({id(s.param) for s in optimized}) == len(optimized)
-            indices: List[List[int]] = [[] for _ in self.fingerprint]
-            for s in optimized:
-                indices[s.group].append(s.opt_index)
-            self._windows["indices"] = indices if unique else None
-        return self._windows["indices"]
+        """Per param group, its parameters' indices as ``optimizer.state_dict()`` numbers them;
+        None when a parameter is listed twice (torch then numbers it once)."""
+        optimized = [s for s in self.slots if not s.static]
+        if len({id(s.param) for s in optimized}) != len(optimized):
+            return None
+        indices: List[List[int]] = [[] for _ in self.fingerprint]
+        for s in optimized:
+            indices[s.group].append(s.opt_index)
+        return indices
 
     def optimized_bytes(self) -> int:
         """Bytes of the parameters the optimizer updates (one gradient or state tensor each)."""
-        return self._bytes()[1]
+        return self._bytes[1]
 
     def state_bytes(self, state_tensors_per_param: int) -> int:
         """Bytes of one full copy: every param plus its aligned state tensors."""
-        params, optimized = self._bytes()
+        params, optimized = self._bytes
         return params + state_tensors_per_param * optimized
 
+    @cached_property
     def _bytes(self) -> tuple:
-        """(bytes of every parameter, of the optimized ones): summed once (sizes and dtypes
-        of a plan's slots do not change; a change of parameters makes a new plan)."""
-        if "bytes" not in self._windows:
-            sizes = [(s.numel * s.param.element_size(), s.static) for s in self.slots]
-            self._windows["bytes"] = (sum(n for n, _ in sizes),
-                                      sum(n for n, static in sizes if not static))
-        return self._windows["bytes"]
+        """(bytes of every parameter, of the optimized ones)."""
+        sizes = [(s.numel * s.param.element_size(), s.static) for s in self.slots]
+        return (sum(n for n, _ in sizes), sum(n for n, static in sizes if not static))
 
     def groups(self, k: int) -> List[List[Block]]:
         """Split the blocks into ``k`` capture groups of about equal bytes, in storage order
@@ -275,7 +271,7 @@ def stepped_groups(planned: tuple, optimizer: torch.optim.Optimizer) -> Optional
 
 def check_layouts(plan: Plan) -> None:
     """Raise LayoutChangedError if a parameter's strides differ from those planned."""
-    if [p.stride() for p in plan.params()] == plan.strides():
+    if [p.stride() for p in plan.params] == plan.strides:
         return  # (one comparison of two lists: this runs at every checkpoint)
     for s in plan.slots:
         if s.param.stride() != s.strides:

@@ -1,7 +1,8 @@
 """The interfaces at the seams between stages, as ``typing.Protocol`` classes: what a stage may
 ask of the object another one hands it, and in which order. Implementations are elsewhere (an
 adapter per optimizer in :mod:`gockpt.replay.adapters` and the DeepSpeed integration; the
-storage writer in :mod:`gockpt.storage.writer`, or a plugin)."""
+storage writer in :mod:`gockpt.storage.writer`, or a plugin; the device in
+:mod:`gockpt.capture.device`)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,40 @@ class ReplayAdapter(Protocol):
     def apply(self, record: StepRecord, host, threads: Optional[int]) -> None: ...
 
     def close(self) -> None: ...
+
+
+class StorageWriter(Protocol):
+    """One checkpoint on its way to storage: what ``Config.storage_writer(root, name)`` returns
+    (:class:`gockpt.storage.CheckpointWriter`, or a plugin, usually a subclass of it).
+
+    Call order, from the persist thread unless said otherwise:
+
+    1. ``begin(layout)`` once, when the layout is known (the boundary of F): every tensor's
+       name -> ``(dtype, shape)``; the data file is laid out and opened.
+    2. ``write(name, tensor, start=0)`` any number of times, from any thread (the replay
+       thread streams blocks as they reach F), in any order: a tensor, or a flat element range
+       of it starting at ``start``. The tensor's memory must stay unchanged until ``finish``.
+       ``write_tensors(tensors)`` instead of 1-3 writes a whole dict at once (no streaming)
+       and returns the bytes written.
+    3. ``finish()`` once: waits for the writes, makes them durable and records the checksums;
+       returns the bytes written.
+    4. ``commit(manifest, update_latest=True)`` once: the manifest is written and sealed and the
+       checkpoint renamed into place atomically; returns its final path.
+
+    ``abort()`` may be called at any time, from any thread, and more than once: the temporary
+    files go, nothing becomes visible (after a successful commit it does nothing). After any
+    failure the writer has aborted itself and every later call raises
+    :class:`~gockpt.core.errors.StorageError`.
+    """
+
+    def begin(self, layout: dict) -> None: ...
+
+    def write(self, name: str, tensor, *, start: int = 0) -> None: ...
+
+    def write_tensors(self, tensors: dict) -> int: ...
+
+    def finish(self) -> int: ...
+
+    def commit(self, manifest: dict, *, update_latest: bool = True) -> str: ...
+
+    def abort(self) -> None: ...

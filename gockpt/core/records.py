@@ -3,6 +3,7 @@ record of the gradients copied for the replay."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional
 
@@ -15,6 +16,33 @@ if TYPE_CHECKING:
     from .blocks import BlockTable
 
 
+class Kernel(str, enum.Enum):
+    """The update kernels the replay reproduces (a ``str``: ``Kernel.FUSED == "fused"``, the
+    names :mod:`gockpt.replay.arithmetic` takes)."""
+
+    SINGLE = "single"              # torch's CPU kernels: single-tensor (default),
+    FOREACH = "foreach"            # foreach
+    FUSED = "fused"                # and fused
+    CUDA_FORLOOP = "cuda-forloop"  # torch's CUDA kernels
+    CUDA_FOREACH = "cuda-foreach"
+    CUDA_FUSED = "cuda-fused"
+    DEEPSPEED_CPU_W1 = "deepspeed-cpu-w1"    # DeepSpeed's CPU Adam op built without SIMD,
+    DEEPSPEED_CPU_W8 = "deepspeed-cpu-w8"    # with AVX256,
+    DEEPSPEED_CPU_W16 = "deepspeed-cpu-w16"  # with AVX512 (its vector width)
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def deepspeed_cpu(cls, width: int) -> "Kernel":
+        """DeepSpeed's CPU Adam op built with ``width`` float32 lanes."""
+        return cls(f"deepspeed-cpu-w{width}")
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.value.startswith("cuda-")
+
+
 @dataclass(frozen=True)
 class GroupScalars:
     """Hyperparameters of one param group as one update used them."""
@@ -24,7 +52,7 @@ class GroupScalars:
     beta2: float
     eps: float
     weight_decay: float
-    impl: str          # a kernel of gockpt.replay.arithmetic (e.g. "single", "deepspeed-cpu-w8")
+    impl: Kernel       # the kernel of the update (gockpt.replay.arithmetic runs it)
     decoupled: bool    # AdamW-style weight decay
     beta1_power: float = 0.0  # DeepSpeed's CPU op: its running beta1^t, beta2^t (0: unused)
     beta2_power: float = 0.0

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .config import GradTransport
 from .errors import ConfigError
 from .plan import Plan
 from .blocks import slot_array
@@ -37,6 +38,23 @@ def planned_host_bytes(plan: Plan, replays: bool, cap: Optional[int]) -> int:
             f"gradient buffers) but max_host_bytes is {cap / 2**20:.1f} MiB; raise the cap or "
             "use a mode without replay (no gradient buffers)")
     return planned
+
+
+def expected_state_keys(optimizer, adapter) -> Optional[tuple]:
+    """The aligned state keys ``optimizer``'s state will hold (its replay ``adapter``'s, or
+    Adam's); None: not known before its first step."""
+    if adapter is not None:
+        return adapter.state_keys
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return ("exp_avg", "exp_avg_sq")  # what its state will hold after the first step
+    return None
+
+
+def gradient_dtypes(replays: bool, grad_transport) -> tuple:
+    """The dtypes gradients cross in (none without a replay: no gradient pool)."""
+    if not replays:
+        return ()
+    return (torch.bfloat16,) if grad_transport is GradTransport.BF16 else (torch.float32,)
 
 
 class Arena:
@@ -260,3 +278,46 @@ class GradPool:
     def nbytes(self) -> int:
         with self._cv:
             return sum(a.nbytes() for arenas in self._arenas.values() for a in arenas.values())
+
+
+class HostStaging:
+    """The host memory of a Checkpointer across checkpoints: allocated in the background
+    from construction (:class:`StagingAllocation`), taken at the first checkpoint, reused by
+    the next ones, and let go when the optimizer's parameters change (:meth:`replanned`:
+    allocated again, for the new plan, at the next checkpoint).
+
+    ``state_keys``, ``grad_dtypes``: as :class:`StagingAllocation`'s (no gradient dtypes: no
+    replay, no gradient pool)."""
+
+    def __init__(self, plan: Plan, device, state_keys: Optional[tuple], grad_dtypes: tuple):
+        self.device, self.replays = device, bool(grad_dtypes)
+        self.host: Optional[HostCopy] = None
+        self.grad_pool: Optional[GradPool] = None
+        self._allocation: Optional[StagingAllocation] = \
+            StagingAllocation(plan, device, state_keys, grad_dtypes)
+
+    def ready(self, plan: Plan) -> None:
+        """Make :attr:`host` (and :attr:`grad_pool` with a replay) ready for ``plan``."""
+        if self.host is None and self._allocation is not None:
+            allocation, self._allocation = self._allocation, None
+            self.host, self.grad_pool = allocation.take()
+        if self.host is None:  # planned again: allocated now
+            self.host = HostCopy(plan, self.device)
+            if self.replays:
+                self.grad_pool = GradPool(plan, self.device)
+
+    def replanned(self) -> None:
+        """The plan changed: what was allocated for the old one is let go."""
+        if self._allocation is not None:
+            self._allocation.take()
+        self.host, self.grad_pool, self._allocation = None, None, None
+
+    def nbytes(self) -> int:
+        """Host memory held (state copy + gradient buffers)."""
+        n = self.host.nbytes() if self.host else 0
+        return n + (self.grad_pool.nbytes() if self.grad_pool else 0)
+
+    def close(self) -> None:
+        if self._allocation is not None:  # never taken: no checkpoint was started
+            self._allocation.join()
+            self._allocation = None

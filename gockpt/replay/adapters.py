@@ -25,7 +25,7 @@ from ..core.modes import NO_REPLAY_MODES
 from ..core.errors import UnsupportedOptimizerError
 from . import arithmetic
 from .probe import probe
-from ..core.records import GroupScalars, StepRecord
+from ..core.records import GroupScalars, Kernel, StepRecord
 
 
 def _refuse(optimizer, why: str):
@@ -79,13 +79,13 @@ class AdamAdapter:
         """What the CUDA profiles are proven for (docs/arithmetics.md), refused otherwise."""
         version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
         for gi, (g, sc) in enumerate(zip(self.optimizer.param_groups, self.scalars().values())):
-            if sc.impl == "cuda-fused" and version < (2, 11):
+            if sc.impl is Kernel.CUDA_FUSED and version < (2, 11):
                 _refuse(self.optimizer, f"param group {gi}: torch {torch.__version__}'s fused "
                                         "CUDA kernel computes in double (proven: torch >= 2.11)")
-            if sc.impl in ("cuda-forloop", "cuda-foreach") and not sc.beta1 > 0.5:
+            if sc.impl in (Kernel.CUDA_FORLOOP, Kernel.CUDA_FOREACH) and not sc.beta1 > 0.5:
                 _refuse(self.optimizer, f"param group {gi}: beta1 <= 0.5 takes a lerp branch "
                                         "with no proof on CUDA")
-            if sc.impl == "cuda-fused" and sc.weight_decay != 0.0:
+            if sc.impl is Kernel.CUDA_FUSED and sc.weight_decay != 0.0:
                 odd = [tuple(p.shape) for p in g["params"] if p.numel() % 4]
                 if odd:
                     _refuse(self.optimizer, f"param group {gi}: fused CUDA Adam(W) with weight "
@@ -102,11 +102,11 @@ class AdamAdapter:
             if foreach is None:  # torch's default: foreach on CUDA, single-tensor on the CPU
                 foreach = cuda
             if g.get("fused"):
-                impl = "cuda-fused" if cuda else "fused"
+                impl = Kernel.CUDA_FUSED if cuda else Kernel.FUSED
             elif foreach:
-                impl = "cuda-foreach" if cuda else "foreach"
+                impl = Kernel.CUDA_FOREACH if cuda else Kernel.FOREACH
             else:
-                impl = "cuda-forloop" if cuda else "single"
+                impl = Kernel.CUDA_FORLOOP if cuda else Kernel.SINGLE
             decoupled = bool(g.get("decoupled_weight_decay",
                                    isinstance(self.optimizer, torch.optim.AdamW)))
             out[gi] = GroupScalars(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]),

@@ -10,12 +10,21 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from ..core.records import StepRecord
 
 if TYPE_CHECKING:
     from .adapters import AdamAdapter
+
+
+class _Barrier(NamedTuple):
+    """A queue item: run ``callback`` on the replay thread (after what was queued before)."""
+
+    callback: Callable[[], None]
+
+
+_STOP = object()  # the queue item that ends the thread
 
 
 class Replayer:
@@ -36,18 +45,19 @@ class Replayer:
         """Queue ``record`` for the checkpoint ``job`` (which owns the host copy)."""
         self._queue.put((record, job))
 
-    def barrier(self, callback) -> None:
+    def barrier(self, callback: Callable[[], None]) -> None:
         """Run ``callback()`` on the replay thread after everything queued so far."""
-        self._queue.put((None, callback))
+        self._queue.put(_Barrier(callback))
 
     def _run(self):
         while True:
-            record, job = self._queue.get()
-            if record is None and job is None:
+            item = self._queue.get()
+            if item is _STOP:
                 return
-            if record is None:
-                job()
+            if isinstance(item, _Barrier):
+                item.callback()
                 continue
+            record, job = item
             try:
                 record.ticket.wait()
                 if job.error is None:
@@ -62,5 +72,5 @@ class Replayer:
                 record.release()
 
     def close(self):
-        self._queue.put((None, None))
+        self._queue.put(_STOP)
         self._thread.join()

@@ -27,7 +27,7 @@ import torch
 
 from ..core.digest import as_pairs, digests, to_hex
 from ..core.plan import Plan, flat, logical
-from ..core.errors import ConsistencyError
+from ..core.errors import Adaptation, ConsistencyError
 from ..core.job import Job
 
 
@@ -47,7 +47,7 @@ def sample(job: Job, plan: Plan, optimizer: torch.optim.Optimizer, fraction: flo
         for key in job.host.keys[b.slot]:
             if key in live:
                 direct[key] = flat(live[key], slot.dims)[b.start:b.end].to("cpu", copy=True)
-        job.capture.samples.append((b, direct))
+        job.samples.append((b, direct))
 
 
 def verify(job: Job, plan: Plan, strict: bool, replayed: bool = True) -> Dict:
@@ -90,7 +90,6 @@ def _refuse(job: Job, plan: Plan, bad, total: int, written: set, replayed: bool)
     torn = [e for e in bad if e[0] in written]
     moved = [e for e in bad if e[0] not in written and replayed and not plan.slots[e[0]].at_f]
     copied = [e for e in bad if e not in torn and e not in moved]
-    job.capture.written_outside.update(plan.slots[si].name for si, _ in torn + moved)
     reasons = []
     if torn:
         reasons.append(f"{names(torn)} {'was' if len(torn) == 1 else 'were'} written in place "
@@ -107,23 +106,25 @@ def _refuse(job: Job, plan: Plan, bad, total: int, written: set, replayed: bool)
                        f"step {step} as torch presents it: gockpt copied other memory than the "
                        "tensor holds (a tensor subclass or storage it cannot address, or a bug "
                        "in gockpt: please report it)")
-    raise ConsistencyError("; ".join(reasons))
+    outside = sorted({plan.slots[si].name for si, _ in torn + moved})
+    raise ConsistencyError("; ".join(reasons), adapt=Adaptation.COPY_AT_F if outside else None,
+                           tensors=outside)
 
 
 def _compare_samples(job: Job, plan: Plan, strict: bool) -> None:
     """The sampled direct copies taken at F against the replayed blocks."""
     host = job.host
     bad = []
-    for b, direct in job.capture.samples:
+    for b, direct in job.samples:
         s, e = b.start, b.end
         if not torch.equal(direct["param"], host.param[b.slot][s:e]):
             bad.append(f"{plan.slots[b.slot].name}[{s}:{e}] (param)")
         for key, ref in direct.items():
             if key != "param" and not torch.equal(ref, host.state[b.slot][key][s:e]):
                 bad.append(f"{plan.slots[b.slot].name}[{s}:{e}] ({key})")
-    job.metrics.self_check_blocks = len(job.capture.samples)
+    job.metrics.self_check_blocks = len(job.samples)
     job.metrics.self_check_mismatches = len(bad)
-    job.capture.samples = []
+    job.samples = []
     if bad:
         msg = (f"self-check: {len(bad)} replayed block(s) differ from a direct copy at step "
                f"{job.handle.final_step}: {', '.join(bad[:5])}")

@@ -17,6 +17,7 @@ The writer is looked up through the ``storage`` module at call time, so that it 
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -31,6 +32,7 @@ from ..core.plan import Plan
 from ..core.config import Config
 from ..core.errors import GockptError, StorageError
 from ..core.job import Job
+from ..core.protocols import StorageWriter
 from .commit import apply_retention
 from .layout import StoredLayout, stored_layout
 from .schema import Manifest, ModelSection, OptimizerSection, PartsManifest, part_name
@@ -38,6 +40,15 @@ from .ranks import Ranks
 from .writer import CheckpointWriter
 
 log = logging.getLogger("gockpt")
+
+
+class Work(enum.Enum):
+    """The kinds of work queued to the persist thread (with a job, or a function)."""
+
+    OPEN = "open"          # open the checkpoint's writer (at the boundary of F)
+    CAPTURED = "captured"  # write what was captured (blocks not streamed)
+    PERSIST = "persist"    # finish, vote, commit
+    CALL = "call"          # run a function in order with the jobs' work
 
 
 class Persister:
@@ -58,24 +69,24 @@ class Persister:
         self._thread = threading.Thread(target=self._run, name="gockpt-persist", daemon=True)
         self._thread.start()
 
-    def new_writer(self, root: str, name: str):
+    def new_writer(self, root: str, name: str) -> StorageWriter:
         """The storage plugin's writer of checkpoint ``name`` in ``root`` (Config.storage_writer)."""
         factory = self.config.storage_writer or CheckpointWriter
         return factory(root, name)
 
     def queue_open(self, job: Job) -> None:
-        self._queue.put(("open", job))
+        self._queue.put((Work.OPEN, job))
 
     def queue_captured(self, job: Job) -> None:
-        self._queue.put(("captured", job))
+        self._queue.put((Work.CAPTURED, job))
 
     def queue_persist(self, job: Job) -> None:
-        self._queue.put(("persist", job))
+        self._queue.put((Work.PERSIST, job))
 
     def queue_call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the persist thread, in order with the jobs' work (the checks of a
         checkpoint copied without a replay, which then queue its persist)."""
-        self._queue.put(("call", fn))
+        self._queue.put((Work.CALL, fn))
 
     def close(self) -> None:
         """Finish the queued work and stop the thread."""
@@ -96,11 +107,11 @@ class Persister:
                 closing = True
                 continue
             what, arg = item
-            if what == "call":
+            if what is Work.CALL:
                 arg()
-            elif what == "open":
+            elif what is Work.OPEN:
                 self._open_writer(arg)
-            elif what == "captured":
+            elif what is Work.CAPTURED:
                 self._write_captured(arg)
             else:
                 self.persist(arg)

@@ -22,7 +22,7 @@ from gockpt.core.optstate import expand_columns
 from gockpt.pipeline import freeze_small_state
 from gockpt.storage.schema import SmallSection
 
-import harness as H
+from tests._support import harness as H
 
 
 def make_rig(optimizer="adamw", replay=True):

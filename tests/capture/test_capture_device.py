@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gockpt.capture.device import CudaDevice, HostDevice, device_for
+from gockpt.capture.device import AsyncDevice, CudaDevice, HostDevice
+from gockpt.capture.devices import device_for
 from gockpt.core.errors import ConfigError
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -14,7 +15,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_cpu_tensors_get_the_host_device():
     dev = device_for([torch.zeros(3), torch.zeros(2, 2)])
     assert isinstance(dev, HostDevice)
-    assert dev.kind == "cpu" and not dev.asynchronous_copies
+    assert dev.kind == "cpu" and not isinstance(dev, AsyncDevice)
     assert isinstance(device_for([]), HostDevice)  # a model without parameters
 
 
@@ -41,7 +42,7 @@ def test_unsupported_device_type_is_refused():
 def test_cuda_tensors_get_the_cuda_device_with_pinned_buffers():
     dev = device_for([torch.zeros(3, device="cuda")])
     assert isinstance(dev, CudaDevice)
-    assert dev.kind == "cuda" and dev.asynchronous_copies
+    assert dev.kind == "cuda" and isinstance(dev, AsyncDevice)
     assert dev.empty(4, torch.float32).is_pinned()
 
 

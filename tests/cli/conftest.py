@@ -1,18 +1,13 @@
 """Checkpoints the tests of the `gockpt` console tool share (built once per session; tests that
 damage one work on a copy)."""
 
-import os
 import shutil
-import sys
 
 import pytest
 import torch
 
 from gockpt import storage
-
-sys.path.insert(0, os.path.dirname(__file__))  # cli_helpers, from every test module here
-
-from cli_helpers import make_model, train  # noqa: E402
+from tests._support.cli_helpers import make_model, train
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +32,7 @@ def run_copy(run_dir, tmp_path):
 def ranks_dir(tmp_path_factory):
     """A run directory holding one checkpoint (step 4) written by two real ranks (gloo
     subprocesses, as tests/storage/test_storage_ranks.py starts them). Do not modify: copy it."""
-    from dist_ranks import run_ranks
+    from tests._support.dist_ranks import run_ranks
     d = tmp_path_factory.mktemp("ranks")
     run_ranks(d, "ok")
     assert storage.list_checkpoints(str(d)) == ["step-000000004"]

@@ -11,7 +11,7 @@ import gockpt
 from gockpt import storage
 from gockpt.testing import assert_same, first_difference
 
-from cli_helpers import make_model, train, flip_byte, run, part_dir, _part_model
+from tests._support.cli_helpers import make_model, train, flip_byte, run, part_dir, _part_model
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -120,7 +120,7 @@ def test_export_of_corrupt_checkpoint_fails_and_writes_nothing(run_copy, tmp_pat
 
 
 def test_ranks_export_selects_the_rank(ranks_dir, tmp_path, capsys):
-    import harness
+    from tests._support import harness
     want = [_part_model(part_dir(ranks_dir, r)) for r in range(2)]
     assert first_difference(want[0], want[1]) is not None  # every rank trained its own state
 

@@ -5,7 +5,7 @@ import os
 
 from gockpt import storage
 
-from cli_helpers import run, part_dir
+from tests._support.cli_helpers import run, part_dir
 
 
 def test_inspect_run_dir_shows_latest(run_dir, capsys):

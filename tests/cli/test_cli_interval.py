@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gockpt
-from cli_helpers import train
+from tests._support.cli_helpers import train
 from gockpt import interval
 from gockpt.cli import interval as iv
 

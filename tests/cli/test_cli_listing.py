@@ -5,7 +5,7 @@ import os
 
 from gockpt import storage
 
-from cli_helpers import run
+from tests._support.cli_helpers import run
 
 
 def test_list_marks_latest_and_incomplete(run_copy, capsys):

@@ -13,8 +13,8 @@ import torch
 import gockpt
 from gockpt import storage
 
-from cli_helpers import flip_byte, run
-from manifests import write_sealed
+from tests._support.cli_helpers import flip_byte, run
+from tests._support.manifests import write_sealed
 
 
 @pytest.mark.parametrize("cmd", [["inspect"], ["verify"], ["list"],

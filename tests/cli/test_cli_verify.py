@@ -8,7 +8,7 @@ import pytest
 
 from gockpt import storage
 
-from cli_helpers import flip_byte, run, part_dir
+from tests._support.cli_helpers import flip_byte, run, part_dir
 
 
 def test_verify_ok(run_dir, capsys):

@@ -4,7 +4,7 @@ import torch
 from gockpt.core.errors import ConfigError
 from gockpt.core.plan import build_plan
 
-import harness as H
+from tests._support import harness as H
 
 
 def test_blocks_cover_every_parameter_exactly_once():

@@ -13,7 +13,7 @@ from gockpt.core.plan import build_plan
 from gockpt.core.staging import (PACK_BYTES, PACK_MIN_COUNT, Arena, GradPool, HostCopy,
                                     StagingAllocation)
 
-import harness as H
+from tests._support import harness as H
 
 
 @pytest.fixture

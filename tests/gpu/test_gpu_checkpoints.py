@@ -5,9 +5,7 @@ optimizer whose arithmetic differs. Skipped where torch.cuda.is_available() is f
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ import gockpt
 from gockpt import storage
 from gockpt.testing import first_difference, snapshot
 
-import gpu_common as G
+from tests._support import gpu_common as G, worker_command, worker_env
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run on a GPU machine)")
@@ -66,15 +64,15 @@ def test_training_with_gockpt_o_is_training_without_it(tmp_path, impl):
         is None
 
 
-WORKER = os.path.join(os.path.dirname(__file__), "gpu_resume_worker.py")
+WORKER = "gpu_resume_worker"  # a module of tests._support
 
 
 def run(*args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True,
-                          text=True, timeout=600, env=env)
+    return subprocess.run(worker_command(WORKER, *args), capture_output=True,
+                          text=True, timeout=600, env=worker_env())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
 def test_a_killed_run_resumes_bit_for_bit(tmp_path, impl):
     ref = run("reference", tmp_path, impl, 24, 0)

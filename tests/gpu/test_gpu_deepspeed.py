@@ -1,22 +1,19 @@
-"""The DeepSpeed acceptance cases on a CUDA engine (tests/deepspeed_cases.py; skipped without a
-GPU or without DeepSpeed).  One rank (one GPU).  The base optimizer is torch's AdamW
+"""The DeepSpeed acceptance cases on a CUDA engine (tests/_support/deepspeed_cases.py; skipped
+without a GPU or without DeepSpeed).  One rank (one GPU).  The base optimizer is torch's AdamW
 (``torch_adam``): DeepSpeed's CUDA FusedAdam is built with fast math and has no exact replay, so
 the replay modes refuse it (tested below) and the copy modes checkpoint it."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (run on a GPU machine)")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU (run on a GPU machine)"),
+              pytest.mark.slow]
 pytest.importorskip("deepspeed")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deepspeed_cases import check_checkpoint_and_resume, runs  # noqa: E402
+from tests._support.deepspeed_cases import check_checkpoint_and_resume, runs  # noqa: E402
 
 GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # window 16..18
 

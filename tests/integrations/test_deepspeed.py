@@ -1,8 +1,8 @@
 """gockpt.integrations.deepspeed: engine.save_checkpoint / load_checkpoint through gockpt.
 
 Each case trains a tiny model with DeepSpeed's CPU accelerator in fresh processes (1 or 2 gloo
-ranks, tests/deepspeed_worker.py): uninterrupted, patched with checkpoints at steps 6, 12, 18
-(the last one expected from their spacing), and resumed from 18.  Step 18 is chosen on
+ranks, tests/_support/deepspeed_worker.py): uninterrupted, patched with checkpoints at steps 6,
+12, 18 (the last one expected from their spacing), and resumed from 18.  Step 18 is chosen on
 purpose: from t = 19 DeepSpeed's CPU Adam running
 product beta2^t differs from pow(beta2, t), so a resume that does not rebuild the op's state
 would drift (see gockpt/integrations/deepspeed/state.py: warm_cpu_adam).
@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from deepspeed_cases import assert_states_equal, check_checkpoint_and_resume, runs
+from tests._support.deepspeed_cases import assert_states_equal, check_checkpoint_and_resume, runs
 from gockpt.core.errors import ConfigError
 
 pytest.importorskip("deepspeed")  # installed by the README's setup: this never skips in CI
@@ -28,6 +28,7 @@ from gockpt.integrations.deepspeed.state import _numbers_of, restore_engine  # n
 GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # window 16..18
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,world,extra", [
     (0, 1, {}),
     (1, 2, {}),
@@ -54,6 +55,7 @@ def test_checkpoint_is_the_state_at_f_and_resumes_bitwise(tmp_path, stage, world
     check_checkpoint_and_resume(tmp_path, stage, world, extra, transport)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("betas,stage,world", [
     ((0.9, 0.95), 1, 2),   # the usual LLM setting, ZeRO 1 on 2 ranks
     ((0.9, 0.98), 1, 1),
@@ -86,6 +88,7 @@ def test_llm_betas_save_resume_save_again_bitwise(tmp_path, betas, stage, world)
         assert records[-1]["grad_steps"] == 2
 
 
+@pytest.mark.slow
 def test_native_checkpoints_still_load_through_the_patched_engine(tmp_path):
     one = runs(tmp_path, 1, stage=1, steps=8, save_at=4)
     saved = one("native-save")
@@ -95,6 +98,7 @@ def test_native_checkpoints_still_load_through_the_patched_engine(tmp_path):
     assert loaded[0]["client"]["data_pos"] == 4
 
 
+@pytest.mark.slow
 def test_a_save_right_before_the_script_ends_is_committed_at_exit(tmp_path):
     import gockpt
     runs(tmp_path, 1, stage=1, steps=3, save_at=3, exit_without_wait=True)("save")

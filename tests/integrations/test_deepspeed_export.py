@@ -1,9 +1,9 @@
 """``gockpt export --to deepspeed``: a checkpoint written through the DeepSpeed integration, in
 DeepSpeed's own layout, loaded by a DeepSpeed without gockpt (gockpt/integrations/deepspeed/export.py).
 
-Each case (tests/deepspeed_cases.py: check_export_to_deepspeed) trains a tiny model in fresh
-processes: plain DeepSpeed saving its own checkpoint at step S (the reference files, and the
-uninterrupted run), the patched engine saving gockpt's at S; exports gockpt's; checks that
+Each case (tests/_support/deepspeed_cases.py: check_export_to_deepspeed) trains a tiny model
+in fresh processes: plain DeepSpeed saving its own checkpoint at step S (the reference files,
+and the uninterrupted run), the patched engine saving gockpt's at S; exports gockpt's; checks that
 every file, key, type and bit is what DeepSpeed wrote; then a DeepSpeed without gockpt (not
 installed, not even importable while it builds and loads) loads the export with a plain
 ``engine.load_checkpoint(OUT)`` and trains on.
@@ -27,7 +27,8 @@ import types
 import pytest
 import torch
 
-from deepspeed_cases import assert_same_deepspeed_checkpoint, check_export_to_deepspeed
+from tests._support.deepspeed_cases import (assert_same_deepspeed_checkpoint,
+                                            check_export_to_deepspeed)
 
 pytest.importorskip("deepspeed")  # installed by the README's setup: this never skips in CI
 
@@ -37,6 +38,7 @@ from gockpt.integrations.deepspeed.state import (ds_config_record, engine_record
 from gockpt.storage import tree  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,world,extra,save_at", [
     (0, 1, {}, 3),                          # FP16_Optimizer (bf16): optimizer in the model states
     (2, 1, {"gas": 2}, 3),
@@ -49,10 +51,12 @@ def test_export_is_deepspeeds_checkpoint_and_continues_bitwise(tmp_path, stage, 
     check_export_to_deepspeed(tmp_path, stage, world, extra, save_at, steps=save_at + 2)
 
 
+@pytest.mark.slow
 def test_export_continues_like_deepspeeds_own_checkpoint_where_its_resume_drifts(tmp_path):
     check_export_to_deepspeed(tmp_path, 1, 1, {}, 18, steps=20, against="native-load")
 
 
+@pytest.mark.slow
 def test_export_of_zero1_on_two_ranks_and_what_it_refuses(tmp_path, capsys, monkeypatch):
     out = check_export_to_deepspeed(tmp_path, 1, 2, {}, 3, steps=5)  # without --ds-config
     ckpt, config = tmp_path / "gockpt" / "ckpt", tmp_path / "ds_config.json"
@@ -113,7 +117,7 @@ def test_export_of_zero1_on_two_ranks_and_what_it_refuses(tmp_path, capsys, monk
     # What the recorded config lost (not storable without pickle): outside what decides the
     # layout, a note; inside, refused without --ds-config, and --ds-config is not checked.
     from gockpt.integrations.deepspeed import export as export_deepspeed
-    read = export_deepspeed._read
+    read = export_deepspeed.read_part
 
     def recorded(dropped, config=True):
         def _read(path, data):
@@ -123,7 +127,7 @@ def test_export_of_zero1_on_two_ranks_and_what_it_refuses(tmp_path, capsys, monk
             else:  # a checkpoint of a gockpt that did not record the config
                 del part.record["ds_config"], part.record["ds_config_dropped"]
             return part
-        monkeypatch.setattr(export_deepspeed, "_read", _read)
+        monkeypatch.setattr(export_deepspeed, "read_part", _read)
 
     recorded([{"path": ["tensorboard", "writer"], "type": "SummaryWriter"}])
     rc, stdout, err = export(ckpt, "--to", "deepspeed", tmp_path / "n")

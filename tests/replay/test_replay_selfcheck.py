@@ -47,7 +47,7 @@ def job_at(rig, f_boundary, captured):
 
 
 def picks(job):
-    return [b for b, _ in job.capture.samples]
+    return [b for b, _ in job.samples]
 
 
 @pytest.mark.parametrize("fraction,expected", [(0.25, 5), (0.01, 1), (1.0, 20)])
@@ -76,16 +76,16 @@ def test_sample_is_deterministic_per_boundary(rig):
 def test_sample_nothing_without_replayed_blocks_or_with_fraction_zero(rig):
     job = job_at(rig, 5, [])
     selfcheck.sample(job, rig.plan, rig.opt, 1.0)
-    assert job.capture.samples == []
+    assert job.samples == []
     job = job_at(rig, 5, rig.plan.blocks)
     selfcheck.sample(job, rig.plan, rig.opt, 0.0)
-    assert job.capture.samples == []
+    assert job.samples == []
 
 
 def test_samples_are_copies_of_the_live_state_at_F(rig):
     job = job_at(rig, 5, rig.plan.blocks)
     selfcheck.sample(job, rig.plan, rig.opt, 1.0)
-    b, direct = job.capture.samples[0]
+    b, direct = job.samples[0]
     slot = rig.plan.slots[b.slot]
     assert set(direct) == {"param", *KEYS}
     before = direct["param"].clone()
@@ -99,11 +99,11 @@ def test_samples_are_copies_of_the_live_state_at_F(rig):
 def test_verify_passes_on_equal_data_and_records_metrics(rig):
     job = job_at(rig, 5, rig.plan.blocks)
     selfcheck.sample(job, rig.plan, rig.opt, 0.5)
-    n = len(job.capture.samples)
+    n = len(job.samples)
     selfcheck.verify(job, rig.plan, strict=True)
     assert job.metrics.self_check_blocks == n > 0
     assert job.metrics.self_check_mismatches == 0
-    assert job.capture.samples == []
+    assert job.samples == []
 
 
 @pytest.mark.parametrize("tensor", ["param", "exp_avg_sq"])

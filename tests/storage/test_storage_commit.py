@@ -17,7 +17,7 @@ from gockpt.storage import (
     resolve,
 )
 from gockpt.storage.commit import read_latest
-from storage_helpers import (save)
+from tests._support.storage_helpers import save
 
 
 # ---------------------------------------------------------------------- publish

@@ -16,8 +16,7 @@ from gockpt.storage import (
     checkpoint_name,
     read_manifest,
 )
-from storage_helpers import (assert_same, odd_tensors,
-                             sample_tensors, save, save_with)
+from tests._support.storage_helpers import assert_same, odd_tensors, sample_tensors, save, save_with
 
 
 # ------------------------------------------------------------------------ names

@@ -14,8 +14,8 @@ from gockpt.storage import (
     read_tensors,
 )
 from gockpt.storage import io as _io
-from storage_helpers import (MiB, assert_same, bits, data_bytes, odd_tensors,
-                             save_with)
+from tests._support.storage_helpers import (
+    MiB, assert_same, bits, data_bytes, odd_tensors, save_with)
 
 
 # ----------------------------------------------------------------------- crc32c

@@ -9,10 +9,8 @@ import os
 import pytest
 import torch
 
-from gockpt.capture import smallstate
 from gockpt.core.errors import CorruptCheckpointError, LoadError
-from gockpt.storage import CheckpointWriter, manifest as M, schema as S, tree
-from gockpt.storage.statedict import optimizer_state_dict
+from gockpt.storage import CheckpointWriter, manifest as M, schema as S
 
 
 # What the storage layer's tensor table says of the stored tensors the sample refers to.
@@ -173,68 +171,6 @@ def test_from_json_refuses_a_non_decimal_digit_index():
     data["optimizer"]["aligned"] = {"²": ["exp_avg"]}
     with pytest.raises(CorruptCheckpointError, match="'optimizer' section"):
         M.parse("ck", data)
-
-
-# ------------------------------------------------------------------ optimizer_state_dict
-
-def saved(opt):
-    """A manifest and its small tensors as a checkpoint of ``opt`` stores them."""
-    aligned = {i: ["exp_avg", "exp_avg_sq"] for i in range(len(opt.state))}
-    tensors = {}
-    small = S.SmallSection(optimizer=tree.encode(smallstate.optimizer_small(opt, aligned),
-                                                 tensors, S.small_prefix("optimizer")))
-    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
-        for key in aligned[i]:
-            tensors[S.optim_tensor(i, key)] = opt.state[p][key].clone()
-    refs = {i: {k: ref(S.optim_tensor(i, k)) for k in keys} for i, keys in aligned.items()}
-    m = S.Manifest(7, 5, "gockpt", 3, S.ModelSection({}), small,
-                   S.OptimizerSection(type(opt).__name__, refs))
-    return m, tensors
-
-
-def two_group_adamw():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
-    opt = torch.optim.AdamW([{"params": model[0].parameters()},
-                             {"params": model[1].parameters(), "lr": 0.1}])
-    model(torch.ones(1, 3)).sum().backward()
-    opt.step()
-    return model, opt
-
-
-def test_optimizer_state_dict_rebuilds_the_live_state_dict():
-    model, opt = two_group_adamw()
-    m, tensors = saved(opt)
-    sd = optimizer_state_dict(m, "ck", tensors, opt)
-    live = opt.state_dict()
-    assert sd["param_groups"] == live["param_groups"]
-    assert set(sd["state"]) == set(live["state"])
-    for i, st in live["state"].items():
-        assert set(sd["state"][i]) == set(st)
-        for key, value in st.items():
-            assert torch.equal(sd["state"][i][key], value), (i, key)
-    light = optimizer_state_dict(m, "ck", tensors, opt, aligned=False)
-    assert all(set(st) == {"step"} for st in light["state"].values())
-
-
-def test_optimizer_state_dict_refuses_another_class():
-    model, opt = two_group_adamw()
-    m, tensors = saved(opt)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(LoadError, match="saved with optimizer AdamW, loading into SGD"):
-        optimizer_state_dict(m, "ck", tensors, sgd)
-
-
-def test_optimizer_state_dict_refuses_other_group_or_parameter_counts():
-    model, opt = two_group_adamw()
-    m, tensors = saved(opt)
-    one_group = torch.optim.AdamW(model.parameters())
-    with pytest.raises(LoadError, match="1 groups / 4 parameters, the checkpoint 2 / 4"):
-        optimizer_state_dict(m, "ck", tensors, one_group)
-    fewer = torch.optim.AdamW([{"params": model[0].parameters()},
-                               {"params": [model[1].weight]}])
-    with pytest.raises(LoadError, match="2 groups / 3 parameters, the checkpoint 2 / 4"):
-        optimizer_state_dict(m, "ck", tensors, fewer)
 
 
 # ------------------------------------------------------------------ parts of several ranks

@@ -29,7 +29,7 @@ from gockpt.storage import schema as S
 from gockpt.storage.persist import Persister
 from gockpt.storage.ranks import Ranks
 
-import harness as H
+from tests._support import harness as H
 
 
 class Recording(storage.CheckpointWriter):

@@ -6,7 +6,7 @@ import os
 
 from gockpt import storage
 
-from dist_ranks import run_ranks
+from tests._support.dist_ranks import run_ranks
 
 
 def test_two_ranks_commit_together_and_load_their_own_part(tmp_path):

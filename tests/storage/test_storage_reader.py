@@ -14,9 +14,9 @@ from gockpt.storage import (
     read_tensors,
 )
 from gockpt.storage.format import seal_manifest
-from manifests import write_sealed
-from storage_helpers import (MiB, assert_same, bits, flip_byte, odd_tensors,
-                             sample_tensors, save, save_with)
+from tests._support.manifests import write_sealed
+from tests._support.storage_helpers import (
+    MiB, assert_same, bits, flip_byte, odd_tensors, sample_tensors, save, save_with)
 
 
 # --------------------------------------------------------------------- manifest

@@ -8,13 +8,13 @@ import pytest
 import gockpt
 from gockpt import storage
 from gockpt.storage.verify import BadTensor, MissingPart
-from manifests import rewrite, write_sealed
+from tests._support.manifests import rewrite, write_sealed
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """Two committed checkpoints of the harness model (sync mode: fast). Do not modify: copy it."""
-    import harness
+    from tests._support import harness
     model, opt, sched = harness.build(seed=0)
     d = str(tmp_path_factory.mktemp("run"))
     ck = gockpt.Checkpointer(model, opt, d, scheduler=sched, mode="sync", interval=2)

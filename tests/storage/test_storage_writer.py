@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from faulty_storage import failing_writer
+from tests._support.faulty_storage import failing_writer
 from gockpt import storage
 from gockpt.core.errors import StorageError
 from gockpt.storage import (
@@ -20,8 +20,8 @@ from gockpt.storage import (
     read_tensors,
     resolve,
 )
-from storage_helpers import (MiB, assert_same, bits, data_bytes, layout_of, odd_tensors,
-                             sample_tensors, save, save_with)
+from tests._support.storage_helpers import (
+    MiB, assert_same, bits, data_bytes, layout_of, odd_tensors, sample_tensors, save, save_with)
 
 
 # --------------------------------------------------------------------- one call

@@ -40,7 +40,7 @@ import functools
 import warnings
 import weakref
 
-from ...core.config import Config
+from ...core.config import Config, GradTransport
 from ...core.errors import ConfigError, UnsupportedOptimizerError
 from ...core.modes import POLICIES
 from ...replay.adapters import adapter_for
@@ -129,7 +129,7 @@ def _options(engine, options: dict) -> dict:
             _on_gpu(engine) or merged.get("emulate_link_gbps")):
         # 2 bytes per element across a link; on the CPU the copy is a memcpy on the copy
         # thread and the encoding would cost the training thread more than it saves
-        merged.setdefault("grad_transport", "bf16")
+        merged.setdefault("grad_transport", GradTransport.BF16)
     if why is not None:
         why = f"gockpt_ds: mode {merged['mode']!r} cannot replay this engine's optimizer: {why}"
         if not fallback:

@@ -22,7 +22,7 @@ import torch
 
 from ...replay import arithmetic
 from ...replay.adapters import AdamAdapter
-from ...core.records import GroupScalars
+from ...core.records import GroupScalars, Kernel
 
 F32 = np.float32
 
@@ -75,7 +75,7 @@ class DeepSpeedCpuAdamAdapter:
     def __init__(self, optimizer, refuse):
         self.optimizer = optimizer
         self.width = arithmetic.deepspeed_simd_width()
-        self.impl = f"deepspeed-cpu-w{self.width}"
+        self.impl = Kernel.deepspeed_cpu(self.width)
         for gi, g in enumerate(optimizer.param_groups):
             if not g.get("bias_correction", True) or g.get("amsgrad", False):
                 refuse(optimizer, f"param group {gi} sets bias_correction=False or amsgrad")

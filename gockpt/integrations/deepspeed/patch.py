@@ -19,6 +19,7 @@ import torch
 
 from ... import storage
 from ...checkpointer import Checkpointer
+from ...core.config import GradTransport
 from ...core.errors import CheckpointNotFoundError, ConfigError
 from ...loading import load
 from ...core.paths import real_directory
@@ -44,7 +45,7 @@ class EnginePatch:
         # How to read what DeepSpeed last multiplied the gradients by (bf16 transport): set
         # by each unscale, called only when a checkpoint records that step's gradients.
         self.multiplier: Optional[Callable[[], torch.Tensor]] = None
-        if options.get("grad_transport") == "bf16" and watch_unscale(engine.optimizer, self):
+        if options.get("grad_transport") == GradTransport.BF16 and watch_unscale(engine.optimizer, self):
             options["grad_multiplier"] = \
                 lambda: self.multiplier() if self.multiplier is not None else None
 

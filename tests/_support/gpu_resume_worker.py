@@ -9,9 +9,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import gockpt  # noqa: E402
-import gpu_common as G  # noqa: E402
+import gockpt
+from tests._support import gpu_common as G
 
 
 def digest(model, opt):

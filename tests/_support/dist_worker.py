@@ -1,16 +1,15 @@
-"""One rank of tests/storage/test_storage_ranks.py (started by tests/dist_ranks.py): trains its
-own model (seeded by rank), checkpoints with gockpt-o together with the other ranks, and checks
-what it loads. Exits non-zero on any mismatch."""
+"""One rank of tests/storage/test_storage_ranks.py (started by tests/_support/dist_ranks.py):
+trains its own model (seeded by rank), checkpoints with gockpt-o together with the other ranks,
+and checks what it loads. Exits non-zero on any mismatch."""
 
 import os
 import sys
 
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-import gockpt  # noqa: E402
-import harness as H  # noqa: E402
-from gockpt import storage  # noqa: E402
+import gockpt
+from gockpt import storage
+from tests._support import harness as H
 
 
 class FailingPart(storage.CheckpointWriter):

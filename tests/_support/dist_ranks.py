@@ -1,12 +1,13 @@
-"""Starts a job of several ranks (gloo subprocesses running tests/dist_worker.py, as torchrun
-would) and checks that every rank finished; shared by the storage and CLI tests."""
+"""Starts a job of several ranks (gloo subprocesses running ``python -m
+tests._support.dist_worker``, as torchrun would) and checks that every rank finished; shared by
+the storage and CLI tests."""
 
-import os
 import socket
 import subprocess
-import sys
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
+from tests._support import worker_command, worker_env
+
+WORKER = "dist_worker"  # a module of tests._support
 
 
 def free_port():
@@ -16,13 +17,14 @@ def free_port():
 
 
 def run_ranks(directory, scenario, world=2, worker=WORKER, timeout=240):
-    """Run ``worker DIRECTORY SCENARIO`` as ``world`` gloo ranks; returns (stdout, stderr) each."""
+    """Run ``python -m tests._support.<worker> DIRECTORY SCENARIO`` as ``world`` gloo ranks;
+    returns (stdout, stderr) each."""
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join(sys.path))
-        procs.append(subprocess.Popen([sys.executable, worker, str(directory), scenario],
+        env = worker_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(worker_command(worker, directory, scenario),
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     outs = [p.communicate(timeout=timeout) for p in procs]

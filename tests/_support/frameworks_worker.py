@@ -1,5 +1,5 @@
-"""One rank of tests/test_frameworks.py (started by tests/dist_ranks.py): the frameworks users
-wrap their models in, on real gloo ranks. Exits non-zero on any mismatch."""
+"""One rank of tests/test_frameworks.py (started by tests/_support/dist_ranks.py): the
+frameworks users wrap their models in, on real gloo ranks. Exits non-zero on any mismatch."""
 
 import os
 import sys
@@ -8,9 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-import gockpt  # noqa: E402
-import gockpt.testing  # noqa: E402
+import gockpt
+import gockpt.testing
 
 
 def fsdp2_refused(directory: str, rank: int) -> None:

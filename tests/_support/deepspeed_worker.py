@@ -1,12 +1,13 @@
-"""One rank of the DeepSpeed tests (tests/deepspeed_cases.py, started by tests/dist_ranks.py):
-trains a tiny model with a DeepSpeed engine on its accelerator (the CPU here, CUDA on a GPU
-machine) and writes what the test compares.  Scenario keys beyond the run: "stage", "steps",
-"save_at" (a step or a list of steps), "gas", "clip", "options", "gockpt_section",
-"fp32_accumulation", "two_groups", "torch_adam" (torch's AdamW as base optimizer), "betas"
-(AdamW's), "fp16" (with dynamic loss scaling), "inf_at" (a step whose loss is multiplied by
-inf: an overflow step under fp16).
+"""One rank of the DeepSpeed tests (tests/_support/deepspeed_cases.py, started by
+tests/_support/dist_ranks.py): trains a tiny model with a DeepSpeed engine on its accelerator
+(the CPU here, CUDA on a GPU machine) and writes what the test compares.  Scenario keys beyond
+the run: "stage", "steps", "save_at" (a step or a list of steps), "gas", "clip", "options",
+"gockpt_section", "fp32_accumulation", "two_groups", "torch_adam" (torch's AdamW as base
+optimizer), "betas" (AdamW's), "fp16" (with dynamic loss scaling), "inf_at" (a step whose loss
+is multiplied by inf: an overflow step under fp16).
 
-    deepspeed_worker.py OUT SCENARIO       SCENARIO: JSON {"run": ..., "stage": ..., ...}
+    python -m tests._support.deepspeed_worker OUT SCENARIO
+                                            SCENARIO: JSON {"run": ..., "stage": ..., ...}
 
 runs: "plain" (no gockpt), "patched" (gockpt, no checkpoint), "save" (gockpt, a checkpoint
 at each step of "save_at", client_state given as a dict of values as DeepSpeed users do; the

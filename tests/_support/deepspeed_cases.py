@@ -1,31 +1,61 @@
 """The DeepSpeed acceptance cases, shared by tests/integrations/test_deepspeed.py (CPU
 accelerator) and tests/gpu/test_gpu_deepspeed.py (a CUDA engine): each trains a tiny model in
-fresh processes (tests/deepspeed_worker.py) uninterrupted, patched with a checkpoint, and
-resumed from it, and compares bit patterns.  ``check_export_to_deepspeed`` (for
+fresh processes (tests/_support/deepspeed_worker.py) uninterrupted, patched with a checkpoint,
+and resumed from it, and compares bit patterns.  ``check_export_to_deepspeed`` (for
 tests/integrations/test_deepspeed_export.py): the checkpoint exported in DeepSpeed's own
-layout, loaded by DeepSpeed without gockpt."""
+layout, loaded by DeepSpeed without gockpt.
 
+The uninterrupted "plain" run (DeepSpeed without gockpt) is the same for every case of one
+training scenario, whatever gockpt's options: :func:`runs` runs it once per session and
+scenario (see ``PLAIN_KEYS``)."""
+
+import copy
 import json
 import os
 
 import torch
 
 import gockpt
-from dist_ranks import run_ranks
 from gockpt.storage.commit import read_latest
+from tests._support.dist_ranks import run_ranks
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_worker.py")
+WORKER = "deepspeed_worker"  # a module of tests._support
 # Saves at 6, 12, 18: the first two are copied at once (nothing announced them); from their
 # spacing the third is expected, and the replay modes copy it over the K steps up to 18.
 SAVES, STEPS = [6, 12, 18], 21
 SAVE_AT = SAVES[-1]
 
 
+# What the worker's "plain" run (DeepSpeed alone: gockpt's install() not called) reads of the
+# scenario: the DeepSpeed config and training ("gas", "clip", "betas", "torch_adam", "fp16",
+# "fp32_accumulation", "two_groups", "stage"), the batches ("steps", "inf_at") and the step of
+# its "live" snapshot (the last of "save_at").  Not "options" (install()'s), "gockpt_section"
+# (a "gockpt" key of the DeepSpeed config that only gockpt's patch reads), "exit_without_wait",
+# "load_dir", "resave_at", "resave_dir" (other runs').
+PLAIN_KEYS = ("stage", "steps", "gas", "clip", "betas", "torch_adam", "fp16", "fp32_accumulation",
+              "two_groups", "inf_at")
+_plain_results = {}  # plain_key(...) -> the ranks' results, for the whole session
+
+
+def plain_key(world, scenario):
+    """The cache key of the "plain" run of ``scenario`` on ``world`` ranks."""
+    saves = scenario.get("save_at")
+    last = saves[-1] if isinstance(saves, list) else saves
+    return json.dumps([world, last, os.environ.get("DS_ACCELERATOR"),
+                       {k: scenario[k] for k in PLAIN_KEYS if k in scenario}], sort_keys=True)
+
+
 def runs(tmp_path, world, **scenario):
     def one(run, **more):
-        run_ranks(tmp_path, json.dumps(dict(scenario, run=run, **more)), world=world,
-                  worker=WORKER, timeout=600)
-        return [torch.load(tmp_path / f"{run}-rank{r}.pt") for r in range(world)]
+        sc = dict(scenario, run=run, **more)
+        key = plain_key(world, sc) if run == "plain" else None
+        if key in _plain_results:  # the same training already ran uninterrupted this session
+            return copy.deepcopy(_plain_results[key])
+        run_ranks(tmp_path, json.dumps(sc), world=world, worker=WORKER, timeout=600)
+        results = [torch.load(tmp_path / f"{run}-rank{r}.pt") for r in range(world)]
+        if key is not None:
+            _plain_results[key] = copy.deepcopy(results)
+        return results
     return one
 
 
@@ -90,7 +120,7 @@ def check_export_to_deepspeed(tmp_path, stage, world, extra, save_at, steps,
     """``gockpt export --to deepspeed`` (without ``--ds-config``: the DeepSpeed config the
     checkpoint recorded) of the patched run's checkpoint at ``save_at``: the files are those
     DeepSpeed's own ``save_checkpoint`` writes at that step (same names, keys, types and bits,
-    ``ds_config`` included), and a DeepSpeed without gockpt (tests/deepspeed_worker.py
+    ``ds_config`` included), and a DeepSpeed without gockpt (tests/_support/deepspeed_worker.py
     "plain-load") loads them in fresh processes and trains on bit for bit -- like the
     uninterrupted run (``against="uninterrupted"``), or like DeepSpeed's own checkpoint of that
     step loaded the same way (``"native-load"``: where DeepSpeed's own resume is not bitwise,

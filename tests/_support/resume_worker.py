@@ -9,9 +9,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import gockpt  # noqa: E402
-import harness as H  # noqa: E402
+import gockpt
+from tests._support import harness as H
 
 
 def digest(model, opt):

@@ -25,7 +25,7 @@ import gockpt
 from gockpt import storage
 from gockpt.storage.format import DATA_FILE, LATEST_FILE, MANIFEST_FILE
 
-from manifests import read_raw, write_sealed
+from tests._support.manifests import read_raw, write_sealed
 
 STEPS = (3, 6)
 
