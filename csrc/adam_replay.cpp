@@ -38,10 +38,12 @@ struct IsaFns {
   void (*cuda_fused)(float*, float*, float*, const float*, int64_t, int64_t,
                      const CudaScalars&);
   void (*ds_cpu)(float*, float*, float*, const float*, int64_t, const DsScalars&, bool);
+  void (*ds_cuda_moments)(float*, float*, const float*, int64_t, const DsScalars&);
 };
 
 #define GOCKPT_ISA_FNS(NS) \
-  {NS::adam_single, NS::adam_fused, NS::cuda_pointwise, NS::cuda_fused, NS::ds_cpu}
+  {NS::adam_single, NS::adam_fused, NS::cuda_pointwise, NS::cuda_fused, NS::ds_cpu, \
+   NS::ds_cuda_moments}
 
 IsaFns fns_for(Isa isa) {
   switch (isa) {
@@ -108,7 +110,8 @@ AdamScalars make_scalars(const ReplayArgs& a) {
 }
 
 bool is_deepspeed(Impl impl) {
-  return impl == Impl::DsCpu1 || impl == Impl::DsCpu8 || impl == Impl::DsCpu16;
+  return impl == Impl::DsCpu1 || impl == Impl::DsCpu8 || impl == Impl::DsCpu16 ||
+         impl == Impl::DsCudaMoments;
 }
 
 DsScalars make_ds_scalars(const ReplayArgs& a) {
@@ -181,6 +184,10 @@ const char* unproven_settings(const ReplayArgs& a) {
     return "CUDA for-loop/foreach replay is proven for beta1 > 0.5 only (lerp weight 1-beta1 < 0.5)";
   if (a.impl == Impl::CudaFused && a.weight_decay != 0.0 && !a.decoupled && a.grad_scale != 0.0)
     return "CUDA fused Adam with weight_decay != 0 and grad_scale is not proven (only AdamW)";
+  if (a.impl == Impl::DsCudaMoments && !a.decoupled && a.weight_decay != 0.0)
+    return "DeepSpeed's CUDA FusedAdam with adam_w_mode=False and weight_decay != 0 adds the "
+           "parameter to the gradient, and its parameter line is not reproducible: its "
+           "moments cannot be replayed past one step";
   return nullptr;
 }
 
@@ -273,6 +280,7 @@ struct RangeKernel {
       case Impl::CudaFused:
         k.f.cuda_fused(p + b, m + b, v + b, g + b, e - b, offset + b, k.cs);
         break;
+      case Impl::DsCudaMoments: k.f.ds_cuda_moments(m + b, v + b, g + b, e - b, k.ds); break;
       default: k.f.single(p + b, m + b, v + b, g + b, e - b, k.s, torch_sqrt, k.tile);
     }
   }

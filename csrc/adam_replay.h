@@ -10,8 +10,10 @@ namespace gockpt {
 // (docs/arithmetics.md).
 // DsCpu{1,8,16}: DeepSpeed's CPU Adam op (cpu_adam.h) built scalar, AVX256 or AVX512 (its
 // vector width decides which elements take the scalar remainder's contraction).
+// DsCudaMoments: DeepSpeed's CUDA FusedAdam (multi_tensor_adam.cu), its moments only: the
+// parameter is neither read nor written (its line is not reproducible: --use_fast_math).
 enum class Impl { Single = 0, Foreach = 1, Fused = 2, CudaForloop = 3, CudaForeach = 4, CudaFused = 5,
-                  DsCpu1 = 6, DsCpu8 = 7, DsCpu16 = 8 };
+                  DsCpu1 = 6, DsCpu8 = 7, DsCpu16 = 8, DsCudaMoments = 9 };
 enum class Isa { Auto = 0, Generic = 1, Avx2 = 2, Avx512 = 3 };
 
 struct ReplayArgs {

@@ -81,6 +81,8 @@ constexpr int64_t kMaxSqrtTile = 16384;
   /* DeepSpeed's CPU Adam op: its SIMD body, or (tail) its scalar remainder's contraction */   \
   void ds_cpu(float* p, float* m, float* v, const float* g, int64_t n, const DsScalars& s,  \
               bool tail);                                                                   \
+  /* DeepSpeed's CUDA FusedAdam, its moments only (fast-math: subnormals flushed)         */   \
+  void ds_cuda_moments(float* m, float* v, const float* g, int64_t n, const DsScalars& s);  \
   }
 
 GOCKPT_DECLARE_ISA(generic)

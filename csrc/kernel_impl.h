@@ -315,6 +315,29 @@ inline void ds_cpu_t(float* __restrict p, float* __restrict m, float* __restrict
   }
 }
 
+// DeepSpeed's CUDA FusedAdam (csrc/adam/multi_tensor_adam.cu, DeepSpeed 0.19.8, built with
+// --use_fast_math), its moments only: `beta1 * m + (1 - beta1) * g` and
+// `beta2 * v + (1 - beta2) * g * g` with float scalars, contracted by nvcc into
+// fma(beta1, m, (1-beta1)*g) and fma(beta2, v, ((1-beta2)*g)*g); fast-math flushes subnormal
+// operands and results of every float operation to zero (sign kept).  Measured bit for bit on
+// the golden vectors of tests/replay/test_replay_arithmetic_golden.py (AdamW mode: its
+// moments do not read the parameter; the parameter line divides and takes sqrt with
+// approximate instructions and is not replayed).
+inline float ftz(float x) {
+  // below the smallest normal float in magnitude (a subnormal, or a zero): a zero of its sign
+  return __builtin_fabsf(x) < 1.17549435e-38f ? __builtin_copysignf(0.0f, x) : x;
+}
+
+inline void ds_cuda_moments_t(float* __restrict m, float* __restrict v,
+                              const float* __restrict g, int64_t n, const DsScalars& s) {
+  const float b1 = s.b1, b2 = s.b2, c1 = s.c1, c2 = s.c2;
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = ftz(g[i]);
+    m[i] = ftz(__builtin_fmaf(b1, ftz(m[i]), ftz(c1 * gi)));
+    v[i] = ftz(__builtin_fmaf(b2, ftz(v[i]), ftz(ftz(c2 * gi) * gi)));
+  }
+}
+
 // ---------------------------------------------------------------- entry points
 // Every kernel is a template over its flags (one instantiation per combination, the choice
 // made once per call, outside the element loop).  with_flags(s, f, b...) calls
@@ -352,6 +375,10 @@ void ds_cpu(float* p, float* m, float* v, const float* g, int64_t n, const DsSca
   with_flags(s, [&](auto L2, auto DECAY, auto TAIL) {
     ds_cpu_t<L2, DECAY, TAIL>(p, m, v, g, n, s);
   }, tail);
+}
+
+void ds_cuda_moments(float* m, float* v, const float* g, int64_t n, const DsScalars& s) {
+  ds_cuda_moments_t(m, v, g, n, s);
 }
 
 void adam_single(float* p, float* m, float* v, const float* g, int64_t n, const AdamScalars& s,

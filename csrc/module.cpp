@@ -36,9 +36,10 @@ T* ptr(uintptr_t a) {
 // args table: _C.REPLAY_IMPLS).
 constexpr const char* kImplNames[] = {"single", "foreach", "fused", "cuda-forloop",
                                       "cuda-foreach", "cuda-fused", "deepspeed-cpu-w1",
-                                      "deepspeed-cpu-w8", "deepspeed-cpu-w16"};
+                                      "deepspeed-cpu-w8", "deepspeed-cpu-w16",
+                                      "deepspeed-cuda-moments"};
 constexpr int kImpls = static_cast<int>(sizeof kImplNames / sizeof kImplNames[0]);
-static_assert(kImpls == static_cast<int>(Impl::DsCpu16) + 1, "one name per Impl value");
+static_assert(kImpls == static_cast<int>(Impl::DsCudaMoments) + 1, "one name per Impl value");
 
 // The names of the Isa values, indexed by value.
 constexpr const char* kIsaNames[] = {"auto", "generic", "avx2", "avx512"};

@@ -29,6 +29,7 @@ class Kernel(str, enum.Enum):
     DEEPSPEED_CPU_W1 = "deepspeed-cpu-w1"    # DeepSpeed's CPU Adam op built without SIMD,
     DEEPSPEED_CPU_W8 = "deepspeed-cpu-w8"    # with AVX256,
     DEEPSPEED_CPU_W16 = "deepspeed-cpu-w16"  # with AVX512 (its vector width)
+    DEEPSPEED_CUDA_MOMENTS = "deepspeed-cuda-moments"  # DeepSpeed's CUDA FusedAdam: moments
 
     def __str__(self) -> str:
         return self.value
@@ -37,10 +38,6 @@ class Kernel(str, enum.Enum):
     def deepspeed_cpu(cls, width: int) -> "Kernel":
         """DeepSpeed's CPU Adam op built with ``width`` float32 lanes."""
         return cls(f"deepspeed-cpu-w{width}")
-
-    @property
-    def on_cuda(self) -> bool:
-        return self.value.startswith("cuda-")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ import torch
 from gockpt import _C
 from gockpt.core.arrays import check_non_negative, int64_arrays
 
+from .claims import check_tensors
+
 __all__ = ["adam_replay", "replay_batch", "replay_step", "replay_arithmetics", "sqrt_backend",
            "exactness_supported", "IMPLS"]
 
@@ -25,7 +27,9 @@ IMPLS = ("single", "foreach", "fused")
 CUDA_IMPLS = ("cuda-forloop", "cuda-foreach", "cuda-fused")  # torch's CUDA kernels (replay_step)
 # DeepSpeed's CPU Adam op built without SIMD, with AVX256 or with AVX512 (its vector width)
 DEEPSPEED_IMPLS = ("deepspeed-cpu-w1", "deepspeed-cpu-w8", "deepspeed-cpu-w16")
-_ALL_IMPLS = IMPLS + CUDA_IMPLS + DEEPSPEED_IMPLS
+# DeepSpeed's CUDA FusedAdam, its moments only (the parameter is left as it is: claims.py)
+DEEPSPEED_CUDA_MOMENTS = "deepspeed-cuda-moments"
+_ALL_IMPLS = IMPLS + CUDA_IMPLS + DEEPSPEED_IMPLS + (DEEPSPEED_CUDA_MOMENTS,)
 # impl name -> its code in the records of replay_batch's args table (_C.REPLAY_ARGS_DTYPE)
 _IMPL_CODES = {name: code for code, name in enumerate(_C.REPLAY_IMPLS)}
 
@@ -37,18 +41,10 @@ _PROFILES = {
        for opt in ("Adam", "AdamW") for impl in ("forloop", "foreach", "fused")},
     **{f"cpu/deepspeed/FusedAdam/adam_w_mode={mode}": ("deepspeed-cpu", mode)
        for mode in (True, False)},
+    # its moments only (claims.py): the parameter line is built with fast-math
+    **{f"cuda/deepspeed/FusedAdam/adam_w_mode={mode}": (DEEPSPEED_CUDA_MOMENTS, mode)
+       for mode in (True, False)},
 }
-# Recorded but not reproducible: refused with the reason (docs/arithmetics.md).
-_UNPROVEN = {
-    f"cuda/deepspeed/FusedAdam/adam_w_mode={mode}": (
-        "DeepSpeed builds its CUDA FusedAdam with --use_fast_math: the update divides with "
-        "div.approx.ftz.f32 and takes sqrt.approx.ftz.f32 (MUFU.RCP / MUFU.SQRT hardware "
-        "approximations that are not specified bit for bit); the moments are reproduced, the "
-        "parameters are not")
-    for mode in (True, False)
-}
-
-
 def _libtorch_cpu_path() -> str:
     return os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
 
@@ -326,9 +322,6 @@ def replay_arithmetics() -> list:
 
 
 def _profile(arithmetic: str):
-    if arithmetic in _UNPROVEN:
-        raise ValueError(f"arithmetic {arithmetic!r} is not replayable bit for bit: "
-                         f"{_UNPROVEN[arithmetic]}")
     if arithmetic not in _PROFILES:
         raise ValueError(f"unknown arithmetic {arithmetic!r}; known: "
                          f"{', '.join(replay_arithmetics())}")
@@ -337,7 +330,7 @@ def _profile(arithmetic: str):
 
 def replay_step(arithmetic: str, param, exp_avg, exp_avg_sq, grad, *, lr: float, betas,
                 eps: float, weight_decay: float, step, grad_scale: Optional[float] = None,
-                beta_powers=None, simd_width: Optional[int] = None) -> None:
+                beta_powers=None, simd_width: Optional[int] = None, tensors=None) -> None:
     """Apply one Adam/AdamW update in place, bit for bit as the named optimizer computes it.
 
     ``arithmetic``: a name from ``replay_arithmetics()``, e.g. ``"cuda/torch/AdamW/fused"``,
@@ -356,8 +349,13 @@ def replay_step(arithmetic: str, param, exp_avg, exp_avg_sq, grad, *, lr: float,
     the process: ``beta_powers`` gives them (default: ``pow(beta, step)`` rounded to float, what
     the op uses when t jumps); ``simd_width`` is the float32 lanes the op was built with
     (default: :func:`deepspeed_simd_width`), which decides the elements of its scalar tail.
-    Raises ValueError for an unknown or unproven arithmetic, bad tensors, or a setting the profile
-    has no proof for (docs/arithmetics.md says which).
+    ``tensors``: the state tensors to replay, all three (None, the default) or the moments
+    ``("exp_avg", "exp_avg_sq")``; the others are left as they are.  Each must be one the
+    profile reproduces for this parameter (:func:`gockpt.replay.claims.replay_claims`: e.g.
+    DeepSpeed's CUDA FusedAdam reproduces its moments, not its parameter line).
+    Raises ValueError for an unknown or unproven arithmetic, a tensor it does not reproduce
+    (naming it and why), bad tensors, or a setting the profile has no proof for
+    (docs/arithmetics.md says which).
     """
     impl, decoupled = _profile(arithmetic)
     if impl == "deepspeed-cpu":
@@ -374,8 +372,15 @@ def replay_step(arithmetic: str, param, exp_avg, exp_avg_sq, grad, *, lr: float,
     if grad_scale is not None and not float(grad_scale) > 0:
         raise ValueError(f"grad_scale must be a positive float, got {grad_scale!r}")
     n = _check_buffers(param, exp_avg, exp_avg_sq, grad, flat_only=False)
+    wanted = check_tensors(arithmetic, tensors, n, weight_decay)
     beta1, beta2 = betas
     hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    if "param" not in wanted and impl != DEEPSPEED_CUDA_MOMENTS:
+        # The kernel writes a parameter: a scratch one, dropped.  Decoupled weight decay
+        # touches only the parameter line (the moments are the same without it).
+        param = param.detach().clone()
+        if decoupled:
+            hp["weight_decay"] = 0.0
     step = _check_scalars(step, **hp)
     powers = (0.0, 0.0) if beta_powers is None else tuple(float(b) for b in beta_powers)
     if not all(0 <= b <= 1 for b in powers):

@@ -56,13 +56,6 @@ def test_deepspeed_cpu_by_vector_width():
         Kernel.deepspeed_cpu(4)  # no such build of the op
 
 
-def test_on_cuda_names_torch_cuda_kernels_only():
-    assert {k for k in Kernel if k.on_cuda} == \
-        {Kernel.CUDA_FORLOOP, Kernel.CUDA_FOREACH, Kernel.CUDA_FUSED}
-    assert {k.value for k in Kernel if k.on_cuda} == set(arithmetic.CUDA_IMPLS)
-    assert not Kernel.DEEPSPEED_CPU_W8.on_cuda and not Kernel.FUSED.on_cuda
-
-
 def test_group_scalars_are_frozen_values():
     a = GroupScalars(1e-3, 0.9, 0.999, 1e-8, 0.01, Kernel.FUSED, True)
     assert (a.beta1_power, a.beta2_power) == (0.0, 0.0)  # unused unless DeepSpeed's CPU op

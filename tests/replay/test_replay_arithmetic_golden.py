@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 import gockpt
 from gockpt import _C
 from gockpt.replay import arithmetic
+from gockpt.replay.claims import claimed, replay_claims
 
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
                       "cuda-adam-h100.safetensors")
@@ -43,9 +44,10 @@ def golden():
 
 
 def profile_of(case):
-    """Golden case name -> replay profile: torch/AdamW/fused-gradscale/h1 -> cuda/torch/AdamW/fused."""
-    _, opt, impl, _ = case.split("/")
-    return f"cuda/torch/{opt}/{impl.replace('-gradscale', '')}"
+    """Golden case name -> replay profile: torch/AdamW/fused-gradscale/h1 -> cuda/torch/AdamW/fused,
+    deepspeed/FusedAdam/adam_w_mode=True/h0 -> cuda/deepspeed/FusedAdam/adam_w_mode=True."""
+    source, opt, impl, _ = case.split("/")
+    return f"cuda/{source}/{opt}/{impl.replace('-gradscale', '')}"
 
 
 def _hyper(c):
@@ -64,23 +66,28 @@ def mismatches(got, want):
     return int((~same).sum())
 
 
-def replay_case(golden, case, arith):
-    """Replay a golden case with `arith`; returns {'t1/param': differing elements, ...}."""
+def replay_case(golden, case, arith, tensors=None, n=None):
+    """Replay a golden case with `arith` (only ``tensors``, on the first ``n`` elements);
+    returns {'t1/param': differing elements, ...} for the tensors replayed."""
     c = CASES[case]
     scale = c.get("grad_scale")
-    kw = dict(_hyper(c), grad_scale=scale)
-    p = golden["input/param"].clone()
+    kw = dict(_hyper(c), grad_scale=scale, tensors=tensors)
+    n = META["n"] if n is None else n
+    names = STATE if tensors is None else tensors
+    p = golden["input/param"][:n].clone()
     st = [p, torch.zeros_like(p), torch.zeros_like(p)]
     diffs = {}
     for t in range(1, META["trajectory_steps"] + 1):
-        gockpt.replay_step(arith, *st, _grad(golden, c, t), step=t, **kw)
+        gockpt.replay_step(arith, *st, _grad(golden, c, t)[:n].clone(), step=t, **kw)
         for name, x in zip(STATE, st):
-            diffs[f"t{t}/{name}"] = mismatches(x, golden[f"{case}/t{t}/{name}"])
+            if name in names:
+                diffs[f"t{t}/{name}"] = mismatches(x, golden[f"{case}/t{t}/{name}"][:n])
     for j in JUMPS:
-        st = [golden[f"{case}/t6/{name}"].clone() for name in STATE]
-        gockpt.replay_step(arith, *st, _grad(golden, c, 1), step=j, **kw)
+        st = [golden[f"{case}/t6/{name}"][:n].clone() for name in STATE]
+        gockpt.replay_step(arith, *st, _grad(golden, c, 1)[:n].clone(), step=j, **kw)
         for name, x in zip(STATE, st):
-            diffs[f"jump{j}/{name}"] = mismatches(x, golden[f"{case}/jump{j}/{name}"])
+            if name in names:
+                diffs[f"jump{j}/{name}"] = mismatches(x, golden[f"{case}/jump{j}/{name}"][:n])
     return diffs
 
 
@@ -150,9 +157,10 @@ def test_replay_arithmetics_lists_every_profile():
                 for dev, impls in (("cpu", ("single", "foreach", "fused")),
                                    ("cuda", ("forloop", "foreach", "fused")))
                 for impl in impls}
-    expected |= {f"cpu/deepspeed/FusedAdam/adam_w_mode={m}" for m in (True, False)}
+    expected |= {f"{dev}/deepspeed/FusedAdam/adam_w_mode={m}" for m in (True, False)
+                 for dev in ("cpu", "cuda")}
     assert names == sorted(expected)
-    assert {profile_of(c) for c in TORCH_CASES} <= set(names)
+    assert {profile_of(c) for c in CASES} <= set(names)
 
 
 def test_unknown_arithmetic_lists_known_ones():
@@ -163,15 +171,63 @@ def test_unknown_arithmetic_lists_known_ones():
     assert "cpu/torch/Adam/single" in str(e.value)
 
 
-@pytest.mark.parametrize("case", DEEPSPEED_CASES)
-def test_deepspeed_is_refused(case):
-    """DeepSpeed's CUDA FusedAdam (built with --use_fast_math) is recorded but not replayable."""
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_claimed_tensor_of_every_case_bitwise(golden, case):
+    """Per case, the tensors the profile claims (gockpt.replay.claims) are reproduced bit for
+    bit through the public replay API, the 6 chained steps and the 3 jumps; asking for one it
+    does not claim is refused, naming it and why."""
+    c, arith = CASES[case], profile_of(case)
+    claims = replay_claims(arith, META["n"], c["weight_decay"])
+    ok = tuple(t for t in STATE if claims[t] is None)
+    if ok:
+        diffs = replay_case(golden, case, arith, tensors=ok)
+        bad = {k: n for k, n in diffs.items() if n}
+        assert not bad and len(diffs) == 9 * len(ok), f"{case}: differing elements {bad}"
+    for t in STATE:
+        if claims[t] is not None:
+            args = [golden["input/param"].clone() for _ in range(4)]
+            with pytest.raises(ValueError, match=f"{t}: ") as e:
+                gockpt.replay_step(arith, *args, step=1, **_hyper(c))
+            assert claims[t] in str(e.value)
+
+
+def test_what_is_claimed_of_the_golden_cases():
+    """DeepSpeed's CUDA FusedAdam (--use_fast_math): its moments, not its parameter line --
+    and nothing when its moments read the parameter (Adam mode with weight decay); torch's
+    every tensor at numel % 4 == 0."""
+    got = {case: claimed(profile_of(case), META["n"], c["weight_decay"])
+           for case, c in CASES.items()}
+    for case in TORCH_CASES:
+        assert got[case] == STATE, case
+    for case in DEEPSPEED_CASES:
+        c = CASES[case]
+        l2 = not c["adam_w_mode"] and c["weight_decay"] != 0
+        assert got[case] == (() if l2 else ("exp_avg", "exp_avg_sq")), case
+    assert sum(len(v) == 3 for v in got.values()) == 19 and len(got) == 25
+
+
+@pytest.mark.parametrize("case", ["torch/AdamW/fused/h0", "torch/AdamW/fused/h1",
+                                  "torch/AdamW/fused-gradscale/h1"])
+@pytest.mark.parametrize("n", [4095, 4094, 4093])
+def test_fused_adamw_moments_at_odd_element_counts(golden, case, n):
+    """torch's fused CUDA AdamW with weight decay at numel % 4 != 0: the moments are claimed
+    (each element's moments are the same explicit fmas in every vector lane) and reproduced
+    on the golden vectors' first n elements; the parameter is not claimed."""
     c = CASES[case]
-    arith = f"cuda/deepspeed/FusedAdam/adam_w_mode={c['adam_w_mode']}"
-    assert arith not in gockpt.replay_arithmetics()
-    args = [torch.zeros(8) for _ in range(4)]
-    with pytest.raises(ValueError, match="use_fast_math"):
-        gockpt.replay_step(arith, *args, step=1, **_hyper(c))
+    assert claimed(profile_of(case), n, c["weight_decay"]) == ("exp_avg", "exp_avg_sq")
+    diffs = replay_case(golden, case, profile_of(case), tensors=("exp_avg", "exp_avg_sq"), n=n)
+    assert len(diffs) == 18 and not any(diffs.values()), diffs
+    with pytest.raises(ValueError, match="param: .*numel % 4 == 0"):
+        replay_case(golden, case, profile_of(case), n=n)
+
+
+def test_a_tensor_not_replayed_is_left_as_it_is(golden):
+    case = "deepspeed/FusedAdam/adam_w_mode=True/h0"
+    p = golden["input/param"].clone()
+    st = [p.clone(), torch.zeros_like(p), torch.zeros_like(p)]
+    gockpt.replay_step(profile_of(case), *st, _grad(golden, CASES[case], 1), step=1,
+                       tensors=("exp_avg", "exp_avg_sq"), **_hyper(CASES[case]))
+    assert torch.equal(st[0], p) and mismatches(st[1], golden[f"{case}/t1/exp_avg"]) == 0
 
 
 def _kw(**over):
