@@ -8,7 +8,9 @@ Trains a GPT-like model (experiments/model.py, sized by flags) with each scheme 
 stream into host buffers allocated beforehand, the next optimizer step waiting for it; nothing
 persisted), ``sync``, ``async``, ``async-o``, ``gockpt`` and ``gockpt-o`` (K chosen and fixed),
 DCP ``async_save`` with a pinned DefaultStager (CUDA only), and ``async`` / ``gockpt-o`` (fixed
-K) without the verification against the live state (``*-noverify``: what it costs) -- and reports, per scheme, the
+K) without the verification against the live state (``*-noverify``: what it costs), and
+``gockpt-o-k-partial`` (the parameters copied at F, only the moments replayed: what an optimizer
+whose parameter line the replay does not reproduce gets) -- and reports, per scheme, the
 wall-time overhead over ``none``, the time the loop lost per checkpoint (median, first, by
 hook; measured here: time inside the hooks and the waits of the optimizer step beyond its own
 cost), time to staged and to durable, copy GB/s and host memory.

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 import gockpt
+from gockpt.replay import adapters
+from gockpt.replay.adapters import AdamAdapter
 from model import TinyLlama, batch, num_params
 
 
@@ -164,10 +166,11 @@ class _GockptHooks:
             self.windows.append(range(step - 1, h.final_step + 1))
 
 
-def gockpt_run(mode: str, k: Optional[int], verify: bool = True) -> Callable[[Setup], dict]:
+def gockpt_run(mode: str, k: Optional[int], verify: bool = True,
+               tag: str = "") -> Callable[[Setup], dict]:
     def run(setup: Setup) -> dict:
         model, opt = setup.build()
-        directory = os.path.join(setup.work, f"{mode}-{k}-{verify}")
+        directory = os.path.join(setup.work, f"{mode}-{k}-{verify}{tag}")
         options = {"emulate_link_gbps": setup.link_gbps} if setup.device == "cpu" else {}
         ck = gockpt.Checkpointer(model, opt, directory, mode=mode, overlap_steps=k,
                                  interval=setup.args.every, on_busy="wait", verify=verify,
@@ -360,6 +363,7 @@ RUNS = {
     # the same without the verification against the live state (Config.verify=False): its cost
     "async-noverify": gockpt_run("async", None, verify=False),
     "gockpt-o-k-noverify": None,
+    "gockpt-o-k-partial": None,  # the parameters copied at F, the moments replayed
 }
 
 
@@ -371,5 +375,25 @@ def _fixed_k_unverified(setup: Setup) -> dict:
     return gockpt_run("gockpt-o", setup.args.k, verify=False)(setup)
 
 
+class _MomentsOnly(AdamAdapter):
+    """torch's AdamW with every parameter line marked as not reproduced: what DeepSpeed's CUDA
+    FusedAdam gets (its moments replayed, its parameters copied at F)."""
+
+    def params_not_replayed(self):
+        return {id(p): "benchmark: the parameter line is not claimed"
+                for g in self.optimizer.param_groups for p in g["params"]}
+
+
+def _fixed_k_partial(setup: Setup) -> dict:
+    """gockpt-o with K fixed, the moments replayed and the parameters copied at F."""
+    original = adapters.adapter_for
+    adapters.adapter_for = _MomentsOnly
+    try:
+        return gockpt_run("gockpt-o", setup.args.k, tag="-partial")(setup)
+    finally:
+        adapters.adapter_for = original
+
+
 RUNS["gockpt-o-k"] = _fixed_k
 RUNS["gockpt-o-k-noverify"] = _fixed_k_unverified
+RUNS["gockpt-o-k-partial"] = _fixed_k_partial

@@ -41,7 +41,7 @@ from .core.job import CheckpointHandle, Job
 from .exit import close_at_exit, forget_at_exit
 from .hooks import BlockedTime, StepHooks
 from .loop import BACKWARD, IDLE, UPDATE, Loop
-from .replay.adapters import adapter_for
+from .replay.adapters import attach_adapter
 from .replay.replayer import Replayer
 from .pipeline import Pipeline
 from .schedule import Busy, Schedule
@@ -100,7 +100,7 @@ class Checkpointer:
         self.lock = lock_for_ranks(self.config.directory, self.ranks)
         self.adapter = None
         try:
-            self.adapter = adapter_for(optimizer) if self.policy.replays else None
+            self.adapter = attach_adapter(self.plan, optimizer) if self.policy.replays else None
             self._build(model, optimizer, scheduler)
         except BaseException:
             self.lock.release()
@@ -379,7 +379,7 @@ class Checkpointer:
         if self.policy.replays:
             self.adapter.close()
             self.adapter = self.capture.adapter = self.replayer.adapter = \
-                adapter_for(self.optimizer)
+                attach_adapter(plan, self.optimizer)
         if device_for([s.param for s in plan.slots]).kind != self.device.kind:
             raise ConfigError("the optimizer's new parameters live on another device")
         self.plan = plan

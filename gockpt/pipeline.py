@@ -28,6 +28,7 @@ from .core.job import Job
 from .core.modes import GRADS_AT_BACKWARD, GRADS_IN_STEP
 from .replay import selfcheck
 from .replay.replayer import Replayer
+from .core.staging import window_bytes
 from .storage.format import checkpoint_name
 from .storage.persist import Persister
 from .storage.schema import SmallSection
@@ -75,6 +76,7 @@ class Pipeline:
         job.metrics.add_blocked("save_checkpoint_busy_wait", waited)
         self.capture.declare_state_keys(host)
         job.metrics.state_bytes = self.capture.state_bytes(host)
+        job.metrics.replayed_bytes, job.metrics.copied_at_f_bytes = window_bytes(plan, host, k)
         log.info("gockpt: checkpoint of step %d: %s", final,
                  f"copied over the {k} steps up to it (K={k}, "
                  f"{'as configured' if self.config.overlap_steps else 'measured'})" if k > 1

@@ -72,7 +72,8 @@ class Capture:
         backward, e.g. nn.Embedding(max_norm=...)) is found at :meth:`land_group`."""
         book = job.capture
         table = book.table(j)
-        book.tickets[j], book.reads[j] = self._copy(job, table, STATE)
+        params = job.plan.group_param_tables(job.k)[j - 1]  # (the slots' copied at F: last)
+        book.tickets[j], book.reads[j] = self._copy(job, table, STATE, params)
 
     def copy_at_f(self, job: Job) -> list:
         """At the boundary of F: copy the blocks planned to be copied directly at F, now
@@ -85,27 +86,35 @@ class Capture:
             job.capture.at_f_table = table
         return table.blocks
 
-    def _copy(self, job: Job, table: BlockTable, priority: int):
+    def _copy(self, job: Job, table: BlockTable, priority: int,
+              params: Optional[BlockTable] = None):
         """Queue the copies of every tensor of ``table``'s blocks (the parameter and its
-        aligned state; zeros where the optimizer has none yet): (ticket, the tensors read)."""
-        group = _StateCopies(self, job, table, self.states.of(job))  # (checked at F)
+        aligned state; zeros where the optimizer has none yet), the parameters of ``params``'
+        blocks instead where given: (ticket, the tensors read)."""
+        group = _StateCopies(self, job, table, self.states.of(job),
+                             table if params is None else params)  # (checked at F)
         ticket = self.engine.submit_group(group, priority)
         return ticket, group.reads
 
-    def segments_of(self, job: Job, table: BlockTable, states: list):
-        """The copies of ``table``'s blocks as host memcpy segments, in the planned memory
-        order of each role: (dst, src, nbytes, keep, the tensors read)."""
+    def segments_of(self, job: Job, table: BlockTable, states: list,
+                    params: Optional[BlockTable] = None):
+        """The copies of ``table``'s blocks as host memcpy segments (their parameters: those of
+        ``params``' blocks, default ``table``), in the planned memory order of each role:
+        (dst, src, nbytes, keep, the tensors read)."""
+        params = table if params is None else params
         roles = (None,) + job.host.roles()
-        live, read, keep = live_bases(job.plan, states, table.slots, roles)
+        slots = table.slots if params is table else np.union1d(table.slots, params.slots)
+        live, read, keep = live_bases(job.plan, states, slots, roles)
         dst, src, size = [], [], []
         for key in roles:
             hbase, hitem = job.host.bases(key)
-            rows = hbase[table.slot] != 0  # the blocks whose slot has this role
+            t = params if key is None else table
+            rows = hbase[t.slot] != 0  # the blocks whose slot has this role
             if not rows.any():
                 continue
-            sub = table.slot[rows]
-            offset = table.start[rows] * hitem[sub]
-            nbytes = table.numel[rows] * hitem[sub]
+            sub = t.slot[rows]
+            offset = t.start[rows] * hitem[sub]
+            nbytes = t.numel[rows] * hitem[sub]
             src_rows = live[key][sub] + offset
             missing = live[key][sub] == 0
             if missing.any():
@@ -150,15 +159,19 @@ class Capture:
             self.engine.device.order_after_digests(book.parts[0][1])
         job.capture.live_digests = book
 
-    def pairs_of(self, job: Job, table: BlockTable, states: list) -> list:
-        """(host destination, live source) of every tensor of ``table``'s blocks, a pair per
-        run of consecutive blocks (for a device whose copies are enqueued tensor by tensor);
+    def pairs_of(self, job: Job, table: BlockTable, states: list,
+                 params: Optional[BlockTable] = None) -> list:
+        """(host destination, live source) of every tensor of ``table``'s blocks (their
+        parameters: those of ``params``' blocks, default ``table``), a pair per run of
+        consecutive blocks (for a device whose copies are enqueued tensor by tensor);
         ``states``: per slot, its optimizer state."""
         host, plan = job.host, job.plan
         pairs = []
-        for si, s, e in block_runs(table):
+        for si, s, e in block_runs(table if params is None else params):
             slot = plan.slots[si]
             pairs.append((host.param[si][s:e], flat(slot.param, slot.dims)[s:e]))
+        for si, s, e in block_runs(table):
+            slot = plan.slots[si]
             live = states[si] or {}
             for key in host.keys[si]:
                 dst = host.state[si][key][s:e]
@@ -274,25 +287,29 @@ class _StateCopies:
     (``device.CopyGroup``): memcpy segments or tensor pairs; either way the live tensors they
     read are watched for in-place writes until they land (:attr:`reads`)."""
 
-    def __init__(self, capture: Capture, job: Job, table: BlockTable, states: list):
+    def __init__(self, capture: Capture, job: Job, table: BlockTable, states: list,
+                 params: BlockTable):
         self.capture, self.job, self.table, self.states = capture, job, table, states
+        self.params = params  # the blocks whose parameter is copied
         self.reads = Reads([])
 
     def segments(self):
-        *segments, self.reads = self.capture.segments_of(self.job, self.table, self.states)
+        *segments, self.reads = self.capture.segments_of(self.job, self.table, self.states,
+                                                         self.params)
         return tuple(segments)
 
     def pairs(self):
-        pairs = self.capture.pairs_of(self.job, self.table, self.states)
+        pairs = self.capture.pairs_of(self.job, self.table, self.states, self.params)
         # An enqueued copy reads its source when the device runs it: a write in the step
         # (nn.Embedding(max_norm=...) in forward) tears it as surely as a host memcpy's --
         # found at land_group, before F, as there (unwatched, only the digests at F saw it,
         # too late to take that step again, and nothing did with verify=False).
         slots, tensors = [], []
-        for si in self.table.slots.tolist():
-            slot, live = self.job.plan.slots[si], self.states[si] or {}
+        for si in self.params.slots.tolist():
             slots.append(si)
-            tensors.append(slot.param)
+            tensors.append(self.job.plan.slots[si].param)
+        for si in self.table.slots.tolist():
+            live = self.states[si] or {}
             for key in self.job.host.keys[si]:
                 if key in live:
                     slots.append(si)

@@ -23,6 +23,7 @@ _TIMINGS = [  # (metrics key, label, what)
 # Metrics the timings block shows by name; any other is listed under "other".
 _SHOWN = {key for key, _, _ in _TIMINGS} | {
     "start_step", "final_step", "mode", "overlap_steps", "state_bytes", "grad_bytes",
+    "replayed_bytes", "copied_at_f_bytes",
     "blocked_by_hook_s", "self_check_blocks", "self_check_mismatches"}
 
 # Up to this many ranks `inspect` shows one timings column per rank; beyond, rank 0 and the max.
@@ -174,7 +175,9 @@ def _print_timings(met: dict) -> None:
     rows = [[label, seconds(met.get(key)), what or top] for key, label, what in _TIMINGS]
     for line in table(rows, ["", "seconds", ""], right={1})[1:]:
         print("  " + line)
-    print(f"  state {human(met.get('state_bytes'))}, gradients {human(met.get('grad_bytes'))}, "
+    print(f"  state {human(met.get('state_bytes'))} (replayed {human(met.get('replayed_bytes'))}, "
+          f"copied at F {human(met.get('copied_at_f_bytes'))}), "
+          f"gradients {human(met.get('grad_bytes'))}, "
           f"self-check {met.get('self_check_blocks', '-')} block(s), "
           f"{met.get('self_check_mismatches', '-')} mismatch(es)")
     other = [f"{k} {human(v) if k.endswith('_bytes') else seconds(v) if k.endswith('_s') else v}"

@@ -17,6 +17,10 @@ class CheckpointMetrics:
     mode: str
     overlap_steps: int
     state_bytes: int = 0
+    replayed_bytes: int = 0       # state bytes copied during the window and brought to F by
+    copied_at_f_bytes: int = 0    # the replay; state bytes copied at version F (the last
+    #                               group, slots copied at F, parameters whose update the
+    #                               replay does not reproduce)
     grad_bytes: int = 0
     grad_transport: str = ""      # how the replayed gradients crossed: fp32, bf16, bf16+fp32
     grad_steps: int = 0           # training steps whose gradients crossed for the replay

@@ -36,6 +36,8 @@ class Slot:
     dims: Tuple[int, ...] = ()     # memory order: param.permute(dims) is contiguous
     strides: Tuple[int, ...] = ()  # the strides planned for (a change is refused)
     at_f: bool = False             # copied directly at the boundary of F, never replayed
+    param_at_f: bool = False       # its parameter copied at F (the replay does not reproduce
+    #                                its update), its moments replayed over the window
 
     def __post_init__(self):
         self.strides = tuple(self.param.stride())
@@ -80,6 +82,19 @@ class Plan:
         if self._at_f_table is None:
             self._at_f_table = BlockTable([b for b in self.blocks if self.slots[b.slot].at_f])
         return self._at_f_table
+
+    def copy_param_at_f(self, names) -> List[str]:
+        """From now on, copy the parameters of the slots named ``names`` at F (with the last
+        capture group, under the next forward/backward) and replay only their moments; returns
+        those that were not already."""
+        changed = []
+        for s in self.slots:
+            if s.name in names and not s.param_at_f and not s.static:
+                s.param_at_f = True
+                changed.append(s.name)
+        if changed:
+            self._windows.clear()
+        return changed
 
     def copy_at_f(self, names) -> List[str]:
         """From now on, copy the slots named ``names`` directly at F; returns those that were
@@ -160,10 +175,25 @@ class Plan:
         """The groups of :meth:`groups` as ``BlockTable``s (built once per K)."""
         return self._window(k)[1]
 
+    def group_param_tables(self, k: int) -> list:
+        """Per group, the blocks whose *parameter* it copies: its own, but for the slots whose
+        parameter is copied at F (:attr:`Slot.param_at_f`), whose every block's parameter the
+        last group copies (at version F, like the rest of that group).  The group tables
+        themselves where no slot's parameter is copied at F."""
+        return self._window(k)[2]
+
     def _window(self, k: int) -> tuple:
         if k not in self._windows:
             groups = self._split(k)
-            self._windows[k] = (groups, [BlockTable(g) for g in groups])
+            tables = [BlockTable(g) for g in groups]
+            params = tables
+            if any(s.param_at_f for s in self.slots):
+                late = [b for b in self.blocks if self.slots[b.slot].param_at_f
+                        and not self.slots[b.slot].at_f]
+                params = [BlockTable([b for b in g if not self.slots[b.slot].param_at_f]
+                                     + (late if j == len(groups) - 1 else []))
+                          for j, g in enumerate(groups)]
+            self._windows[k] = (groups, tables, params)
         return self._windows[k]
 
     def _split(self, k: int) -> List[List[Block]]:

@@ -32,6 +32,11 @@ class ReplayAdapter(Protocol):
 
     def scalars(self) -> Dict[int, GroupScalars]: ...
 
+    def params_not_replayed(self) -> Dict[int, str]:
+        """``id(parameter)`` -> why its update is not reproduced, for parameters whose
+        moments are (copied at F, moments replayed: ``gockpt.core.plan.Slot.param_at_f``);
+        asked once, right after the adapter is built."""
+
     def apply(self, record: StepRecord, host, threads: Optional[int]) -> None: ...
 
     def close(self) -> None: ...

@@ -181,6 +181,26 @@ class HostCopy:
             sum(a.nbytes() for a in self.state_arenas.values())
 
 
+def window_bytes(plan: Plan, host: "HostCopy", k: int) -> Tuple[int, int]:
+    """(bytes the replay brings to F, bytes copied at version F) of a checkpoint of K steps:
+    groups 1..K-1 are replayed (but the parameters copied at F), the last group, the blocks
+    copied at F and those parameters are copied at F."""
+    tables, params = plan.group_tables(k), plan.group_param_tables(k)
+    states = host.roles()
+
+    def nbytes(t, key) -> int:
+        base, item = host.bases(key)
+        rows = base[t.slot] != 0
+        return int((t.numel[rows] * item[t.slot[rows]]).sum())
+
+    def group(j) -> int:
+        return nbytes(params[j], None) + sum(nbytes(tables[j], key) for key in states)
+
+    replayed = sum(group(j) for j in range(len(tables) - 1))
+    at_f = group(len(tables) - 1) + sum(nbytes(plan.at_f_table, key) for key in (None,) + states)
+    return replayed, at_f
+
+
 class StagingAllocation:
     """The host staging of a plan -- a :class:`HostCopy` with the state keys expected, and the
     :class:`GradPool`'s arenas -- allocated on a background thread started when the

@@ -15,6 +15,7 @@ it. An entry is loaded only when an optimizer of its class is attached.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 from typing import Dict, Optional
 
 import numpy as np
@@ -25,7 +26,11 @@ from ..core.modes import NO_REPLAY_MODES
 from ..core.errors import UnsupportedOptimizerError
 from . import arithmetic
 from .probe import probe
+from ..core.plan import Plan
 from ..core.records import GroupScalars, Kernel, StepRecord
+from .claims import replay_claims
+
+log = logging.getLogger("gockpt")
 
 
 def _refuse(optimizer, why: str):
@@ -49,6 +54,7 @@ class AdamAdapter:
             _refuse(optimizer, "no bitwise replay exists for this optimizer class")
         self.optimizer = optimizer
         self.device = _device_of(optimizer)
+        self._not_replayed: Dict[int, str] = {}  # id(param) -> why (see params_not_replayed)
         for gi, g in enumerate(optimizer.param_groups):
             for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
                 if g.get(flag, False):
@@ -86,12 +92,20 @@ class AdamAdapter:
                 _refuse(self.optimizer, f"param group {gi}: beta1 <= 0.5 takes a lerp branch "
                                         "with no proof on CUDA")
             if sc.impl is Kernel.CUDA_FUSED and sc.weight_decay != 0.0:
-                odd = [tuple(p.shape) for p in g["params"] if p.numel() % 4]
-                if odd:
-                    _refuse(self.optimizer, f"param group {gi}: fused CUDA Adam(W) with weight "
+                odd = [p for p in g["params"] if p.numel() % 4]
+                if odd and not sc.decoupled:  # Adam's moments read the parameter (L2)
+                    _refuse(self.optimizer, f"param group {gi}: fused CUDA Adam with weight "
                                             "decay is proven for parameters of numel % 4 == 0; "
-                                            f"shapes {odd[:3]} are not (use foreach=True for "
-                                            "that group)")
+                                            f"shapes {[tuple(p.shape) for p in odd[:3]]} are "
+                                            "not (use foreach=True for that group, or AdamW)")
+                claims = replay_claims("cuda/torch/AdamW/fused", 1, sc.weight_decay)
+                self._not_replayed.update((id(p), claims["param"]) for p in odd)
+
+    def params_not_replayed(self) -> Dict[int, str]:
+        """``id(parameter)`` -> why its update is not reproduced bit for bit, for the
+        parameters whose moments are (a checkpoint copies such a parameter at F and replays
+        its moments: torch's fused CUDA AdamW with weight decay at numel % 4 != 0)."""
+        return dict(self._not_replayed)
 
     def scalars(self) -> Dict[int, GroupScalars]:
         """The scalars every group's update uses right now (call inside the step pre-hook)."""
@@ -158,23 +172,44 @@ class AdamAdapter:
         slot_arg = np.zeros(len(host.slots), dtype=np.int64)
         full = np.zeros(len(host.slots), dtype=np.int64)
         for si in t.slots.tolist():
-            key = (host.slots[si].group, record.steps[si])
+            slot = host.slots[si]
+            key = (slot.group, record.steps[si], slot.param_at_f)
             slot_arg[si] = combos.setdefault(key, len(combos))
-            full[si] = host.slots[si].numel
-        args = [(record.scalars[g], step) for g, step in combos]
+            full[si] = slot.numel
+        args = [(record.scalars[g], step, moments_only) for g, step, moments_only in combos]
         p, m, v = (host.bases(key)[0][t.slot] + t.start * 4
                    for key in (None, "exp_avg", "exp_avg_sq"))
+        if any(moments_only for _, _, moments_only in args):
+            p = self._scratch_params(host, t, p)
+        # moments only: a decoupled weight decay acts on the parameter line alone
+        wd = [0.0 if mo and sc.decoupled else sc.weight_decay for sc, _, mo in args]
         bf16 = record.grad_dtype == torch.bfloat16
         g = record.grad_base[t.slot] + t.start * record.grad_dtype.itemsize
         arithmetic.replay_batch(
             p, m, v, g, t.numel, t.start, full[t.slot],
-            slot_arg[t.slot], [sc.impl for sc, _ in args], [sc.decoupled for sc, _ in args],
-            [sc.lr for sc, _ in args], [sc.beta1 for sc, _ in args],
-            [sc.beta2 for sc, _ in args], [sc.eps for sc, _ in args],
-            [sc.weight_decay for sc, _ in args], [step for _, step in args],
+            slot_arg[t.slot], [sc.impl for sc, _, _ in args],
+            [sc.decoupled for sc, _, _ in args], [sc.lr for sc, _, _ in args],
+            [sc.beta1 for sc, _, _ in args], [sc.beta2 for sc, _, _ in args],
+            [sc.eps for sc, _, _ in args], wd, [step for _, step, _ in args],
             threads=threads, check_overlap=False,
-            beta_powers=[(sc.beta1_power, sc.beta2_power) for sc, _ in args],
+            beta_powers=[(sc.beta1_power, sc.beta2_power) for sc, _, _ in args],
             grad_dtype=record.grad_dtype, grad_mul=[record.grad_mul] * len(args) if bf16 else None)
+
+
+    _scratch = None  # float32 parameters the kernel writes and nobody reads (moments only)
+
+    def _scratch_params(self, host, t, p: np.ndarray) -> np.ndarray:
+        """``p`` with the blocks of slots whose parameter is copied at F pointed into a scratch
+        buffer: the kernel writes a parameter, and the host one is the copy taken at F (which
+        may land before this replay)."""
+        late = np.fromiter((s.param_at_f for s in host.slots), bool, len(host.slots))[t.slot]
+        sizes = t.numel[late]
+        need = int(sizes.sum())
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(max(need, 1), dtype=torch.float32)
+        p = p.copy()
+        p[late] = self._scratch.data_ptr() + 4 * (np.cumsum(sizes) - sizes)
+        return p
 
 
 def _device_of(optimizer) -> torch.device:
@@ -188,6 +223,19 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
     return "this machine's CPU"
+
+
+def attach_adapter(plan: Plan, optimizer: torch.optim.Optimizer):
+    """The replay adapter of ``optimizer`` (:func:`adapter_for`), with ``plan`` told which
+    parameters to copy at F because the adapter does not reproduce their update."""
+    adapter = adapter_for(optimizer)
+    by_id = plan.slot_of_id
+    late = {plan.slots[by_id[i]].name: why for i, why in adapter.params_not_replayed().items()
+            if i in by_id}
+    if plan.copy_param_at_f(late):
+        log.info("gockpt: %d parameters are copied at F, their moments replayed (%s)",
+                 len(late), next(iter(late.values())))
+    return adapter
 
 
 ENTRY_POINTS = "gockpt.optimizer_adapters"

@@ -181,7 +181,12 @@ class Persister:
         job.fail(self._storage_error(job, err))
 
     def blocks_final(self, job: Job, blocks: List[Block]) -> None:
-        """Replay thread: ``blocks`` have reached version F."""
+        """Replay thread: ``blocks`` have reached version F -- but for a slot whose parameter
+        is copied at F (``Slot.param_at_f``) only its moments have: such blocks are left for
+        the commit, when the last group's copy of their parameter has landed too."""
+        slots = job.plan.slots
+        if any(slots[b.slot].param_at_f for b in blocks):
+            blocks = [b for b in blocks if not slots[b.slot].param_at_f]
         with job.stream.lock:
             if job.stream.writer is None:
                 job.stream.waiting.extend(blocks)

@@ -3,7 +3,9 @@
 import json
 import os
 
+import gockpt
 from gockpt import storage
+from gockpt.cli.common import human
 
 from tests._support.cli_helpers import run, part_dir
 
@@ -23,6 +25,12 @@ def test_inspect_run_dir_shows_latest(run_dir, capsys):
     assert "AdamW" in lines["optimizer"]
     assert "3 buffers" in lines["model"] and "6 parameters" in lines["model"]
     assert "timings" in out and "time to durable" in out
+    # what the replay brought to F and what was copied at F, from metrics.jsonl
+    met = gockpt.metrics.read(run_dir)[-1]
+    assert met["replayed_bytes"] > 0 and met["copied_at_f_bytes"] > 0
+    state = next(line for line in out.splitlines() if line.strip().startswith("state "))
+    assert f"replayed {human(met['replayed_bytes'])}" in state
+    assert f"copied at F {human(met['copied_at_f_bytes'])}" in state
     # the tensor table: every tensor, with its shape and what it holds
     manifest = storage.read_manifest(os.path.join(run_dir, "step-000000007"))
     rows = [line.split() for line in out.splitlines() if line.startswith("  model/")

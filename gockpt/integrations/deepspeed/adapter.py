@@ -162,6 +162,10 @@ class DeepSpeedCpuAdamAdapter:
 
     apply = AdamAdapter.apply  # one batched kernel call; the scalars carry the beta powers
 
+    def params_not_replayed(self) -> dict:
+        """None: the CPU op's every line is reproduced."""
+        return {}
+
     def skipped_by_scaler(self) -> bool:
         return False
 
