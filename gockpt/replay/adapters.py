@@ -98,6 +98,10 @@ class AdamAdapter:
                                             "decay is proven for parameters of numel % 4 == 0; "
                                             f"shapes {[tuple(p.shape) for p in odd[:3]]} are "
                                             "not (use foreach=True for that group, or AdamW)")
+                if odd and not probe(type(self.optimizer), sc, self.device, moments_only=True):
+                    _refuse(self.optimizer, f"param group {gi}: a probe replay of the moments "
+                                            "of fused CUDA AdamW at an odd element count "
+                                            f"differs on {_device_name(self.device)}")
                 claims = replay_claims("cuda/torch/AdamW/fused", 1, sc.weight_decay)
                 self._not_replayed.update((id(p), claims["param"]) for p in odd)
 

@@ -63,3 +63,22 @@ def test_a_wrong_kernel_makes_the_adapter_refuse(fresh_cache, monkeypatch):
     opt = torch.optim.AdamW(torch.nn.Linear(3, 3).parameters(), lr=0.01)
     with pytest.raises(UnsupportedOptimizerError, match="probe replay of param group 0"):
         adapter_for(opt)
+
+
+@pytest.mark.parametrize("cls,decoupled", [(torch.optim.AdamW, True), (torch.optim.Adam, False)])
+@pytest.mark.parametrize("impl", ["single", "fused"])
+def test_a_moments_only_probe_compares_the_moments_alone(fresh_cache, monkeypatch, cls,
+                                                         decoupled, impl):
+    """moments_only: a parameter line off by one ulp is not looked at (that parameter is copied
+    at F), a moment off by one ulp is found, each step reads the real parameter."""
+    sc = scalars(impl, decoupled, lr=3e-2, weight_decay=0.2)
+    assert probe_mod.probe(cls, sc, moments_only=True)
+    off_by_one_ulp(monkeypatch)  # the replayed parameter wrong: not compared
+    assert probe_mod.probe(cls, scalars(impl, decoupled, lr=2e-2), moments_only=True)
+    real = arithmetic.adam_replay
+
+    def wrong_moment(param, exp_avg, *args, **kw):
+        real(param, exp_avg, *args, **kw)
+        exp_avg[5] = torch.nextafter(exp_avg[5], torch.tensor(float("inf")))
+    monkeypatch.setattr(arithmetic, "adam_replay", wrong_moment)
+    assert probe_mod.probe(cls, scalars(impl, decoupled, lr=1e-2), moments_only=True) is False
