@@ -53,7 +53,7 @@ setup(
         # (gockpt.replay.adapters loads one when an optimizer of that class is attached).
         "gockpt.optimizer_adapters": [
             "deepspeed.ops.adam.fused_adam.FusedAdam = "
-            "gockpt.integrations.deepspeed.adapter:DeepSpeedCpuAdamAdapter"],
+            "gockpt.integrations.deepspeed.adapter:fused_adam_adapter"],
     },
     zip_safe=False,
 )

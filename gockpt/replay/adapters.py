@@ -184,7 +184,7 @@ class AdamAdapter:
         p, m, v = (host.bases(key)[0][t.slot] + t.start * 4
                    for key in (None, "exp_avg", "exp_avg_sq"))
         if any(moments_only for _, _, moments_only in args):
-            p = self._scratch_params(host, t, p)
+            p = self.scratch_params(host, t, p)
         # moments only: a decoupled weight decay acts on the parameter line alone
         wd = [0.0 if mo and sc.decoupled else sc.weight_decay for sc, _, mo in args]
         bf16 = record.grad_dtype == torch.bfloat16
@@ -202,7 +202,7 @@ class AdamAdapter:
 
     _scratch = None  # float32 parameters the kernel writes and nobody reads (moments only)
 
-    def _scratch_params(self, host, t, p: np.ndarray) -> np.ndarray:
+    def scratch_params(self, host, t, p: np.ndarray) -> np.ndarray:
         """``p`` with the blocks of slots whose parameter is copied at F pointed into a scratch
         buffer: the kernel writes a parameter, and the host one is the copy taken at F (which
         may land before this replay)."""

@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 from gockpt.core import protocols
-from gockpt.integrations.deepspeed.adapter import DeepSpeedCpuAdamAdapter
+from gockpt.integrations.deepspeed.adapter import DeepSpeedCpuAdamAdapter, DeepSpeedCudaAdamAdapter
 from gockpt.replay.adapters import AdamAdapter
 from gockpt.storage import CheckpointWriter
 
@@ -32,6 +32,7 @@ def _callable_as(impl_fn, proto_fn) -> bool:
     (protocols.StorageWriter, CheckpointWriter),
     (protocols.ReplayAdapter, AdamAdapter),
     (protocols.ReplayAdapter, DeepSpeedCpuAdamAdapter),
+    (protocols.ReplayAdapter, DeepSpeedCudaAdamAdapter),
 ])
 def test_each_implementation_offers_its_protocols_methods(proto, impl):
     methods = _methods(proto)

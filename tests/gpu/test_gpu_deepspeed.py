@@ -1,7 +1,7 @@
 """The DeepSpeed acceptance cases on a CUDA engine (tests/_support/deepspeed_cases.py; skipped
 without a GPU or without DeepSpeed).  One rank (one GPU).  The base optimizer is torch's AdamW
-(``torch_adam``): DeepSpeed's CUDA FusedAdam is built with fast math and has no exact replay, so
-the replay modes refuse it (tested below) and the copy modes checkpoint it."""
+(``torch_adam``), and DeepSpeed's CUDA FusedAdam, built with fast math: its moments replayed, its
+parameters copied at F (the last test)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(),
               pytest.mark.slow]
 pytest.importorskip("deepspeed")
 
-from tests._support.deepspeed_cases import check_checkpoint_and_resume, runs  # noqa: E402
+from tests._support.deepspeed_cases import check_checkpoint_and_resume  # noqa: E402
 
 GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # window 16..18
 
@@ -40,6 +40,10 @@ def test_gradient_accumulation_and_two_param_groups(tmp_path):
                                                  "gas": 2, "two_groups": True}, "bf16")
 
 
-def test_deepspeed_cuda_fused_adam_is_refused_by_the_replay_modes(tmp_path):
-    with pytest.raises(AssertionError, match="cannot replay"):  # the worker's ConfigError
-        runs(tmp_path, 1, stage=1, steps=2, save_at=1, options=GOCKPT_O)("save")
+@pytest.mark.parametrize("stage", [0, 1])
+def test_deepspeed_cuda_fused_adam_moments_replayed_parameters_copied_at_f(tmp_path, stage):
+    """DeepSpeed's own CUDA FusedAdam (AdamW mode, built with fast math): its moments are
+    replayed, its parameters copied at F (issue #19); the checkpoint is the state at F bit for
+    bit and the resume goes on bit for bit."""
+    check_checkpoint_and_resume(tmp_path, stage, 1, {"options": GOCKPT_O},
+                                "bf16" if stage else "fp32")

@@ -165,3 +165,21 @@ def test_training_goes_on_and_each_checkpoint_is_copied_at_its_step(tmp_path, mo
         gockpt.load(str(tmp_path), fresh, o, tag=f"step-{step:09d}", restore_rng=False)
         snap = testing.snapshot(fresh, o)
         assert testing.first_difference(live[step], (snap["model"], snap["optimizer"])) is None
+
+
+def test_the_cuda_adapter_takes_cuda_float32_parameters_only():
+    """DeepSpeed's FusedAdam on CUDA gets the moments-only adapter (its parameters copied at
+    F); handed CPU parameters it refuses, naming their device. (On a GPU:
+    tests/gpu/test_gpu_deepspeed.py.)"""
+    from gockpt.integrations.deepspeed.adapter import DeepSpeedCudaAdamAdapter, fused_adam_adapter
+    _, opt = fused_adam()
+    said = []
+
+    def refuse(optimizer, why):
+        said.append(why)
+        raise UnsupportedOptimizerError(why)
+    with pytest.raises(UnsupportedOptimizerError):
+        DeepSpeedCudaAdamAdapter(opt, refuse)
+    assert "on cpu" in said[0] and "float32" in said[0]
+    assert isinstance(fused_adam_adapter(opt, refuse), DeepSpeedCpuAdamAdapter)
+    assert fused_adam_adapter.state_keys == ("exp_avg", "exp_avg_sq")

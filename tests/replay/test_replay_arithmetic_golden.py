@@ -297,3 +297,28 @@ def test_golden_every_isa(golden):
                 assert sum(diffs.values()) == 0, (isa, case)
     finally:
         _C.set_isa("auto")
+
+
+@pytest.mark.parametrize("case", [c for c in DEEPSPEED_CASES
+                                  if CASES[c]["adam_w_mode"] or not CASES[c]["weight_decay"]])
+def test_deepspeed_cuda_moments_in_a_batch_of_slices(golden, case):
+    """The batched replay (what a checkpoint's replay thread runs) with the
+    deepspeed-cuda-moments kernel, the parameter cut in slices: the recorded moments of the
+    6 chained steps bit for bit, and no parameter written."""
+    c, n = CASES[case], META["n"]
+    cuts = [0, 7, 1001, 2048, n]
+    p = golden["input/param"].clone()
+    before = p.clone()
+    m, v = torch.zeros(n), torch.zeros(n)
+    for t in range(1, META["trajectory_steps"] + 1):
+        g = _grad(golden, c, t)
+        addr = lambda x: np.array([x.data_ptr() + 4 * a for a in cuts[:-1]])  # noqa: E731
+        arithmetic.replay_batch(
+            addr(p), addr(m), addr(v), addr(g), np.diff(cuts), np.array(cuts[:-1]),
+            np.full(len(cuts) - 1, n), np.zeros(len(cuts) - 1, dtype=np.int64),
+            ["deepspeed-cuda-moments"], [c["adam_w_mode"]], [c["lr"]], [c["betas"][0]],
+            [c["betas"][1]], [c["eps"]], [c["weight_decay"] if not c["adam_w_mode"] else 0.0],
+            [float(t)], threads=2)
+        assert mismatches(m, golden[f"{case}/t{t}/exp_avg"]) == 0, (case, t)
+        assert mismatches(v, golden[f"{case}/t{t}/exp_avg_sq"]) == 0, (case, t)
+    assert torch.equal(p, before)

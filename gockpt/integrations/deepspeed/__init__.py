@@ -24,8 +24,9 @@ the DeepSpeed config; arguments win) are :class:`gockpt.Config` fields: ``mode``
 directory is the ``save_dir`` of each call.  Modes ``sync``, ``async`` and ``async-o`` copy
 the state; the replay modes (``gockpt``, ``gockpt-o``: the state copied over K steps, the fp32
 gradients of the steps between replayed on the CPU) need a bitwise replay of the base
-optimizer: DeepSpeed's ``FusedAdam`` on the CPU (its CPU Adam op) or torch's Adam/AdamW; any
-other (DeepSpeed's CUDA ``FusedAdam``: built with fast math) is refused, or with
+optimizer: DeepSpeed's ``FusedAdam`` on the CPU (its CPU Adam op), on CUDA its moments (built
+with fast math, its parameter line is not reproduced: the parameters are copied at F; Adam mode
+with weight decay refused), or torch's Adam/AdamW; anything else is refused, or with
 ``fallback=True`` replaced by ``async-o`` with one warning.  ZeRO stage 3 is refused.
 With ZeRO 1/2 in bf16 on a GPU (or an emulated link) the replayed gradients cross as bf16
 plus the one coefficient DeepSpeed unscaled/clipped them by (``grad_transport="bf16"``, checked

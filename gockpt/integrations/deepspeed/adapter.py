@@ -1,4 +1,5 @@
-"""The replay adapter of DeepSpeed's ``FusedAdam`` on the CPU (its CPU Adam op).
+"""The replay adapters of DeepSpeed's ``FusedAdam``: on the CPU its CPU Adam op, every line
+(below); on CUDA its moments, the parameters copied at F (:class:`DeepSpeedCudaAdamAdapter`).
 
 The op keeps ``beta1^t``, ``beta2^t`` as float32 running products in one process-wide object
 per mode (docs/arithmetics.md), so the bias corrections of a step depend on the op's history,
@@ -23,6 +24,7 @@ import torch
 from ...replay import arithmetic
 from ...replay.adapters import AdamAdapter
 from ...core.records import GroupScalars, Kernel
+from ...replay.claims import replay_claims
 
 F32 = np.float32
 
@@ -249,3 +251,91 @@ def _scratch(n: int):
     v = torch.from_numpy((rng.random(n) * 1e-3 + 1e-6).astype(np.float32))  # den > 0
     g = torch.from_numpy((rng.standard_normal(n) * 1e-1).astype(np.float32))
     return [p, m, v, g]
+
+
+class DeepSpeedCudaAdamAdapter:
+    """DeepSpeed ``FusedAdam`` on CUDA float32 tensors: its moments replayed bit for bit
+    (``cuda/deepspeed/FusedAdam``: the ``deepspeed-cuda-moments`` kernel), its parameters
+    copied at F -- the kernel is built with ``--use_fast_math`` and its parameter line divides
+    and takes square roots approximately (gockpt.replay.claims). Adam mode with weight decay
+    is refused: its moments read the parameter."""
+
+    state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, optimizer, refuse):
+        self.optimizer = optimizer
+        self.mode = bool(getattr(optimizer, "adam_w_mode", True))
+        self.profile = f"cuda/deepspeed/FusedAdam/adam_w_mode={self.mode}"
+        for gi, g in enumerate(optimizer.param_groups):
+            if not g.get("bias_correction", True) or g.get("amsgrad", False):
+                refuse(optimizer, f"param group {gi} sets bias_correction=False or amsgrad")
+            for p in g["params"]:
+                if not p.is_cuda or p.dtype != torch.float32:
+                    refuse(optimizer, f"a parameter of group {gi} is {p.dtype} on {p.device}; "
+                                      "DeepSpeed's FusedAdam on CUDA is replayed for float32 "
+                                      "parameters on one GPU")
+            claims = replay_claims(self.profile, None, float(g["weight_decay"]))
+            if claims["exp_avg"] is not None:
+                refuse(optimizer, f"param group {gi}: {claims['exp_avg']}")
+            if not _probe_cuda_moments(type(optimizer), g, self.mode, self.profile,
+                                       g["params"][0].device if g["params"] else None):
+                refuse(optimizer, f"param group {gi}: a probe replay of DeepSpeed's CUDA "
+                                  "FusedAdam moments differs on this GPU")
+
+    def close(self) -> None:
+        pass
+
+    def scalars(self) -> Dict[int, GroupScalars]:
+        return {gi: GroupScalars(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]),
+                                 float(g["eps"]), float(g["weight_decay"]),
+                                 Kernel.DEEPSPEED_CUDA_MOMENTS, self.mode)
+                for gi, g in enumerate(self.optimizer.param_groups)}
+
+    step_counts = DeepSpeedCpuAdamAdapter.step_counts
+    apply = AdamAdapter.apply  # the moments of every block (the parameters: copied at F)
+    scratch_params = AdamAdapter.scratch_params
+    _scratch = None
+
+    def params_not_replayed(self) -> dict:
+        why = replay_claims(self.profile)["param"]
+        return {id(p): why for g in self.optimizer.param_groups for p in g["params"]}
+
+    def skipped_by_scaler(self) -> bool:
+        return False
+
+    def unsupported_step(self) -> Optional[str]:
+        return None
+
+
+def _probe_cuda_moments(cls, group, mode: bool, profile: str, device) -> bool:
+    """Three steps of a fresh ``cls`` (DeepSpeed's FusedAdam) with ``group``'s settings on
+    ``device`` against the replay of their moments, each step from the real parameter."""
+    if device is None:
+        return True
+    gen = torch.Generator().manual_seed(7)
+    n = 1031  # odd: the moments do not depend on an element's vector lane
+    p = torch.nn.Parameter((torch.rand(n, generator=gen) - 0.5).to(device))
+    hp = dict(lr=float(group["lr"]), betas=tuple(float(b) for b in group["betas"]),
+              eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+    opt = cls([p], adam_w_mode=mode, **hp)
+    m, v = torch.zeros(n), torch.zeros(n)
+    for t in range(1, 4):
+        grad = torch.rand(n, generator=gen) - 0.5
+        p.grad = grad.to(device)
+        arithmetic.replay_step(profile, p.detach().cpu().clone(), m, v, grad, step=t,
+                               tensors=("exp_avg", "exp_avg_sq"), **hp)
+        opt.step()
+    st = opt.state[p]
+    return all(torch.equal(torch.where(a.isnan(), 0.0, a).view(torch.int32),
+                           torch.where(b.isnan(), 0.0, b).view(torch.int32))
+               for a, b in ((m, st["exp_avg"].cpu()), (v, st["exp_avg_sq"].cpu())))
+
+
+def fused_adam_adapter(optimizer, refuse):
+    """The replay adapter of DeepSpeed's ``FusedAdam`` (the ``gockpt.optimizer_adapters``
+    entry point): its CPU op's, or on CUDA its moments'."""
+    on_cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
+    return (DeepSpeedCudaAdamAdapter if on_cuda else DeepSpeedCpuAdamAdapter)(optimizer, refuse)
+
+
+fused_adam_adapter.state_keys = DeepSpeedCpuAdamAdapter.state_keys
