@@ -199,17 +199,34 @@ class Plan:
     def _split(self, k: int) -> List[List[Block]]:
         blocks = [b for b in self.blocks if not self.slots[b.slot].at_f]
         k = max(1, min(k, len(blocks))) if blocks else 1
-        weights = [b.numel * 3 for b in blocks]  # the parameter and its two moments
-        total = sum(weights)
-        out: List[List[Block]] = [[] for _ in range(k)]
-        acc = 0
-        for b, w in zip(blocks, weights):
-            # Place the block by the midpoint of its weight: groups end up within one block
-            # of total/k each.
-            j = min(k - 1, int((acc + w / 2) * k / total)) if total else 0
-            out[j].append(b)
-            acc += w
-        return out
+        # the parameter and its two moments
+        return split_by_weight(blocks, [b.numel * 3 for b in blocks], k)
+
+    def shares(self, n: int) -> List[List[Block]]:
+        """Every block split into ``n`` contiguous shares of about equal bytes (a block weighs
+        its parameter's bytes, plus 8 per element for an optimized slot's two fp32 moments),
+        in storage order: share r is what replica r of ``n`` identical replicas copies,
+        replays and writes. A pure function of the plan: every replica computes the same split
+        without a collective. A share may be empty (more replicas than blocks)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"the number of shares must be an int >= 1, got {n!r}")
+        weights = [b.numel * (self.slots[b.slot].param.element_size()
+                              + (0 if self.slots[b.slot].static else 8)) for b in self.blocks]
+        return split_by_weight(self.blocks, weights, n)
+
+
+def split_by_weight(items: list, weights: List[int], k: int) -> List[list]:
+    """``items``, in order, cut into ``k`` contiguous runs of about equal total weight: each
+    item goes to the run its weight's midpoint falls in, so every run is within one item's
+    weight of total/k (the same split wherever it is computed)."""
+    total = sum(weights)
+    out: List[list] = [[] for _ in range(k)]
+    acc = 0
+    for item, w in zip(items, weights):
+        j = min(k - 1, int((acc + w / 2) * k / total)) if total else 0
+        out[j].append(item)
+        acc += w
+    return out
 
 
 def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -40,6 +40,37 @@ def test_groups_partition_blocks_in_order_and_balance(k):
     assert max(weights) - min(weights) <= 2 * 64 * 3
 
 
+def _block_bytes(plan, b):
+    slot = plan.slots[b.slot]
+    return b.numel * (slot.param.element_size() + (0 if slot.static else 8))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_shares_split_every_block_once_in_order_by_bytes(n):
+    """The replicas' shares: disjoint, covering every block (static ones too) in storage
+    order, each within one block of S/n bytes, the same in another process's plan."""
+    model, opt, _ = H.build()
+    plan = build_plan(model, opt, block_bytes=256)
+    shares = plan.shares(n)
+    assert len(shares) == n and [b for s in shares for b in s] == plan.blocks
+    total = sum(_block_bytes(plan, b) for b in plan.blocks)
+    biggest = max(_block_bytes(plan, b) for b in plan.blocks)
+    for share in shares:
+        assert abs(sum(_block_bytes(plan, b) for b in share) - total / n) <= biggest
+    model2, opt2, _ = H.build()  # another replica: the same split, no collective
+    assert build_plan(model2, opt2, block_bytes=256).shares(n) == shares
+
+
+def test_more_replicas_than_blocks_leave_shares_empty_and_bad_counts_are_refused():
+    model, opt, _ = H.build()
+    plan = build_plan(model, opt, block_bytes=1 << 20)  # a block per parameter
+    shares = plan.shares(len(plan.blocks) + 3)
+    assert [b for s in shares for b in s] == plan.blocks and sum(not s for s in shares) >= 3
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="number of shares"):
+            plan.shares(bad)
+
+
 def test_tied_parameters_become_aliases():
     class Tied(torch.nn.Module):
         def __init__(self):
