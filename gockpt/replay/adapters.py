@@ -28,7 +28,7 @@ from . import arithmetic
 from .probe import probe
 from ..core.plan import Plan
 from ..core.records import GroupScalars, Kernel, StepRecord
-from .claims import replay_claims
+from .claims import moments_weight_decay, replay_claims
 
 log = logging.getLogger("gockpt")
 
@@ -102,8 +102,9 @@ class AdamAdapter:
                     _refuse(self.optimizer, f"param group {gi}: a probe replay of the moments "
                                             "of fused CUDA AdamW at an odd element count "
                                             f"differs on {_device_name(self.device)}")
-                claims = replay_claims("cuda/torch/AdamW/fused", 1, sc.weight_decay)
-                self._not_replayed.update((id(p), claims["param"]) for p in odd)
+                self._not_replayed.update(
+                    (id(p), replay_claims("cuda/torch/AdamW/fused", p.numel(),
+                                          sc.weight_decay)["param"]) for p in odd)
 
     def params_not_replayed(self) -> Dict[int, str]:
         """``id(parameter)`` -> why its update is not reproduced bit for bit, for the
@@ -185,8 +186,8 @@ class AdamAdapter:
                    for key in (None, "exp_avg", "exp_avg_sq"))
         if any(moments_only for _, _, moments_only in args):
             p = self.scratch_params(host, t, p)
-        # moments only: a decoupled weight decay acts on the parameter line alone
-        wd = [0.0 if mo and sc.decoupled else sc.weight_decay for sc, _, mo in args]
+        wd = [moments_weight_decay(sc.decoupled, sc.weight_decay) if mo else sc.weight_decay
+              for sc, _, mo in args]
         bf16 = record.grad_dtype == torch.bfloat16
         g = record.grad_base[t.slot] + t.start * record.grad_dtype.itemsize
         arithmetic.replay_batch(

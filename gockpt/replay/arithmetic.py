@@ -18,7 +18,7 @@ import torch
 from gockpt import _C
 from gockpt.core.arrays import check_non_negative, int64_arrays
 
-from .claims import check_tensors
+from .claims import check_tensors, moments_weight_decay
 
 __all__ = ["adam_replay", "replay_batch", "replay_step", "replay_arithmetics", "sqrt_backend",
            "exactness_supported", "IMPLS"]
@@ -376,11 +376,8 @@ def replay_step(arithmetic: str, param, exp_avg, exp_avg_sq, grad, *, lr: float,
     beta1, beta2 = betas
     hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if "param" not in wanted and impl != DEEPSPEED_CUDA_MOMENTS:
-        # The kernel writes a parameter: a scratch one, dropped.  Decoupled weight decay
-        # touches only the parameter line (the moments are the same without it).
-        param = param.detach().clone()
-        if decoupled:
-            hp["weight_decay"] = 0.0
+        param = param.detach().clone()  # the kernel writes a parameter: a scratch one, dropped
+        hp["weight_decay"] = moments_weight_decay(decoupled, weight_decay)
     step = _check_scalars(step, **hp)
     powers = (0.0, 0.0) if beta_powers is None else tuple(float(b) for b in beta_powers)
     if not all(0 <= b <= 1 for b in powers):

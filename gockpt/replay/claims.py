@@ -24,6 +24,14 @@ _LANES = ("torch's fused CUDA kernel with weight_decay != 0 is proven for numel 
           "(its vector path; the weight-decay line rounds differently per vector lane)")
 
 
+def moments_weight_decay(decoupled: bool, weight_decay: float) -> float:
+    """The weight decay a replay of the moments alone is run with: AdamW's decoupled decay
+    acts on the parameter line only (the moments are the same without it, and a kernel whose
+    parameter line is unproven for this element count then takes them); Adam's L2 term adds
+    the parameter to the gradient and stays."""
+    return 0.0 if decoupled else weight_decay
+
+
 def replay_claims(arithmetic: str, numel: Optional[int] = None,
                   weight_decay: float = 0.0) -> Dict[str, Optional[str]]:
     """Per state tensor (``STATE_TENSORS``): None when the profile ``arithmetic`` reproduces

@@ -10,7 +10,8 @@ from typing import Dict, Optional
 import torch
 
 from . import arithmetic
-from ..core.records import GroupScalars
+from ..core.records import GroupScalars, Kernel
+from .claims import moments_weight_decay
 
 _PROBED: Dict[tuple, bool] = {}
 _N = 1032  # a multiple of 4 and 8 plus a tail for every wider vector: exercises the tails
@@ -36,8 +37,11 @@ def _run_probe(cls, sc: GroupScalars, device: torch.device, moments_only: bool =
     # moments alone
     n = _N - 1 if device.type == "cpu" or moments_only else _N
     p = torch.nn.Parameter((torch.rand(n, generator=gen) - 0.5).to(device))
-    impl = sc.impl.replace("cuda-", "")
-    kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    if sc.impl is Kernel.DEEPSPEED_CUDA_MOMENTS:  # DeepSpeed's FusedAdam
+        kw = {"adam_w_mode": sc.decoupled}
+    else:  # torch's Adam/AdamW
+        impl = sc.impl.replace("cuda-", "")
+        kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     opt = cls([p], lr=sc.lr, betas=(sc.beta1, sc.beta2), eps=sc.eps,
               weight_decay=sc.weight_decay, **kw)
     mine = [p.detach().cpu().clone(), torch.zeros(n), torch.zeros(n)]
@@ -48,8 +52,8 @@ def _run_probe(cls, sc: GroupScalars, device: torch.device, moments_only: bool =
             mine[0] = p.detach().cpu().clone()
         arithmetic.adam_replay(*mine, grad, impl=sc.impl, decoupled=sc.decoupled, lr=sc.lr,
                                beta1=sc.beta1, beta2=sc.beta2, eps=sc.eps,
-                               weight_decay=0.0 if moments_only and sc.decoupled
-                               else sc.weight_decay, step=float(t), threads=1)
+                               weight_decay=moments_weight_decay(sc.decoupled, sc.weight_decay)
+                               if moments_only else sc.weight_decay, step=float(t), threads=1)
         opt.step()
     st = opt.state[p]
     real = (p, st["exp_avg"], st["exp_avg_sq"])

@@ -183,3 +183,18 @@ def test_the_cuda_adapter_takes_cuda_float32_parameters_only():
     assert "on cpu" in said[0] and "float32" in said[0]
     assert isinstance(fused_adam_adapter(opt, refuse), DeepSpeedCpuAdamAdapter)
     assert fused_adam_adapter.state_keys == ("exp_avg", "exp_avg_sq")
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_the_cuda_moments_probe_runs_a_fresh_fused_adam_and_sees_another_arithmetic(adam_w_mode):
+    """The attach-time probe of the CUDA adapter builds a fresh FusedAdam with the group's
+    settings and compares its moments with the deepspeed-cuda-moments replay. Here (no GPU)
+    FusedAdam runs its CPU op, whose moments are contracted otherwise: the probe must say so."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    from deepspeed.ops.adam import FusedAdam
+    from gockpt.core.records import GroupScalars, Kernel
+    from gockpt.replay import probe as probe_mod
+    sc = GroupScalars(1e-3, 0.9, 0.999, 1e-8, 0.01 if adam_w_mode else 0.0,
+                      Kernel.DEEPSPEED_CUDA_MOMENTS, adam_w_mode)
+    assert probe_mod.probe(FusedAdam, sc, moments_only=True) is False

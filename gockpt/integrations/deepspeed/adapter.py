@@ -25,6 +25,7 @@ from ...replay import arithmetic
 from ...replay.adapters import AdamAdapter
 from ...core.records import GroupScalars, Kernel
 from ...replay.claims import replay_claims
+from ...replay.probe import probe
 
 F32 = np.float32
 
@@ -277,8 +278,9 @@ class DeepSpeedCudaAdamAdapter:
             claims = replay_claims(self.profile, None, float(g["weight_decay"]))
             if claims["exp_avg"] is not None:
                 refuse(optimizer, f"param group {gi}: {claims['exp_avg']}")
-            if not _probe_cuda_moments(type(optimizer), g, self.mode, self.profile,
-                                       g["params"][0].device if g["params"] else None):
+        for gi, sc in self.scalars().items():  # a fresh FusedAdam on the device, its moments
+            params = optimizer.param_groups[gi]["params"]
+            if params and not probe(type(optimizer), sc, params[0].device, moments_only=True):
                 refuse(optimizer, f"param group {gi}: a probe replay of DeepSpeed's CUDA "
                                   "FusedAdam moments differs on this GPU")
 
@@ -305,30 +307,6 @@ class DeepSpeedCudaAdamAdapter:
 
     def unsupported_step(self) -> Optional[str]:
         return None
-
-
-def _probe_cuda_moments(cls, group, mode: bool, profile: str, device) -> bool:
-    """Three steps of a fresh ``cls`` (DeepSpeed's FusedAdam) with ``group``'s settings on
-    ``device`` against the replay of their moments, each step from the real parameter."""
-    if device is None:
-        return True
-    gen = torch.Generator().manual_seed(7)
-    n = 1031  # odd: the moments do not depend on an element's vector lane
-    p = torch.nn.Parameter((torch.rand(n, generator=gen) - 0.5).to(device))
-    hp = dict(lr=float(group["lr"]), betas=tuple(float(b) for b in group["betas"]),
-              eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
-    opt = cls([p], adam_w_mode=mode, **hp)
-    m, v = torch.zeros(n), torch.zeros(n)
-    for t in range(1, 4):
-        grad = torch.rand(n, generator=gen) - 0.5
-        p.grad = grad.to(device)
-        arithmetic.replay_step(profile, p.detach().cpu().clone(), m, v, grad, step=t,
-                               tensors=("exp_avg", "exp_avg_sq"), **hp)
-        opt.step()
-    st = opt.state[p]
-    return all(torch.equal(torch.where(a.isnan(), 0.0, a).view(torch.int32),
-                           torch.where(b.isnan(), 0.0, b).view(torch.int32))
-               for a, b in ((m, st["exp_avg"].cpu()), (v, st["exp_avg_sq"].cpu())))
 
 
 def fused_adam_adapter(optimizer, refuse):
