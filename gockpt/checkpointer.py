@@ -31,8 +31,7 @@ from .core.digest import LiveDigests
 from .capture.devices import device_for
 from .core.names import is_replicated
 from .core.plan import build_plan, check_layouts, fingerprint
-from .core.staging import (HostStaging, expected_state_keys, gradient_dtypes,
-                           planned_host_bytes)
+from .core.staging import HostStaging, gradient_dtypes, planned_host_bytes
 from .capture.transfer import CopyEngine
 from .capture.transport import Bf16Transport
 from .core.config import Config, GradTransport, Interval, OnBusy, check_step
@@ -41,7 +40,7 @@ from .core.job import CheckpointHandle, Job
 from .exit import close_at_exit, forget_at_exit
 from .hooks import BlockedTime, StepHooks
 from .loop import BACKWARD, IDLE, UPDATE, Loop
-from .replay.adapters import attach_adapter
+from .replay.adapters import attach_adapter, state_keys_of
 from .replay.replayer import Replayer
 from .pipeline import Pipeline
 from .schedule import Busy, Schedule
@@ -118,8 +117,7 @@ class Checkpointer:
             raise ConfigError("emulate_link_gbps emulates a GPU link for training on the CPU; "
                               f"the parameters live on {self.device.kind}")
         self.engine = CopyEngine(self.device, link_gbps=self.config.emulate_link_gbps)
-        self.staging = HostStaging(self.plan, self.device,
-                                   expected_state_keys(self.optimizer, self.adapter),
+        self.staging = HostStaging(self.plan, self.device, state_keys_of(optimizer) or None,
                                    gradient_dtypes(self.policy.replays, self.config.grad_transport))
         self.replayer = Replayer(self.adapter, self.config.replay_threads) if self.adapter else None
         transport = Bf16Transport(self.config.grad_multiplier) \
@@ -355,12 +353,11 @@ class Checkpointer:
             self._replan()
         check_layouts(self.plan)
         self.plan.copy_at_f(self.loop.take_adapted())
-        tables = self.plan.group_tables(k)
-        if len(tables) != k:  # fewer blocks to replay than planned: a shorter window, later
+        if len(self.plan.groups(k)) != k:  # fewer blocks to replay: a shorter window, later
             return None
         self.staging.ready(self.plan)
         self._job = job = self.pipeline.new_job(
-            step, k, self.loop.boundary, self.plan, tables, self.staging.host, name, waited,
+            step, k, self.loop.boundary, self.plan, self.staging.host, name, waited,
             self._on_job_failed, not self.ranks.several and self.policy.streams)
         self.pipeline.begin(job, step, self.loop.boundary, extra_state)
         return job.handle

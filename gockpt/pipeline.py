@@ -58,7 +58,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ at boundaries
 
-    def new_job(self, step: int, k: int, boundary: int, plan, tables, host,
+    def new_job(self, step: int, k: int, boundary: int, plan, host,
                 name: Optional[str], waited: float, on_fail, streams_blocks: bool) -> Job:
         """The checkpoint of K steps starting at ``boundary`` (its step F = ``step + k - 1``),
         into ``name`` or the directory of F; ``waited``: seconds the start waited for the
@@ -68,7 +68,7 @@ class Pipeline:
         path = os.path.join(self.config.directory, name) if name is not None \
             else self.path_of(final)
         job = Job(step, k, boundary, plan.groups(k), self.config.mode, path, host=host,
-                  plan=plan, tables=tables)
+                  plan=plan, tables=plan.group_tables(k))
         job.on_fail = on_fail
         job.named = name is not None
         if streams_blocks:

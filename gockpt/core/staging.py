@@ -40,16 +40,6 @@ def planned_host_bytes(plan: Plan, replays: bool, cap: Optional[int]) -> int:
     return planned
 
 
-def expected_state_keys(optimizer, adapter) -> Optional[tuple]:
-    """The aligned state keys ``optimizer``'s state will hold (its replay ``adapter``'s, or
-    Adam's); None: not known before its first step."""
-    if adapter is not None:
-        return adapter.state_keys
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return ("exp_avg", "exp_avg_sq")  # what its state will hold after the first step
-    return None
-
-
 def gradient_dtypes(replays: bool, grad_transport) -> tuple:
     """The dtypes gradients cross in (none without a replay: no gradient pool)."""
     if not replays:
