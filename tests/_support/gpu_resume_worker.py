@@ -1,28 +1,14 @@
 """Subprocess of test_gpu_checkpoints: trains on the GPU with checkpoints and kills itself, or
 resumes from the latest; prints JSON (losses, digest of the final state)."""
 
-import hashlib
 import json
 import os
 import signal
 import sys
 
-import torch
-
 import gockpt
 from tests._support import gpu_common as G
-
-
-def digest(model, opt):
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    for idx, st in sorted(opt.state_dict()["state"].items()):
-        for k, v in sorted(st.items()):
-            h.update(f"{idx}/{k}".encode())
-            h.update(v.cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+from tests._support import harness as H
 
 
 def main():
@@ -39,7 +25,7 @@ def main():
     if phase == "resume":
         start = gockpt.load(directory, model, opt, scheduler=sched).step
     losses = G.train(model, opt, sched, start, total)
-    print(json.dumps({"start": start, "losses": losses, "digest": digest(model, opt)}))
+    print(json.dumps({"start": start, "losses": losses, "digest": H.state_digest(model, opt)}))
 
 
 if __name__ == "__main__":

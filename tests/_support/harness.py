@@ -5,6 +5,7 @@ and optionally fp16 autocast with a GradScaler (with a step skipped on inf)."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import numpy as np
@@ -147,3 +148,17 @@ def train_steps(model, opt, sched, start, stop, ck=None, *, scaler=None, inf_ste
 # names are what the tests call.
 snapshot = testing.snapshot
 assert_same = testing.assert_same
+
+
+def state_digest(model, opt) -> str:
+    """sha256 of every model and optimizer state tensor's bytes, by name (a resumed run in
+    another process compares it with an uninterrupted one's); any device."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    for idx, st in sorted(opt.state_dict()["state"].items()):
+        for k, v in sorted(st.items()):
+            h.update(f"{idx}/{k}".encode())
+            h.update(v.cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

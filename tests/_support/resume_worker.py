@@ -1,27 +1,13 @@
 """Subprocess of test_resume: trains with checkpoints and kills itself with SIGKILL, or
 resumes from the latest checkpoint; prints JSON (losses, digest of the final state)."""
 
-import hashlib
 import json
 import os
 import signal
 import sys
 
-import torch
-
 import gockpt
 from tests._support import harness as H
-
-
-def digest(model, opt):
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode()); h.update(v.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    for idx, st in sorted(opt.state_dict()["state"].items()):
-        for k, v in sorted(st.items()):
-            h.update(f"{idx}/{k}".encode())
-            h.update(v.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def main():
@@ -41,7 +27,7 @@ def main():
         restored = gockpt.load(directory, model, opt, scheduler=sched)
         start = restored.step
     losses = H.train_steps(model, opt, sched, start, total)
-    print(json.dumps({"start": start, "losses": losses, "digest": digest(model, opt)}))
+    print(json.dumps({"start": start, "losses": losses, "digest": H.state_digest(model, opt)}))
 
 
 if __name__ == "__main__":
