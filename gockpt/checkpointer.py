@@ -94,7 +94,8 @@ class Checkpointer:
                               "use a fixed interval (or force) and on_busy='wait'")
         if self.config.replicated is None:
             self.config.replicated = is_replicated(model)
-        self.plan = build_plan(model, optimizer, self.config.block_bytes, self._min_blocks())
+        self.plan = self.ranks.share(build_plan(model, optimizer, self.config.block_bytes,
+                                                self._min_blocks()), self.config.replicated)
         ensure_writable(self.config.directory)
         self.lock = lock_for_ranks(self.config.directory, self.ranks)
         self.adapter = None
@@ -370,8 +371,8 @@ class Checkpointer:
         """The optimizer's parameters changed: plan again (a replay mode checks the new param
         groups' settings as at construction); host memory is allocated anew."""
         adapted = {s.name for s in self.plan.slots if s.at_f and not s.static}
-        plan = build_plan(self.model, self.optimizer, self.config.block_bytes,
-                          self._min_blocks())
+        plan = self.ranks.share(build_plan(self.model, self.optimizer, self.config.block_bytes,
+                                           self._min_blocks()), self.config.replicated)
         plan.copy_at_f(adapted)
         if self.policy.replays:
             self.adapter.close()

@@ -11,8 +11,8 @@ from . import storage
 from .core.digest import as_pairs, digests, to_hex
 from .replay.adapters import state_keys_of
 from .core.names import Names, is_replicated
-from .core.plan import memory_order
-from .storage import manifest as manifest_mod
+from .core.memory import memory_order
+from .storage import manifest as manifest_mod, shares
 from .capture import smallstate
 from .core.errors import CorruptCheckpointError, GockptError, LoadError
 from .core.paths import directory_to_read
@@ -42,7 +42,9 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     ``model``, ``optimizer`` and ``scheduler``, and restore RNG states unless
     ``restore_rng=False``. A checkpoint written by several ranks is loaded from this rank's
     part (``rank``, default: the torch.distributed rank); on another number of ranks only
-    when its state is replicated (``Config.replicated``, e.g. DDP), else a LoadError. Parameters and optimizer state land on the device of the
+    when its state is replicated (``Config.replicated``, e.g. DDP), else a LoadError. When
+    the replicas wrote their state in shares, every part is read and each tensor put
+    together (its small state -- RNG, scheduler, extra -- from this rank's part). Parameters and optimizer state land on the device of the
     model's parameters; ``map_location`` (a device) moves the tensors of ``extra_state``.
 
     Names, shapes and dtypes are checked against the targets before any byte is read;
@@ -53,12 +55,17 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         CorruptCheckpointError: a checksum, file or manifest is wrong (names file and tensor).
         LoadError: the checkpoint does not fit ``model`` / ``optimizer``.
     """
-    path = storage.resolve(directory_to_read(directory), tag)  # the kernel's rule: gockpt.core.paths
+    top = storage.resolve(directory_to_read(directory), tag)  # the kernel's rule: gockpt.core.paths
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
     path, manifest = manifest_mod.read(
-        path, rank, live_world=dist.get_world_size() if distributed else 1,
+        top, rank, live_world=dist.get_world_size() if distributed else 1,
         live_rank=dist.get_rank() if distributed else 0, target_replicated=is_replicated(model))
+    gathered = {}
+    if path != top:  # replicas that wrote one state in shares: every part's, put together
+        shared = shares.gather(top, manifest, verify=verify, check=check_digests)
+        if shared is not None:
+            manifest, gathered = shared
     live = model.state_dict()
     # Stored names carry no wrapper prefix (DDP's module., compile's _orig_mod.): the same
     # checkpoint loads into the wrapped and the unwrapped model. ``own``: stored -> live name.
@@ -72,6 +79,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     tensors = storage.read_tensors(path, manifest,
                                    [n for n in manifest.tensors if is_small_tensor(n)],
                                    verify=verify)
+    tensors.update(gathered)
     small = _check_small(path, manifest, tensors, target, expected, optimizer, scheduler,
                          restore_rng)
     _read_params(path, manifest, tensors, target, verify)

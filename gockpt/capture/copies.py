@@ -24,7 +24,8 @@ from ..core.digest import LiveDigests, Ticket as DigestTicket
 from ..core.errors import Adaptation, ConsistencyError
 from ..core.job import Job
 from ..core.optstate import optimizer_small
-from ..core.plan import fingerprint, flat
+from ..core.memory import flat
+from ..core.plan import fingerprint
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
 from ..core.staging import GradPool, HostCopy
@@ -141,14 +142,16 @@ class Capture:
         entries: List[Tuple[int, Optional[str]]] = []
         tensors: List[torch.Tensor] = []
         for si, slot in enumerate(plan.slots):
+            if not slot.here:  # other replicas store it
+                continue
             entries.append((si, None))
-            tensors.append(slot.param)
+            tensors.append(slot.held_view(slot.param))
             st = states[si]
             if st is not None and not slot.static:
                 for key in host.keys[si]:
                     if key in st:
                         entries.append((si, key))
-                        tensors.append(st[key])
+                        tensors.append(slot.held_view(st[key]))
         at_f = [i for i, (si, _) in enumerate(entries) if plan.slots[si].at_f]
         later = [i for i, (si, _) in enumerate(entries) if not plan.slots[si].at_f]
         book = LiveDigestBook(entries, Reads([([si for si, _ in entries], tensors)]))
@@ -169,12 +172,14 @@ class Capture:
         pairs = []
         for si, s, e in block_runs(table if params is None else params):
             slot = plan.slots[si]
-            pairs.append((host.param[si][s:e], flat(slot.param, slot.dims)[s:e]))
+            lo = slot.extent[0]  # the host copy holds the extent
+            pairs.append((host.param[si][s - lo:e - lo], flat(slot.param, slot.dims)[s:e]))
         for si, s, e in block_runs(table):
             slot = plan.slots[si]
+            lo = slot.extent[0]
             live = states[si] or {}
             for key in host.keys[si]:
-                dst = host.state[si][key][s:e]
+                dst = host.state[si][key][s - lo:e - lo]
                 if key in live:
                     pairs.append((dst, flat(live[key], slot.dims)[s:e]))
                 else:

@@ -96,8 +96,9 @@ class Device(Protocol):
         :class:`gockpt.core.digest.Ticket`) have read the live tensors. Training thread,
         before the next optimizer update."""
 
-    def device_arena(self, dtype: torch.dtype, sizes) -> Arena:
-        """An arena in device memory (slot -> numel) for the gradient snapshot. Training
+    def device_arena(self, dtype: torch.dtype, extents) -> Arena:
+        """An arena in device memory (slot -> the (lo, hi) elements held) for the gradient
+        snapshot. Training
         thread; called only when :attr:`overlap_needs_snapshot`."""
 
     def copy_now(self, dst, src, nbytes) -> None:
@@ -153,9 +154,9 @@ class HostDevice:
         tensors: the training thread waits for them."""
         ticket.reads_done.wait()
 
-    def device_arena(self, dtype: torch.dtype, sizes):
+    def device_arena(self, dtype: torch.dtype, extents):
         """An arena in device memory (here: host memory standing for it)."""
-        return Arena(self, dtype, sizes)
+        return Arena(self, dtype, extents)
 
     def copy_now(self, dst, src, nbytes) -> None:
         """Device-local copies (addresses as numpy arrays), done when this returns: at memory
@@ -208,7 +209,7 @@ class AsyncDevice:
         if ticket.done_event is not None:
             self.wait_event(ticket.done_event)
 
-    def device_arena(self, dtype: torch.dtype, sizes):
+    def device_arena(self, dtype: torch.dtype, extents):
         raise NotImplementedError("an asynchronous device takes no gradient snapshot "
                                   "(overlap_needs_snapshot is False)")
 

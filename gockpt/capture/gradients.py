@@ -18,7 +18,7 @@ from ..core.blocks import BlockTable
 from ..core.errors import HookOrderError, UnsupportedOptimizerError
 from ..core.job import Job
 from ..core.lists import has_none
-from ..core.plan import flat
+from ..core.memory import flat
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
 from ..core.staging import GradPool
@@ -95,8 +95,8 @@ class GradientCopies:
         the device-to-host copy from it (the snapshot is reused once that copy has landed)."""
         device, plan = self.engine.device, job.plan
         if self._snapshot is None or self._snapshot[0] is not plan:
-            sizes = {si: s.numel for si, s in enumerate(plan.slots) if not s.static}
-            self._snapshot = (plan, device.device_arena(torch.float32, sizes), None)
+            extents = plan.extents(plan.optimized_slots)
+            self._snapshot = (plan, device.device_arena(torch.float32, extents), None)
         _, arena, previous = self._snapshot
         if previous is not None:  # its copy still reads the snapshot
             device.order_after(previous)
@@ -136,9 +136,10 @@ class _GradientCopies:
                 live[table.slot] + table.start * item, table.numel * item, keep + [self.bufs])
 
     def pairs(self):
-        plan, grads = self.job.plan, self.grads
-        return [(self.grad_pool.buffer(self.bufs, si, grads[si])[start:end],
-                 flat(grads[si], plan.slots[si].dims)[start:end])
+        slots, grads = self.job.plan.slots, self.grads
+        return [(self.grad_pool.buffer(self.bufs, si, grads[si])[start - slots[si].extent[0]:
+                                                                 end - slots[si].extent[0]],
+                 flat(grads[si], slots[si].dims)[start:end])
                 for si, start, end in block_runs(self.table)]
 
 

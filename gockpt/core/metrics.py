@@ -40,7 +40,10 @@ class CheckpointMetrics:
                                   # the time to queue them on a side stream)
     verify_s: float = 0.0         # verify_live_s + digests of the staged copy and comparison
     step_time_s: float = 0.0
-    host_bytes: int = 0
+    host_bytes: int = 0           # host memory held for staging (state copy + gradients)
+    written_bytes: int = 0        # the size of this rank's data file
+    rank: int = 0                 # which rank's record (several ranks: one record each)
+    world_size: int = 1
 
     def add_blocked(self, hook: str, seconds: float) -> None:
         self.blocked_s += seconds

@@ -18,10 +18,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
 from .blocks import Block, BlockTable
-from .errors import ConfigError, LayoutChangedError, UnsupportedTensorError
+from .errors import ConfigError, LayoutChangedError
+from .memory import flat, layout_of, logical
 from .names import Names
 
 
@@ -38,10 +37,43 @@ class Slot:
     at_f: bool = False             # copied directly at the boundary of F, never replayed
     param_at_f: bool = False       # its parameter copied at F (the replay does not reproduce
     #                                its update), its moments replayed over the window
+    extent: Tuple[int, int] = (0, -1)  # the elements [lo, hi) (in memory order) this rank
+    #                                holds: all of them, unless replicas share the state
 
     def __post_init__(self):
         self.strides = tuple(self.param.stride())
         self.at_f = self.at_f or self.opt_index is None
+        if self.extent[1] < 0:
+            self.extent = (0, self.param.numel())
+
+    @property
+    def held(self) -> int:
+        """How many of its elements this rank holds (copies, replays and writes)."""
+        return self.extent[1] - self.extent[0]
+
+    @property
+    def here(self) -> bool:
+        """Whether this rank stores it: all of it (even empty), or a share of its elements."""
+        return self.held > 0 or self.whole
+
+    @property
+    def whole(self) -> bool:
+        """Whether this rank holds every element."""
+        return self.extent == (0, self.param.numel())
+
+    def held_view(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of ``t`` (its parameter or an aligned state tensor, as the framework
+        presents it) this rank holds: ``t`` itself when whole, else the extent's elements in
+        memory order, flat."""
+        if self.whole:
+            return t
+        lo, hi = self.extent
+        return flat(t, self.dims)[lo:hi]
+
+    def staged_view(self, staged: torch.Tensor) -> torch.Tensor:
+        """A staged host copy of the extent as :meth:`held_view` presents the live tensor (the
+        same bytes in the same order: their digests compare)."""
+        return logical(tuple(self.param.shape), self.dims, staged) if self.whole else staged
 
     @property
     def stored_shape(self) -> Tuple[int, ...]:
@@ -65,6 +97,7 @@ class Plan:
     aliases: Dict[str, str]  # extra state_dict names of tied parameters -> canonical name
     fingerprint: tuple = ()  # the optimizer's parameters when planned (see fingerprint())
     block_elems: int = 1     # elements per block (the last block of a slot is shorter)
+    share: Tuple[int, int] = (0, 1)  # (r, n): this rank holds share r of n (take_share)
     # Derived once and kept: the slots never change (a change of parameters makes a new
     # plan) -- except which are copied at F, and what depends on that (the blocks copied at
     # F, the capture groups per K) is dropped explicitly by copy_at_f.
@@ -120,6 +153,11 @@ class Plan:
         return {id(s.param): si for si, s in enumerate(self.slots)}
 
     @cached_property
+    def optimized_slots(self) -> List[int]:
+        """The index of every optimized slot."""
+        return [si for si, s in enumerate(self.slots) if not s.static]
+
+    @cached_property
     def optimized(self) -> List[Tuple[int, int]]:
         """(slot index, optimizer state index) of every optimized slot."""
         return [(si, s.opt_index) for si, s in enumerate(self.slots) if not s.static]
@@ -152,18 +190,20 @@ class Plan:
         return indices
 
     def optimized_bytes(self) -> int:
-        """Bytes of the parameters the optimizer updates (one gradient or state tensor each)."""
+        """Bytes of the parameters the optimizer updates (one gradient or state tensor each)
+        that this rank holds."""
         return self._bytes[1]
 
     def state_bytes(self, state_tensors_per_param: int) -> int:
-        """Bytes of one full copy: every param plus its aligned state tensors."""
+        """Bytes of one full copy of what this rank holds: every param plus its aligned state
+        tensors."""
         params, optimized = self._bytes
         return params + state_tensors_per_param * optimized
 
     @cached_property
     def _bytes(self) -> tuple:
         """(bytes of every parameter, of the optimized ones)."""
-        sizes = [(s.numel * s.param.element_size(), s.static) for s in self.slots]
+        sizes = [(s.held * s.param.element_size(), s.static) for s in self.slots]
         return (sum(n for n, _ in sizes), sum(n for n, static in sizes if not static))
 
     def groups(self, k: int) -> List[List[Block]]:
@@ -213,6 +253,32 @@ class Plan:
         weights = [b.numel * (self.slots[b.slot].param.element_size()
                               + (0 if self.slots[b.slot].static else 8)) for b in self.blocks]
         return split_by_weight(self.blocks, weights, n)
+
+
+    def take_share(self, rank: int, n: int) -> None:
+        """Hold only share ``rank`` of :meth:`shares` ``(n)`` from now on: its blocks are the
+        ones this replica copies, replays and writes, and each slot's extent narrows to its
+        elements there (empty where the slot lies in other shares). Called once, right after
+        planning (nothing derived from the blocks is built yet)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
+            raise ConfigError(f"share {rank!r} of {n!r} asked: expected 0 <= rank < n")
+        mine = self.shares(n)[rank]
+        extents: Dict[int, Tuple[int, int]] = {}
+        for b in mine:  # a share is contiguous: one run of blocks per slot
+            lo, hi = extents.get(b.slot, (b.start, b.end))
+            extents[b.slot] = (min(lo, b.start), max(hi, b.end))
+        for si, s in enumerate(self.slots):
+            s.extent = extents.get(si, (0, 0))
+        self.blocks, self.share = mine, (rank, n)
+        self._at_f_table = None
+        self._windows.clear()
+        self.__dict__.pop("_bytes", None)
+
+    def extents(self, slots=None) -> Dict[int, Tuple[int, int]]:
+        """slot -> its extent, for ``slots`` (default: every slot) of which this rank holds
+        an element, in slot order: what host memory is laid out for."""
+        picked = range(len(self.slots)) if slots is None else slots
+        return {si: self.slots[si].extent for si in picked if self.slots[si].here}
 
 
 def split_by_weight(items: list, weights: List[int], k: int) -> List[list]:
@@ -327,66 +393,3 @@ def check_layouts(plan: Plan) -> None:
                 f"built (strides {s.strides} -> {tuple(s.param.stride())}); change layouts (e.g. "
                 "model.to(memory_format=...)) before creating the optimizer and the "
                 "Checkpointer, or close this Checkpointer and create a new one")
-
-
-def memory_order(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
-    """The permutation ``dims`` for which ``t.permute(dims)`` is contiguous: ``()`` when ``t``
-    is contiguous already, ``None`` when ``t`` is not dense (overlapping, or with holes)."""
-    if t.is_contiguous():
-        return ()
-    dims = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d))))
-    return dims if t.permute(dims).is_contiguous() else None
-
-
-def check_addressable(name: str, p: torch.Tensor) -> None:
-    """UnsupportedTensorError unless parameter ``name`` owns plain memory that gockpt can copy
-    by address. A DTensor (FSDP2, tensor parallelism) reports ``data_ptr() == 0``: copied by
-    address, it would be checkpointed as zeros at its global shape."""
-    if is_traceable_wrapper_subclass(p):
-        what = (f"a {type(p).__name__} (FSDP2's fully_shard or tensor parallelism)"
-                if type(p).__name__ == "DTensor" else f"a tensor subclass ({type(p).__name__})")
-        raise UnsupportedTensorError(
-            f"parameter {name!r} is {what} whose local memory gockpt cannot address yet; "
-            "sharded DTensor parameters are not supported: checkpoint this model with "
-            "torch.distributed.checkpoint, or train it with DDP or DeepSpeed ZeRO")
-    if p.device.type == "meta" or isinstance(p, torch.nn.parameter.UninitializedParameter):
-        raise UnsupportedTensorError(
-            f"parameter {name!r} has no data yet ({'meta device' if p.device.type == 'meta' else 'a lazy module'}); "
-            "create the Checkpointer once the model is materialised (after model.to_empty(...) "
-            "and initialisation, or a first forward of lazy modules)")
-    if p.is_quantized:
-        raise UnsupportedTensorError(
-            f"parameter {name!r} is a quantized tensor; gockpt stores floating-point "
-            "parameters")
-
-
-def layout_of(name: str, p: torch.Tensor) -> Tuple[int, ...]:
-    """``memory_order`` of parameter ``name``; ConfigError if it has none (gockpt copies the
-    storage of a dense tensor as one flat range, in memory order)."""
-    check_addressable(name, p)
-    dims = None if p.is_sparse else memory_order(p)
-    if dims is None:
-        raise ConfigError(
-            f"parameter {name!r} is sparse or not dense (shape {tuple(p.shape)}, strides "
-            f"{tuple(p.stride()) if not p.is_sparse else 'sparse'}); gockpt stores dense "
-            "tensors in memory order. Make it contiguous (param.data = param.data.contiguous()) "
-            "before creating the optimizer")
-    return dims
-
-
-def logical(slot: Slot, staged: torch.Tensor) -> torch.Tensor:
-    """The staged flat copy of one of ``slot``'s tensors (in the slot's memory order) as the
-    tensor it copies: its shape, its elements where the live tensor has them."""
-    if not slot.dims:
-        return staged.view(slot.param.shape)
-    inverse = [0] * len(slot.dims)
-    for i, d in enumerate(slot.dims):
-        inverse[d] = i
-    return staged.view(slot.stored_shape).permute(inverse)
-
-
-def flat(t: torch.Tensor, dims: Tuple[int, ...] = ()) -> torch.Tensor:
-    """``t``'s elements in the memory order ``dims`` (see :func:`memory_order`) as a flat view;
-    a flat copy when ``t`` itself is laid out otherwise (e.g. a gradient with other strides)."""
-    v = t.detach().permute(dims) if dims else t.detach()
-    return v.view(-1) if v.is_contiguous() else v.contiguous().view(-1)

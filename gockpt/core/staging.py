@@ -48,12 +48,20 @@ def gradient_dtypes(replays: bool, grad_transport) -> tuple:
 
 
 class Arena:
-    """One flat host buffer and the element range of every slot in it."""
+    """One flat host buffer and the element range of every slot in it.
 
-    def __init__(self, device, dtype: torch.dtype, sizes: Dict[int, int]):
-        """``sizes``: slot -> numel, in slot order (large slots placed first)."""
+    A slot's range holds its *extent* (:attr:`gockpt.core.plan.Slot.extent`): all its
+    elements, or the share of them this rank holds. Addresses stay in the slot's own
+    coordinates: :meth:`bases` gives where its element 0 would be, so that a block's
+    ``start`` addresses the same element in the live tensor and here."""
+
+    def __init__(self, device, dtype: torch.dtype, extents: Dict[int, Tuple[int, int]]):
+        """``extents``: slot -> (lo, hi), the elements held, in slot order (large slots are
+        placed first)."""
         self.dtype = dtype
         itemsize = dtype.itemsize
+        sizes = {s: hi - lo for s, (lo, hi) in extents.items()}
+        self.first = {s: lo for s, (lo, _) in extents.items()}
         small = [s for s, n in sizes.items() if n * itemsize < PACK_BYTES]
         if len(small) < PACK_MIN_COUNT:
             small = []
@@ -72,16 +80,18 @@ class Arena:
         self.buffer = device.empty(pos, dtype)
 
     def view(self, slot: int) -> torch.Tensor:
+        """The elements of ``slot`` held here (its extent, flat)."""
         o = self.offset[slot]
         return self.buffer[o:o + self.sizes[slot]]
 
     def bases(self, n_slots: int) -> np.ndarray:
-        """Per slot: the address of its first element here (0 for slots not in this arena);
-        computed once (the buffer never moves), a copy returned each time."""
+        """Per slot: the address its element 0 has in this arena's coordinates (the extent's
+        first element minus its offset in the slot; 0 for slots not in this arena); computed
+        once (the buffer never moves), a copy returned each time."""
         cached = getattr(self, "_bases", None)
         if cached is None or len(cached) != n_slots:
             base, item = self.buffer.data_ptr(), self.dtype.itemsize
-            cached = self._bases = slot_array(n_slots, {s: base + o * item
+            cached = self._bases = slot_array(n_slots, {s: base + (o - self.first[s]) * item
                                                         for s, o in self.offset.items()})
         return cached.copy()
 
@@ -100,12 +110,14 @@ class HostCopy:
     def __init__(self, plan: Plan, device):
         self.slots = plan.slots
         self.device = device
-        by_dtype: Dict[torch.dtype, Dict[int, int]] = {}
-        for si, s in enumerate(plan.slots):
-            by_dtype.setdefault(s.param.dtype, {})[si] = s.numel
-        self.param_arenas = {d: Arena(device, d, sizes) for d, sizes in by_dtype.items()}
-        self.param: List[torch.Tensor] = [self.param_arenas[s.param.dtype].view(si)
-                                          for si, s in enumerate(plan.slots)]
+        by_dtype: Dict[torch.dtype, Dict[int, Tuple[int, int]]] = {}
+        for si, extent in plan.extents().items():
+            by_dtype.setdefault(plan.slots[si].param.dtype, {})[si] = extent
+        self.param_arenas = {d: Arena(device, d, ext) for d, ext in by_dtype.items()}
+        # (a slot held by other replicas only: an empty view, never addressed)
+        self.param: List[torch.Tensor] = [
+            self.param_arenas[s.param.dtype].view(si) if s.here else s.param.new_empty(0, device="cpu")
+            for si, s in enumerate(plan.slots)]
         self.state_arenas: Dict[Tuple[str, torch.dtype], Arena] = {}
         self.state: List[Dict[str, torch.Tensor]] = [{} for _ in plan.slots]
         self.keys: List[tuple] = [() for _ in plan.slots]  # aligned keys of this checkpoint
@@ -119,10 +131,12 @@ class HostCopy:
         its buffer needs). The state arenas are laid out again only when this changes."""
         layout = [(si, [(k, t.dtype) for k, t in kt.items()]) for si, kt in likes.items()]
         if layout != self._key_layout and not self._covers(layout):
-            sizes: Dict[Tuple[str, torch.dtype], Dict[int, int]] = {}
+            sizes: Dict[Tuple[str, torch.dtype], Dict[int, Tuple[int, int]]] = {}
             for si in sorted(likes):
+                if not self.slots[si].here:
+                    continue
                 for key, like in likes[si].items():
-                    sizes.setdefault((key, like.dtype), {})[si] = self.slots[si].numel
+                    sizes.setdefault((key, like.dtype), {})[si] = self.slots[si].extent
             self.state_arenas = {kd: Arena(self.device, kd[1], s) for kd, s in sizes.items()}
             self.state = [{} for _ in self.slots]
             for (key, _), arena in self.state_arenas.items():
@@ -141,21 +155,23 @@ class HostCopy:
         stored follows the keys each slot has at F, not the arenas)."""
         return all((key, dtype) in self.state_arenas
                    and si in self.state_arenas[(key, dtype)].offset
-                   for si, keys in layout for key, dtype in keys)
+                   for si, keys in layout if self.slots[si].here for key, dtype in keys)
 
     def roles(self) -> Tuple[str, ...]:
         """The aligned state keys this copy holds (in arena order)."""
         return tuple(dict.fromkeys(key for key, _ in self.state_arenas))
 
     def bases(self, key: Optional[str] = None) -> Tuple[np.ndarray, np.ndarray]:
-        """Per slot: the address of its first element for role ``key`` (None: the parameter;
-        0 where the slot has no such role) and the element size there."""
+        """Per slot: the address of its element 0 for role ``key`` (None: the parameter; 0
+        where the slot has no such role), in the slot's coordinates like
+        :meth:`Arena.bases` (the host copy holds its extent), and the element size there."""
         cached = self._bases.get(key)
         if cached is None:
             views = self.param if key is None else [st.get(key) for st in self.state]
             cached = self._bases[key] = (
-                np.fromiter((0 if v is None else v.data_ptr() for v in views), np.int64,
-                            len(views)),
+                np.fromiter((0 if v is None or not s.here
+                             else v.data_ptr() - s.extent[0] * v.element_size()
+                             for v, s in zip(views, self.slots)), np.int64, len(views)),
                 np.fromiter((1 if v is None else v.element_size() for v in views), np.int64,
                             len(views)))
         return cached
@@ -257,8 +273,8 @@ class GradPool:
             return self._free.pop()
 
     def buffer(self, bufs: Dict[int, torch.Tensor], slot: int, grad: torch.Tensor) -> torch.Tensor:
-        """Slot ``slot``'s gradient buffer in ``bufs`` (its arena allocated on first use, for
-        every optimized slot of the gradient's dtype)."""
+        """Slot ``slot``'s gradient buffer in ``bufs``: its extent's elements (its arena
+        allocated on first use, for every optimized slot of the gradient's dtype)."""
         buf = bufs.get(slot)
         if buf is None or buf.dtype != grad.dtype:
             buf = bufs[slot] = self.arena(bufs, grad.dtype).view(slot)
@@ -269,9 +285,9 @@ class GradPool:
         arenas = self._arenas[id(bufs)]
         arena = arenas.get(dtype)
         if arena is None:
-            sizes = {si: s.numel for si, s in enumerate(self.plan.slots) if not s.static}
-            arena = arenas[dtype] = Arena(self.device, dtype, sizes)
-            bufs.update({si: arena.view(si) for si in sizes})  # once per set: its views
+            extents = self.plan.extents(self.plan.optimized_slots)
+            arena = arenas[dtype] = Arena(self.device, dtype, extents)
+            bufs.update({si: arena.view(si) for si in extents})  # once per set: its views
         return arena
 
     def allocate(self, dtypes) -> None:

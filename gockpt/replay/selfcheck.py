@@ -26,7 +26,8 @@ from typing import Dict
 import torch
 
 from ..core.digest import as_pairs, digests, to_hex
-from ..core.plan import Plan, flat, logical
+from ..core.memory import flat
+from ..core.plan import Plan
 from ..core.errors import Adaptation, ConsistencyError
 from ..core.job import Job
 
@@ -66,8 +67,9 @@ def _compare_digests(job: Job, plan: Plan, replayed: bool) -> Dict:
     live = book.pairs()
     t0 = time.perf_counter()
     host = job.host
-    staged = as_pairs(digests([logical(plan.slots[si], host.param[si] if key is None
-                                       else host.state[si][key]) for si, key in book.entries]))
+    staged = as_pairs(digests([plan.slots[si].staged_view(host.param[si] if key is None
+                                                          else host.state[si][key])
+                               for si, key in book.entries]))
     bad = [e for e, x, y in zip(book.entries, live, staged) if x != y]
     m = job.metrics
     m.verify_tensors, m.verify_mismatches = len(book.entries), len(bad)
@@ -116,7 +118,8 @@ def _compare_samples(job: Job, plan: Plan, strict: bool) -> None:
     host = job.host
     bad = []
     for b, direct in job.samples:
-        s, e = b.start, b.end
+        lo = plan.slots[b.slot].extent[0]  # the host copy holds the extent
+        s, e = b.start - lo, b.end - lo
         if not torch.equal(direct["param"], host.param[b.slot][s:e]):
             bad.append(f"{plan.slots[b.slot].name}[{s}:{e}] (param)")
         for key, ref in direct.items():

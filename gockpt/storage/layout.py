@@ -1,7 +1,8 @@
 """Which stored tensor holds which range of the host arenas, and the manifest's references.
 
 A large slot is stored as its own tensor, named after it (``model/<name>``,
-``optim/<index>/<key>``), in its memory order; the small slots of one arena are stored together
+``optim/<index>/<key>``), in its memory order (flat when this rank holds a share of it: its
+extent); the small slots of one arena are stored together
 as one 1-D *pack* (``pack/model/<dtype>``, ``pack/optim/<key>/<dtype>``), since they lie back to
 back in the arena. Both are written straight from the arenas, in as few ranges as possible.
 """
@@ -41,7 +42,8 @@ class StoredLayout:
 
     tensors: Dict[str, Stored] = field(default_factory=dict)
     where: Dict[Tuple[int, Optional[str]], Tuple[str, int]] = field(default_factory=dict)
-    """(slot, None for the parameter or a state key) -> (stored name, element offset in it)."""
+    """(slot, None for the parameter or a state key) -> (stored name, element offset in it of
+    the slot's extent)."""
     param_refs: Dict[str, TensorRef] = field(default_factory=dict)
     state_refs: Dict[int, Dict[str, TensorRef]] = field(default_factory=dict)
 
@@ -72,15 +74,17 @@ class StoredLayout:
             out.append((name, start, st.arena.buffer[st.start + start:st.start + start + n]))
         return out
 
-    def index(self, n_slots: int) -> "StoredLayout":
-        """Per role, the stored tensor and element offset of every slot, as arrays."""
+    def index(self, plan: Plan) -> "StoredLayout":
+        """Per role, the stored tensor of every slot and the element offset its element 0
+        would have there (the extent's offset minus its first element), as arrays."""
+        n_slots = len(plan.slots)
         self._names = list(self.tensors)
         number = {name: i for i, name in enumerate(self._names)}
         self._columns: Dict[Optional[str], Tuple[np.ndarray, np.ndarray]] = {}
         for (si, role), (name, base) in self.where.items():
             index, bases = self._columns.setdefault(
                 role, (np.full(n_slots, -1, dtype=np.int64), np.zeros(n_slots, dtype=np.int64)))
-            index[si], bases[si] = number[name], base
+            index[si], bases[si] = number[name], base - plan.slots[si].extent[0]
         return self
 
 
@@ -100,7 +104,7 @@ def stored_layout(plan: Plan, host: HostCopy, aligned: Dict[int, tuple]) -> Stor
         for si in slots:
             out.state_refs.setdefault(plan.slots[si].opt_index, {})[key] = \
                 _ref(out, plan, si, key)
-    return out.index(len(plan.slots))
+    return out.index(plan)
 
 
 def _place(out: StoredLayout, arena: Arena, pack_name: str, names: Dict[int, str], plan: Plan,
@@ -115,15 +119,18 @@ def _place(out: StoredLayout, arena: Arena, pack_name: str, names: Dict[int, str
         for si in packed:
             out.where[(si, role)] = (pack_name, arena.offset[si] - lo)
     for si, name in names.items():
-        if si not in small:
+        if si not in small:  # whole: in its shape (memory order); a share: flat
+            slot = plan.slots[si]
             out.tensors[name] = Stored(arena, arena.offset[si], arena.sizes[si],
-                                       plan.slots[si].stored_shape)
+                                       slot.stored_shape if slot.whole else (slot.held,))
             out.where[(si, role)] = (name, 0)
 
 
 def _ref(out: StoredLayout, plan: Plan, si: int, role: Optional[str]) -> TensorRef:
     name, base = out.where[(si, role)]
     slot = plan.slots[si]
+    if not slot.whole:
+        return TensorRef(name, base, tuple(slot.param.shape), slot.dims, extent=slot.extent)
     if name.startswith("pack/"):
         return TensorRef(name, base, tuple(slot.param.shape), slot.dims)
     return TensorRef(name, 0, None, slot.dims)

@@ -108,15 +108,18 @@ def _checked(self: Manifest, bad) -> Manifest:
         entry = self.tensors.get(ref.tensor)
         if entry is None:
             raise bad(f"{what} refers to tensor {ref.tensor!r}, which is not stored")
-        if ref.tensor != own if ref.shape is None else not ref.tensor.startswith(pack):
+        # whole: its own tensor; packed: a pack of its role; a share: either
+        if not (ref.tensor == own if ref.shape is None else ref.tensor.startswith(pack)
+                or ref.extent is not None and ref.tensor == own):
             raise bad(f"{what} refers to tensor {ref.tensor!r}; it is stored as {own!r} "
                       f"or in a {pack}* pack")
         problem = ref.check(entry["shape"])
         if problem:
             raise bad(f"{what}: reference into {ref.tensor!r}: {problem}")
         first = ref.offset if ref.shape is not None else 0
+        n = ref.stored_numel
         spans.setdefault(ref.tensor, []).append(
-            (first, first + math.prod(ref.logical_shape(entry["shape"])), what))
+            (first, first + (math.prod(entry["shape"]) if n is None else n), what))
     for tensor, taken in spans.items():
         taken.sort()
         for (_, end, what), (start, _, other) in zip(taken, taken[1:]):

@@ -227,7 +227,8 @@ class Persister:
                 top = PartsManifest(job.handle.final_step, job.metrics.start_step,
                                     self.config.mode, job.k,
                                     [part_name(r) for r in range(self.ranks.world_size)],
-                                    replicated=bool(self.config.replicated))
+                                    replicated=bool(self.config.replicated),
+                                    shares=job.plan.share[1] > 1)
                 path = self.ranks.commit(self.config.directory, name, write_part, top,
                                          self.new_writer)
                 if job.error is not None:
@@ -240,8 +241,10 @@ class Persister:
                 path = self._write(job, None, name, t0, writer=writer)
             m = job.metrics
             m.time_to_durable_s = time.perf_counter() - job.t_start
+            every = self.ranks.gather(m)  # one line per rank: what each copied and wrote
             if self.ranks.rank == 0:
-                metrics_mod.append(self.config.directory, m)
+                for record in every:
+                    metrics_mod.append(self.config.directory, record)
                 apply_retention(self.config.directory, self.config.keep_last)
             self.on_durable(job)
             log.info("gockpt: checkpoint of step %d durable at %s", job.handle.final_step, path)
@@ -260,9 +263,9 @@ class Persister:
             if job.stream.writer is writer and writer is not None:
                 with job.stream.lock:  # streamed: write only what is left
                     self._write_blocks(job, job.capture.captured)
-                writer.finish()
+                writer_bytes = writer.finish()
             else:
-                writer.write_tensors(self._host_tensors(job))
+                writer_bytes = writer.write_tensors(self._host_tensors(job))
             job.accounts_closed.wait()  # the last hook has charged its blocked time
             m = job.metrics
             m.copy_s = sum(t.seconds for t in list(job.capture.tickets.values()) + job.capture.grad_tickets)
@@ -272,6 +275,8 @@ class Persister:
             m.time_to_durable_s = time.perf_counter() - job.t_start
             m.step_time_s = self.step_time()
             m.host_bytes = self.host_bytes()
+            m.rank, m.world_size = self.ranks.rank, self.ranks.world_size
+            m.written_bytes = writer_bytes
             manifest = Manifest(
                 step=job.handle.final_step, start_step=m.start_step, mode=self.config.mode,
                 overlap_steps=job.k, rank=self.ranks.rank, world_size=self.ranks.world_size,

@@ -14,11 +14,13 @@ never interleave collectives on one group, and neither touches the training's ow
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+import zlib
+from typing import Callable, List, Optional
 
 import torch
 
-from ..core.errors import StorageError
+from ..core.errors import ConfigError, StorageError
+from ..core.plan import Plan
 from .format import TMP_PREFIX
 from .schema import PartsManifest, part_name
 
@@ -60,6 +62,36 @@ class Ranks:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
                                      group=self._train_group)
         return bool(t.item())
+
+    def same(self, value: int) -> bool:
+        """Whether ``value`` is the same on every rank (training thread)."""
+        return self.agree_max(value) == -self.agree_max(-value)
+
+    def share(self, plan: Plan, replicated: bool) -> Plan:
+        """``plan`` narrowed to this rank's share (:meth:`Plan.take_share`) when the ranks are
+        replicas (``replicated``) of one state: each copies, replays and writes 1/N of it.
+        Every rank must have planned the same tensors (ConfigError otherwise: the shares
+        would not fit together). Training thread, on every rank."""
+        if not (self.several and replicated):
+            return plan
+        signature = repr([(s.name, tuple(s.param.shape), str(s.param.dtype), s.opt_index,
+                           s.dims) for s in plan.slots])
+        if not self.same(zlib.crc32(signature.encode())):
+            raise ConfigError(
+                "Config(replicated=True) but the ranks do not hold the same parameters (names, "
+                "shapes, dtypes or optimizer order differ): replicas split their state into "
+                "shares only if it is one state; use replicated=False for per-rank state")
+        plan.take_share(self.rank, self.world_size)
+        return plan
+
+    def gather(self, value) -> Optional[List]:
+        """``value`` of every rank, in rank order, on rank 0 (None elsewhere); persist
+        thread, on every rank."""
+        if not self.several:
+            return [value]
+        out = [None] * self.world_size if self.rank == 0 else None
+        torch.distributed.gather_object(value, out, dst=0, group=self._persist_group)
+        return out
 
     def _all_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)

@@ -17,7 +17,10 @@ and validates them from untrusted JSON).
     metrics    what the checkpoint cost (gockpt.core.metrics.CheckpointMetrics)
 
 A checkpoint written by several ranks has a top-level manifest without tensors that lists its
-parts (``"ranks": ["rank-00000", ...]``); each part is a complete single-rank checkpoint.
+parts (``"ranks": ["rank-00000", ...]``); each part is a complete single-rank checkpoint of
+what its rank holds -- all of its state, or, when replicas split one state (``"shares":
+true``), a share of it: then a tensor's reference says which of its elements it holds
+(``extent``, :mod:`.refs`), and the parts together hold each element once.
 
 Stored tensors are named ``model/<name>`` (a parameter), ``optim/<index>/<key>`` (an aligned
 optimizer state tensor), ``pack/model/<dtype>`` and ``pack/optim/<key>/<dtype>`` (many small
@@ -236,6 +239,9 @@ class PartsManifest:
     """Part directory of each rank, in rank order."""
     replicated: bool = False
     """Every rank held the same state (see :attr:`Manifest.replicated`)."""
+    shares: bool = False
+    """The replicas split that state: each part holds a share of it (its tensors' references
+    carry an ``extent``), and a load gathers every part."""
 
     def to_json(self) -> dict:
         out = {"step": self.step, "start_step": self.start_step, "mode": self.mode,
@@ -243,4 +249,6 @@ class PartsManifest:
                "ranks": list(self.parts)}
         if self.replicated:
             out["replicated"] = True
+        if self.shares:
+            out["shares"] = True
         return out

@@ -19,6 +19,7 @@ from ..core.paths import directory_to_read
 from .commit import is_committed, list_checkpoints, resolve
 from .manifest import parse as parse_manifest, parts_of
 from .schema import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor
+from .shares import coverage_problems
 from .reader import read_manifest, read_tensors
 
 __all__ = ["verify", "VerifyReport", "CheckpointReport", "PartReport", "BadTensor",
@@ -331,6 +332,12 @@ def _verify_parts(path: str, data: dict, report: CheckpointReport) -> None:
         report.bytes += sub.bytes
         row.ok, row.tensors, row.bytes = sub.ok and not part.problems, sub.tensors, sub.bytes
         row.bad, row.problems = len(sub.bad), len(problems)
+    if data.get("shares") is True and all(p.data is not None for p in parts):
+        try:  # the replicas' shares: together, each element of each tensor once
+            report.problems += coverage_problems([parse_manifest(p.path, p.data)
+                                                  for p in parts])
+        except CorruptCheckpointError as exc:  # (a part's own problems are reported above)
+            report.problems.append(_one_line(exc))
 
 
 def _is_multi(path: str, data: dict) -> bool:

@@ -39,7 +39,7 @@ def test_host_copy_views_every_slot_into_one_arena_per_dtype(plan):
 def test_many_small_slots_are_packed_after_the_large_ones():
     big = PACK_BYTES // 4                                  # exactly PACK_BYTES: a large slot
     sizes = {0: 3, 1: big, **{s: 5 for s in range(2, PACK_MIN_COUNT + 1)}}
-    arena = Arena(HostDevice(), torch.float32, sizes)
+    arena = Arena(HostDevice(), torch.float32, {s: (0, n) for s, n in sizes.items()})
     assert arena.offset[1] == 0                            # the large slot first
     assert arena.offset[0] == big and arena.offset[2] == big + 3 and arena.offset[3] == big + 8
     small = [0] + list(range(2, PACK_MIN_COUNT + 1))
@@ -47,7 +47,7 @@ def test_many_small_slots_are_packed_after_the_large_ones():
 
 
 def test_a_few_small_slots_stay_apart():
-    arena = Arena(HostDevice(), torch.float32, {0: 3, 1: PACK_BYTES // 4, 2: 5})
+    arena = Arena(HostDevice(), torch.float32, {0: (0, 3), 1: (0, PACK_BYTES // 4), 2: (0, 5)})
     assert arena.small == [] and arena.offset == {0: 0, 1: 3, 2: 3 + PACK_BYTES // 4}
 
 

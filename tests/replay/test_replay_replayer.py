@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from gockpt.capture.device import HostDevice
-from gockpt.core.plan import Block, build_plan, flat
+from gockpt.core.memory import flat
+from gockpt.core.plan import Block, build_plan
 from gockpt.core.blocks import BlockTable
 from gockpt.core.staging import GradPool, HostCopy
 from gockpt.capture.transfer import Ticket

@@ -1,0 +1,76 @@
+"""How a parameter lies in memory: its memory order (the permutation that makes it
+contiguous), flat views in that order, and whether gockpt can address it at all (a DTensor's
+local shard, a meta or quantized tensor)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .errors import ConfigError, UnsupportedTensorError
+
+
+def memory_order(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
+    """The permutation ``dims`` for which ``t.permute(dims)`` is contiguous: ``()`` when ``t``
+    is contiguous already, ``None`` when ``t`` is not dense (overlapping, or with holes)."""
+    if t.is_contiguous():
+        return ()
+    dims = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d))))
+    return dims if t.permute(dims).is_contiguous() else None
+
+
+def check_addressable(name: str, p: torch.Tensor) -> None:
+    """UnsupportedTensorError unless parameter ``name`` owns plain memory that gockpt can copy
+    by address. A DTensor (FSDP2, tensor parallelism) reports ``data_ptr() == 0``: copied by
+    address, it would be checkpointed as zeros at its global shape."""
+    if is_traceable_wrapper_subclass(p):
+        what = (f"a {type(p).__name__} (FSDP2's fully_shard or tensor parallelism)"
+                if type(p).__name__ == "DTensor" else f"a tensor subclass ({type(p).__name__})")
+        raise UnsupportedTensorError(
+            f"parameter {name!r} is {what} whose local memory gockpt cannot address yet; "
+            "sharded DTensor parameters are not supported: checkpoint this model with "
+            "torch.distributed.checkpoint, or train it with DDP or DeepSpeed ZeRO")
+    if p.device.type == "meta" or isinstance(p, torch.nn.parameter.UninitializedParameter):
+        raise UnsupportedTensorError(
+            f"parameter {name!r} has no data yet ({'meta device' if p.device.type == 'meta' else 'a lazy module'}); "
+            "create the Checkpointer once the model is materialised (after model.to_empty(...) "
+            "and initialisation, or a first forward of lazy modules)")
+    if p.is_quantized:
+        raise UnsupportedTensorError(
+            f"parameter {name!r} is a quantized tensor; gockpt stores floating-point "
+            "parameters")
+
+
+def layout_of(name: str, p: torch.Tensor) -> Tuple[int, ...]:
+    """``memory_order`` of parameter ``name``; ConfigError if it has none (gockpt copies the
+    storage of a dense tensor as one flat range, in memory order)."""
+    check_addressable(name, p)
+    dims = None if p.is_sparse else memory_order(p)
+    if dims is None:
+        raise ConfigError(
+            f"parameter {name!r} is sparse or not dense (shape {tuple(p.shape)}, strides "
+            f"{tuple(p.stride()) if not p.is_sparse else 'sparse'}); gockpt stores dense "
+            "tensors in memory order. Make it contiguous (param.data = param.data.contiguous()) "
+            "before creating the optimizer")
+    return dims
+
+
+def logical(shape: Tuple[int, ...], dims: Tuple[int, ...], staged: torch.Tensor) -> torch.Tensor:
+    """A flat copy in memory order ``dims`` of a tensor of ``shape`` as the tensor it copies:
+    its shape, its elements where the live tensor has them."""
+    if not dims:
+        return staged.view(shape)
+    inverse = [0] * len(dims)
+    for i, d in enumerate(dims):
+        inverse[d] = i
+    return staged.view(tuple(shape[d] for d in dims)).permute(inverse)
+
+
+def flat(t: torch.Tensor, dims: Tuple[int, ...] = ()) -> torch.Tensor:
+    """``t``'s elements in the memory order ``dims`` (see :func:`memory_order`) as a flat view;
+    a flat copy when ``t`` itself is laid out otherwise (e.g. a gradient with other strides)."""
+    v = t.detach().permute(dims) if dims else t.detach()
+    return v.view(-1) if v.is_contiguous() else v.contiguous().view(-1)

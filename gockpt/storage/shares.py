@@ -1,0 +1,158 @@
+"""Reading a checkpoint whose replicas split one state into shares (``"shares": true`` in its
+top-level manifest): every part holds, of each tensor, a contiguous run of its elements in
+memory order (its reference's ``extent``, :mod:`.refs`). Reading it means reading every part
+and putting each tensor together, with the parts covering each element exactly once -- a gap
+or an overlap is a damaged checkpoint, never zeros or a guess.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..core.errors import CorruptCheckpointError
+from .format import CODE_TO_DTYPE, DTYPE_TO_CODE
+from .manifest import parse, parts_of
+from .reader import read_manifest, read_tensors
+from .refs import TensorRef, permuted
+from .schema import Manifest, ModelSection, OptimizerSection, optim_tensor, param_tensor
+
+
+class _Whole:
+    """One tensor being put together: its flat buffer in memory order and the element runs
+    the parts gave."""
+
+    def __init__(self, what: str, key: tuple, dtype: torch.dtype, shape: Tuple[int, ...],
+                 dims: Tuple[int, ...]):
+        self.what, self.key, self.dtype, self.shape, self.dims = what, key, dtype, shape, dims
+        self.flat = torch.empty(math.prod(shape), dtype=dtype)
+        self.runs: List[Tuple[int, int, str]] = []
+
+    def put(self, part: str, lo: int, piece: torch.Tensor) -> None:
+        self.flat[lo:lo + piece.numel()].copy_(piece.reshape(-1))
+        self.runs.append((lo, lo + piece.numel(), part))
+
+    def check(self, path: str) -> None:
+        """CorruptCheckpointError unless the runs cover every element exactly once."""
+        problem = cover_problem(self.what, self.runs, self.flat.numel())
+        if problem:
+            raise CorruptCheckpointError(f"checkpoint {path!r}: {problem}")
+
+    def stored(self) -> torch.Tensor:
+        """The tensor as a whole-tensor reference with ``dims`` reads it (memory order)."""
+        return self.flat.view(permuted(self.shape, self.dims) if self.dims else self.shape)
+
+
+def cover_problem(what: str, runs: List[Tuple[int, int, str]], numel: int) -> Optional[str]:
+    """What is wrong with the element runs (lo, hi, part) the parts hold of ``what``, a tensor
+    of ``numel`` elements: None when they cover each element exactly once."""
+    at = 0
+    for lo, hi, part in sorted(r for r in runs if r[1] > r[0]):
+        if lo < at:
+            return (f"the parts hold {what} twice at elements {lo}..{min(hi, at)} ({part} and "
+                    "another part)")
+        if lo > at:
+            break
+        at = hi
+    if at != numel:
+        gap = min([lo for lo, hi, _ in runs if lo > at] + [numel])
+        return (f"the parts hold {what} nowhere at elements {at}..{gap} (of {numel}): a "
+                "replicated share is missing or damaged")
+    return None
+
+
+def coverage_problems(parts: List[Manifest]) -> List[str]:
+    """From the manifests of a checkpoint's parts alone (nothing read): every tensor whose
+    shares do not cover it exactly once, or whose parts disagree on its shape."""
+    runs: Dict[str, list] = {}
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    problems = []
+    for m in parts:
+        for name, what, ref, _ in _refs(m):
+            shape = tuple(m.logical_shape(ref))
+            if shapes.setdefault(name, shape) != shape:
+                problems.append(f"part {m.rank} stores {what} as {list(shape)}, another "
+                                f"part as {list(shapes[name])}")
+            lo, hi = ref.extent if ref.extent is not None else (0, math.prod(shape))
+            runs.setdefault(name, []).append((lo, hi, f"part {m.rank}"))
+    for name, taken in runs.items():
+        problem = cover_problem(name, taken, math.prod(shapes[name]))
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def _refs(m: Manifest) -> List[tuple]:
+    """(whole tensor's stored name, what it is, its reference in ``m``, (None, parameter
+    name) or (state index, key)) of every parameter and aligned optimizer state tensor of
+    one part."""
+    refs = [(param_tensor(n), f"parameter {n!r}", r, (None, n))
+            for n, r in m.model.params.items()]
+    for idx, by_key in (m.optimizer.aligned if m.optimizer is not None else {}).items():
+        refs += [(optim_tensor(idx, k), f"optimizer state [{idx}][{k!r}]", r, (idx, k))
+                 for k, r in by_key.items()]
+    return refs
+
+
+def gather(path: str, own: Manifest, *, verify: bool,
+           check: Callable[[str, Manifest, dict], None]) -> Optional[Tuple[Manifest, dict]]:
+    """A checkpoint at ``path`` (its top-level directory) written in shares, put together:
+    ``own`` (the part whose small state this rank restores) with every parameter and aligned
+    optimizer state tensor referenced whole, and those tensors (stored name -> tensor, in
+    memory order). None for a checkpoint not written in shares.
+
+    Every part is read (checksums unless ``verify=False``) and handed to ``check(part path,
+    its manifest, its tensors)`` as read -- the digests of the live state at F were taken per
+    share -- before its pieces are put in place. CorruptCheckpointError naming the tensor when
+    the parts do not cover it exactly once, or disagree on its shape or dtype."""
+    data = read_manifest(path)
+    if data.get("shares") is not True:
+        return None
+    wholes: Dict[str, _Whole] = {}
+    params: Dict[str, TensorRef] = {}
+    aligned: Dict[int, Dict[str, TensorRef]] = {}
+    for part in parts_of(path, data):
+        ppath = os.path.join(path, part)
+        m = parse(ppath, read_manifest(ppath))
+        refs = _refs(m)
+        tensors = read_tensors(ppath, m, sorted({r.tensor for _, _, r, _ in refs}),
+                               verify=verify)
+        if verify:
+            check(ppath, m, tensors)
+        for name, what, ref, key in refs:
+            dtype = CODE_TO_DTYPE[m.tensors[ref.tensor]["dtype"]]
+            shape = tuple(m.logical_shape(ref))
+            whole = wholes.get(name)
+            if whole is None:
+                whole = wholes[name] = _Whole(what, key, dtype, shape, ref.dims)
+            elif (whole.dtype, whole.shape, whole.dims) != (dtype, shape, ref.dims):
+                raise CorruptCheckpointError(
+                    f"checkpoint {path!r}: {part} stores {what} as {dtype} {list(shape)}, "
+                    f"another part as {whole.dtype} {list(whole.shape)} (or in another "
+                    "memory order)")
+            piece = ref.resolve(tensors)
+            if ref.extent is None:  # stored whole here (e.g. an empty tensor)
+                piece = piece.permute(ref.dims) if ref.dims else piece
+                whole.put(part, 0, piece.contiguous())
+            else:
+                whole.put(part, ref.extent[0], piece)
+        del tensors
+    out = {}
+    table = {n: e for n, e in own.tensors.items() if n.startswith("small/")}
+    for name, whole in wholes.items():
+        whole.check(path)
+        out[name] = whole.stored()
+        whole_ref = TensorRef(name, dims=whole.dims)
+        if whole.key[0] is None:
+            params[whole.key[1]] = whole_ref
+        else:
+            aligned.setdefault(whole.key[0], {})[whole.key[1]] = whole_ref
+        table[name] = {"dtype": DTYPE_TO_CODE[whole.dtype], "shape": list(out[name].shape)}
+    optimizer = None if own.optimizer is None else OptimizerSection(own.optimizer.cls, aligned)
+    merged = replace(own, model=ModelSection(params, dict(own.model.aliases)),
+                     optimizer=optimizer, tensors=table)
+    return merged, out

@@ -1,0 +1,170 @@
+"""One rank of tests/test_many_ranks.py (started by tests/_support/dist_ranks.py): a
+DistributedDataParallel model whose replicas split the checkpoint into shares. Exits non-zero
+on any mismatch.
+
+Scenarios (``SCENARIO`` is ``<what>:<mode>``):
+
+    train   train STEPS steps with checkpoints at SAVE_AT, and a twin model without gockpt on
+            the same batches: the two end bitwise equal; every committed checkpoint loads
+            (into a fresh DDP model) equal to the live state at its step; the state at the last
+            step is kept for ``resume``
+    resume  fresh processes load the latest checkpoint and train on to STEPS: bitwise the
+            state the uninterrupted run ended with
+    kill    a first checkpoint commits; during the second, rank 1 is killed inside its part's
+            write (SIGKILL: no handler, no vote); the parent then stops the others
+"""
+
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gockpt
+import gockpt.testing
+from gockpt import storage
+
+STEPS, SAVE_AT = 8, (4, 7)
+
+
+def ordered_mean(group, bucket):
+    """A DDP communication hook that sums the replicas' gradients in rank order: gloo's
+    all-reduce adds them in an order that depends on how DDP bucketed them, which differs
+    between a run and its resume (DDP rebuilds its buckets after its first step) -- on more
+    than two ranks that changes the rounding, and no resume could be bitwise."""
+    buf = bucket.buffer()
+    parts = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, buf, group=group)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    buf.copy_(total / len(parts))
+    done = torch.futures.Future()
+    done.set_result(buf)
+    return done
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)  # every replica starts equal (DDP would broadcast rank 0's anyway)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                          nn.Linear(256, 64))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, ordered_mean)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return ddp, opt, sched
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    """This rank's batch of ``step``: a function of both, so that a resume sees the same."""
+    return torch.randn(8, 64, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def one_step(ddp, opt, sched, x, ck=None):
+    loss = ddp(x).square().mean()
+    if ck is not None:
+        ck.backward_begin()
+    loss.backward()
+    if ck is not None:
+        ck.update_begin()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def snapshot(ddp, opt, sched):
+    return gockpt.testing.snapshot(ddp.module, opt, sched)
+
+
+def same(a, b, what):
+    for key in ("model", "optimizer", "scheduler"):
+        why = gockpt.testing.first_difference(a[key], b[key], f"{what}: {key}")
+        assert why is None, why
+
+
+class KilledInWrite(storage.CheckpointWriter):
+    """Rank 1's storage plugin in ``kill``: dies in the second checkpoint's write."""
+
+    armed = False
+
+    def write_tensors(self, tensors):
+        if KilledInWrite.armed:
+            print(f"rank {dist.get_rank()}: killed in the write", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().write_tensors(tensors)
+
+
+def train(directory: str, rank: int, mode: str) -> None:
+    ddp, opt, sched = model_and_optimizer()
+    twin, twin_opt, twin_sched = model_and_optimizer()  # trained without gockpt
+    ck = gockpt.Checkpointer(ddp, opt, directory, mode=mode, scheduler=sched,
+                             overlap_steps=2 if mode.startswith("gockpt") else None,
+                             block_bytes=4096, self_check=1.0)
+    for step in SAVE_AT:  # announced: the replay modes copy over the K steps up to it
+        ck.plan_checkpoint(step)
+    at_f, handles = {}, []
+    for step in range(STEPS):
+        x = batch(rank, step)
+        one_step(ddp, opt, sched, x, ck)
+        one_step(twin, twin_opt, twin_sched, x)
+        h = ck.save_checkpoint(step + 1)
+        handles += [h] if h is not None else []
+        if step + 1 in SAVE_AT:
+            at_f[step + 1] = snapshot(ddp, opt, sched)
+    ck.close()
+    assert [h.error for h in handles] == [None] * len(SAVE_AT), [h.error for h in handles]
+    same(snapshot(twin, twin_opt, twin_sched), snapshot(ddp, opt, sched),
+         "training with gockpt vs without")
+    for step in SAVE_AT:
+        fresh, fresh_opt, fresh_sched = model_and_optimizer()
+        restored = gockpt.load(directory, fresh, fresh_opt, scheduler=fresh_sched,
+                               tag=storage.checkpoint_name(step))
+        assert restored.step == step
+        same(at_f[step], snapshot(fresh, fresh_opt, fresh_sched), f"loaded step {step}")
+    torch.save(snapshot(ddp, opt, sched), f"{directory}.final-{rank}.pt")
+
+
+def resume(directory: str, rank: int, mode: str) -> None:
+    ddp, opt, sched = model_and_optimizer()
+    start = gockpt.load(directory, ddp, opt, scheduler=sched).step
+    assert start == SAVE_AT[-1], start
+    for step in range(start, STEPS):
+        one_step(ddp, opt, sched, batch(rank, step))
+    same(torch.load(f"{directory}.final-{rank}.pt", weights_only=True),
+         snapshot(ddp, opt, sched), "resumed vs uninterrupted")
+
+
+def kill(directory: str, rank: int, mode: str) -> None:
+    ddp, opt, sched = model_and_optimizer()
+    ck = gockpt.Checkpointer(ddp, opt, directory, mode=mode, scheduler=sched,
+                             overlap_steps=2 if mode.startswith("gockpt") else None,
+                             block_bytes=4096, storage_writer=KilledInWrite)
+    for step in range(STEPS):
+        if step + 1 == SAVE_AT[-1] - 1:
+            ck.wait()  # the first checkpoint is committed
+            assert storage.list_checkpoints(directory) == [storage.checkpoint_name(SAVE_AT[0])]
+            KilledInWrite.armed = rank == 1
+        one_step(ddp, opt, sched, batch(rank, step), ck)
+        ck.save_checkpoint(step + 1, force=step + 1 in SAVE_AT)
+    print(f"rank {rank}: waiting for the second checkpoint", flush=True)
+    ck.wait()  # rank 1 never votes: the parent stops this rank here
+    raise AssertionError("the checkpoint completed without rank 1")
+
+
+SCENARIOS = {"train": train, "resume": resume, "kill": kill}
+
+
+def main():
+    directory, scenario = sys.argv[1], sys.argv[2]
+    what, mode = scenario.split(":")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    SCENARIOS[what](directory, rank, mode)
+    print(f"rank {rank}: ok", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Many ranks on this CPU (gloo processes, as torchrun starts them): replicas of one state
+(DistributedDataParallel) split every checkpoint into shares -- each rank copies, replays,
+stages and writes about 1/N of the state -- and a load puts the shares together, bitwise.
+The ranks run tests/_support/ranks_worker.py."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+import gockpt
+from gockpt import storage
+from gockpt.core import metrics
+from gockpt.storage.schema import is_small_tensor
+from tests._support import worker_command, worker_env
+from tests._support.dist_ranks import free_port, run_ranks
+from tests._support.ranks_worker import SAVE_AT, model_and_optimizer
+
+WORKER = "ranks_worker"
+
+CASES = [pytest.param(2, "gockpt-o", id="2-gockpt-o"),
+         pytest.param(2, "async-o", id="2-async-o", marks=pytest.mark.slow),
+         pytest.param(4, "gockpt-o", id="4-gockpt-o", marks=pytest.mark.slow),
+         pytest.param(4, "async-o", id="4-async-o", marks=pytest.mark.slow)]
+
+
+def _state_bytes() -> int:
+    """S: the model's fp32 parameters and AdamW's two moments."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                         rank=0, world_size=1)
+    try:
+        ddp, _, _ = model_and_optimizer()
+        return 12 * sum(p.numel() for p in ddp.parameters())
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _parts(path: str):
+    """(part directory, its manifest) of every rank's part of checkpoint ``path``."""
+    top = storage.read_manifest(path)
+    return [(os.path.join(path, p), storage.read_manifest(os.path.join(path, p)))
+            for p in top["ranks"]]
+
+
+@pytest.mark.parametrize("world,mode", CASES)
+def test_replicas_write_shares_that_load_and_resume_bitwise(tmp_path, world, mode):
+    directory = str(tmp_path / "ddp")
+    # in the ranks: training with gockpt == without; each checkpoint loads == live at F
+    run_ranks(directory, f"train:{mode}", world=world, worker=WORKER)
+    # fresh processes on the same N resume bit for bit like the uninterrupted run
+    run_ranks(directory, f"resume:{mode}", world=world, worker=WORKER)
+
+    s = _state_bytes()
+    records = metrics.read(directory)
+    assert sorted((r["final_step"], r["rank"]) for r in records) == \
+        sorted((f, r) for f in SAVE_AT for r in range(world))
+    for path in (os.path.join(directory, storage.checkpoint_name(f)) for f in SAVE_AT):
+        top = storage.read_manifest(path)
+        assert top["shares"] is True and top["replicated"] is True and top["world_size"] == world
+        state_written = 0
+        for part, m in _parts(path):
+            record = next(r for r in records if r["rank"] == m["rank"]
+                          and r["final_step"] == m["step"])
+            share = sum(math.prod(e["shape"]) * storage.CODE_TO_DTYPE[e["dtype"]].itemsize
+                        for n, e in m["tensors"].items() if not is_small_tensor(n))
+            small = sum(e["data_offsets"][1] - e["data_offsets"][0] if "data_offsets" in e
+                        else math.prod(e["shape"]) * storage.CODE_TO_DTYPE[e["dtype"]].itemsize
+                        for n, e in m["tensors"].items() if is_small_tensor(n))
+            state_written += share
+            # copied (replayed or at F), staged and written: within 10% of S/N
+            for what, got in (("copied", record["replayed_bytes"] + record["copied_at_f_bytes"]),
+                              ("staged", record["state_bytes"]), ("stored", share)):
+                assert abs(got - s / world) <= 0.1 * s / world, (part, what, got, s / world)
+            # the data file: the share, the small state and the format's alignment per tensor
+            limit = 1.1 * s / world + small + storage.ALIGN * (len(m["tensors"]) + 2)
+            assert record["written_bytes"] == os.path.getsize(
+                os.path.join(part, storage.DATA_FILE)) <= limit, (part, record["written_bytes"])
+        assert state_written == s  # each replicated byte once in the directory
+
+
+def test_a_rank_killed_while_writing_its_share_leaves_the_previous_latest(tmp_path):
+    directory = str(tmp_path / "ddp")
+    port, world = free_port(), 2
+    procs = [subprocess.Popen(worker_command(WORKER, directory, "kill:gockpt-o"),
+                              env=worker_env(RANK=str(r), WORLD_SIZE=str(world),
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    out1, err1 = procs[1].communicate(timeout=240)
+    assert procs[1].returncode == -signal.SIGKILL, (out1, err1)
+    assert "rank 1: killed in the write" in out1
+    procs[0].kill()  # as torchrun stops the job when one of its ranks dies
+    out0, _ = procs[0].communicate(timeout=60)
+    assert "rank 0: ok" not in out0
+
+    first, second = (storage.checkpoint_name(s) for s in SAVE_AT)
+    assert os.path.basename(storage.resolve(directory)) == first
+    assert storage.list_checkpoints(directory) == [first]
+    assert not os.path.exists(os.path.join(directory, second))
+    assert gockpt.verify(directory).ok
+    # a restart loads it (here on one rank: the state is replicated) and clears the leftovers
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                         rank=0, world_size=1)
+    try:
+        ddp, opt, sched = model_and_optimizer()
+        assert gockpt.load(directory, ddp, opt, scheduler=sched).step == SAVE_AT[0]
+        gockpt.Checkpointer(ddp, opt, directory, mode="gockpt-o").close()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert not [n for n in os.listdir(directory) if n.startswith(storage.TMP_PREFIX)]
+
+
+def test_the_top_manifest_says_shares_and_gockpt_verify_checks_them(tmp_path):
+    directory = str(tmp_path / "ddp")
+    run_ranks(directory, "train:gockpt-o", world=2, worker=WORKER)
+    path = storage.resolve(directory)
+    report = gockpt.verify(path)
+    assert report.ok, report
+    # a part's manifest that lost its share of a tensor is found by verify and by load
+    part, m = _parts(path)[1]
+    name, ref = next((n, r) for n, r in m["model"]["params"].items() if isinstance(r, dict)
+                     and "extent" in r)
+    del m["model"]["params"][name]
+    m["model"]["digests"].pop(name, None)
+    from gockpt.storage.format import seal_manifest
+    with open(os.path.join(part, storage.MANIFEST_FILE), "wb") as f:
+        f.write(seal_manifest({k: v for k, v in m.items() if k != "manifest_crc32c"}))
+    assert not gockpt.verify(path).ok
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                         rank=0, world_size=1)
+    try:
+        ddp, opt, sched = model_and_optimizer()
+        with pytest.raises(gockpt.CorruptCheckpointError, match=f"parameter '{name}'.*nowhere"):
+            gockpt.load(directory, ddp, opt, scheduler=sched, tag=os.path.basename(path))
+    finally:
+        torch.distributed.destroy_process_group()
