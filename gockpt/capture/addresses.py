@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from ..core.lists import has_none
-from ..core.plan import Plan, flat
+from ..core.memory import flat
+from ..core.plan import Plan
 
 
 def live_bases(plan: Plan, states: list, slots: np.ndarray, roles) -> Tuple[Dict, "Reads", list]:
