@@ -264,13 +264,35 @@ def _read_records(directory: str) -> List[dict]:
     return records
 
 
+def _one_per_checkpoint(records: List[dict]) -> List[dict]:
+    """One record per checkpoint: a checkpoint of several ranks has one per rank (``rank``,
+    ``world_size``), merged into the slowest rank's -- training waits for it."""
+    out: List[dict] = []
+    seen: dict = {}
+    for rec in records:
+        if not isinstance(rec.get("world_size"), int) or rec["world_size"] <= 1:
+            out.append(rec)
+            continue
+        key = (rec.get("start_step"), rec.get("final_step"), rec["world_size"])
+        if key in seen and rec.get("rank") not in seen[key][1]:
+            first, ranks = seen[key]
+            ranks.add(rec.get("rank"))
+            if isinstance(rec.get("blocked_s"), (int, float)) and \
+                    isinstance(first.get("blocked_s"), (int, float)):
+                first["blocked_s"] = max(first["blocked_s"], rec["blocked_s"])
+            continue
+        seen[key] = (dict(rec), {rec.get("rank")})
+        out.append(seen[key][0])
+    return out
+
+
 def summarise_metrics(directory: str) -> MetricsSummary:
-    """Median and p95 stall (``blocked_s``) and median step time (``step_time_s``) over the
-    checkpoints recorded in ``directory/metrics.jsonl``. Raises ConfigError when the file is
+    """Median and p95 stall (``blocked_s``; of several ranks, the slowest's) and median step
+    time (``step_time_s``) over the checkpoints recorded in ``directory/metrics.jsonl``. Raises ConfigError when the file is
     missing, empty or malformed. ``step_time_median_s`` is None when no record has a
     measured step time (the caller then needs one from elsewhere)."""
     path = os.path.join(directory, "metrics.jsonl")
-    records = _read_records(directory)
+    records = _one_per_checkpoint(_read_records(directory))
     stalls, steps, modes = [], [], []
     for i, rec in enumerate(records, 1):
         if "blocked_s" not in rec:

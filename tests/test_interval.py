@@ -180,6 +180,17 @@ def test_summarise_metrics_median_p95_and_modes(tmp_path):
     assert m.path == str(tmp_path / "metrics.jsonl")
 
 
+def test_a_checkpoint_of_several_ranks_counts_once_with_its_slowest_rank(tmp_path):
+    def rec(rank, blocked, final):
+        return json.dumps({"blocked_s": blocked, "step_time_s": 1.0, "rank": rank,
+                           "world_size": 2, "start_step": final - 1, "final_step": final})
+    d = _write_metrics(tmp_path, rec(0, 0.1, 4), rec(1, 0.3, 4), rec(0, 0.2, 8),
+                       rec(1, 0.1, 8), rec(0, 0.5, 8))  # the last: step 8 checkpointed again
+    m = iv.summarise_metrics(d)
+    assert m.checkpoints == 3
+    assert m.stall_median_s == pytest.approx(0.3)  # of 0.3, 0.2, 0.5
+
+
 def test_summarise_metrics_without_a_measured_step_time(tmp_path):
     d = _write_metrics(tmp_path, json.dumps({"blocked_s": 0.5}))
     m = iv.summarise_metrics(d)

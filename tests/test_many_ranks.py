@@ -5,6 +5,7 @@ The ranks run tests/_support/ranks_worker.py."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -15,6 +16,7 @@ import torch
 
 import gockpt
 from gockpt import storage
+from gockpt.cli import main as cli_main
 from gockpt.core import metrics
 from gockpt.storage.schema import is_small_tensor
 from tests._support import worker_command, worker_env
@@ -115,12 +117,22 @@ def test_a_rank_killed_while_writing_its_share_leaves_the_previous_latest(tmp_pa
     assert not [n for n in os.listdir(directory) if n.startswith(storage.TMP_PREFIX)]
 
 
-def test_the_top_manifest_says_shares_and_gockpt_verify_checks_them(tmp_path):
+def test_inspect_shows_the_shares_and_verify_checks_their_cover(tmp_path, capsys):
     directory = str(tmp_path / "ddp")
     run_ranks(directory, "train:gockpt-o", world=2, worker=WORKER)
     path = storage.resolve(directory)
     report = gockpt.verify(path)
     assert report.ok, report
+    # gockpt inspect shows the parallel layout
+    assert cli_main(["inspect", directory]) == 0
+    shown = capsys.readouterr().out
+    assert "layout       one replicated state in 2 shares" in shown
+    assert cli_main(["inspect", directory, "--json"]) == 0
+    layout = json.loads(capsys.readouterr().out)["layout"]
+    assert layout["shares"] and layout["replicated"] and layout["world_size"] == 2
+    assert layout["split"] and set(layout["split"].values()) == {2}
+    assert cli_main(["inspect", directory, "--rank", "1"]) == 0
+    assert "(a share)" in capsys.readouterr().out
     # a part's manifest that lost its share of a tensor is found by verify and by load
     part, m = _parts(path)[1]
     name, ref = next((n, r) for n, r in m["model"]["params"].items() if isinstance(r, dict)

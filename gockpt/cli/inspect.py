@@ -106,7 +106,9 @@ def print_parts(s: dict) -> None:
           f"{_names_span([r['name'] for r in parts])}{missing})")
     print(f"size         {human(s['disk_bytes'])} on disk; tensors {human(s['tensor_bytes'])} "
           f"in {s['tensor_count']} tensors, summed over {n_ok} part(s)")
-    _print_state(s, f"  [rank {s['described_rank']}]")
+    _print_layout(s["layout"])
+    _print_state(s, f"  [rank {s['described_rank']}" + ("'s share]" if s["layout"]["shares"]
+                                                        else "]"))
     print("")
     print("parts")
     rows = []
@@ -126,6 +128,23 @@ def print_parts(s: dict) -> None:
     print("")
     print(f"tensors      {s['tensor_count']} over {n_ok} part(s): {_groups(s)}")
     print(f"  one part's tensor table, timings and model: gockpt inspect {s['path']} --rank R")
+
+
+def _print_layout(layout: dict) -> None:
+    """The parallel layout of a checkpoint of several ranks."""
+    n, split = layout["world_size"], layout["split"]
+    if layout["shares"]:
+        print(f"layout       one replicated state in {n} shares: each rank copied, replayed and "
+              f"wrote about 1/{n} of it; of its {layout['tensors']} parameters and optimizer "
+              f"state tensors {len(split)} are split across parts, the others lie whole in one")
+        for what, parts in list(split.items())[:4]:
+            print(f"               {what}: across {parts} parts")
+        if len(split) > 4:
+            print(f"               ... and {len(split) - 4} more")
+    elif layout["replicated"]:
+        print(f"layout       replicated: every one of the {n} parts holds the whole state")
+    else:
+        print(f"layout       per-rank state: each part holds its own rank's (loads on {n} ranks)")
 
 
 def _print_header(s: dict, none: str = "none") -> None:

@@ -106,11 +106,33 @@ def parts_summary(path: str, data: dict, run_dir: Optional[str], parts: List[Par
         "checksums": rs.get("checksums", []),
         "groups": total["groups"],
         "described_rank": ref_rank,
+        "layout": _layout(data, parts),
         **{k: rs.get(k) for k in ("model", "optimizer", "scheduler", "extra_state")},
         "metrics": None,
         "parts": rows,
         "problems": problems,
     }
+
+
+def _layout(data: dict, parts: List[Part]) -> dict:
+    """How the ranks' state was laid out across the parts: replicated or per rank, in shares
+    or not, and how many parameters and optimizer state tensors are split across parts."""
+    holders: dict = {}
+    split = set()
+    for part in parts:
+        if part.data is None:
+            continue
+        m = parse_manifest("", tolerant=True, data=part.data)
+        refs = [(f"param {n}", r) for n, r in m.model.params.items()]
+        for idx, by_key in (m.optimizer.aligned if m.optimizer else {}).items():
+            refs += [(f"optimizer state[{idx}][{k!r}]", r) for k, r in by_key.items()]
+        for what, ref in refs:
+            holders.setdefault(what, set()).add(part.rank)
+            if ref.extent is not None:
+                split.add(what)
+    return {"world_size": len(parts), "replicated": data.get("replicated") is True,
+            "shares": data.get("shares") is True, "tensors": len(holders),
+            "split": {what: len(holders[what]) for what in sorted(split)}}
 
 
 def tensor_table(m: Manifest) -> dict:
@@ -249,6 +271,10 @@ def _shape(m: Manifest, ref) -> tuple:
 
 def _add_role(roles: dict, ref, role: str) -> None:
     """What stored tensor ``ref.tensor`` holds; a pack holds several, counted."""
+    if ref.extent is not None and not ref.tensor.startswith("pack/"):
+        lo, hi = ref.extent
+        roles[ref.tensor] = f"{role}: elements {lo}..{hi} of {math.prod(ref.shape)} (a share)"
+        return
     if ref.shape is None:
         roles[ref.tensor] = role
         return

@@ -87,3 +87,47 @@ def test_foreign_parameter_is_a_mismatch():
     opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
     with pytest.raises(ConfigError, match="mismatch"):
         build_plan(model, opt, 1024)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_share_narrows_every_slot_to_its_elements_there(n):
+    """take_share(r, n): the blocks of share r, each slot's extent the span of its blocks in
+    it (empty elsewhere); the extents of all the shares tile every slot; the bytes a rank
+    counts for staging and K are its share's."""
+    model, opt, _ = H.build()
+    whole = build_plan(model, opt, block_bytes=256)
+    total = whole.state_bytes(2)
+    covered = {si: [] for si in range(len(whole.slots))}
+    counted = 0
+    for r in range(n):
+        model2, opt2, _ = H.build()
+        plan = build_plan(model2, opt2, block_bytes=256)
+        plan.take_share(r, n)
+        assert plan.blocks == whole.shares(n)[r] and plan.share == (r, n)
+        for si, s in enumerate(plan.slots):
+            mine = [b for b in plan.blocks if b.slot == si]
+            assert s.extent == ((mine[0].start, mine[-1].end) if mine else (0, 0))
+            assert s.here == bool(mine) and s.whole == (s.extent == (0, s.numel))
+            if mine:
+                covered[si].append(s.extent)
+        assert set(plan.extents()) == {si for si, s in enumerate(plan.slots) if s.held}
+        counted += plan.state_bytes(2)
+    assert counted == total
+    for si, runs in covered.items():
+        runs.sort()
+        assert runs[0][0] == 0 and runs[-1][1] == whole.slots[si].numel
+        assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+
+
+def test_held_and_staged_views_present_the_same_bytes():
+    model, opt, _ = H.build()
+    plan = build_plan(model, opt, block_bytes=256)
+    plan.take_share(1, 2)
+    s = next(s for s in plan.slots if s.held and not s.whole)
+    lo, hi = s.extent
+    live = s.held_view(s.param)
+    assert live.dim() == 1 and torch.equal(live, s.param.detach().reshape(-1)[lo:hi])
+    staged = live.clone()
+    assert s.staged_view(staged) is staged
+    with pytest.raises(ConfigError, match="share 2 of 2"):
+        plan.take_share(2, 2)

@@ -171,3 +171,27 @@ def test_a_failed_staging_allocation_is_raised_by_take():
     staging = StagingAllocation(build_plan(model, opt, 256), Full(), None, ())
     with pytest.raises(RuntimeError, match="cannot pin memory"):
         staging.take()
+
+
+def test_an_arena_holds_extents_and_addresses_them_in_slot_coordinates():
+    """A slot's element i lies at bases[slot] + i * itemsize for every i of its extent: a
+    block's start addresses the same element in the live tensor and in the host copy."""
+    arena = Arena(HostDevice(), torch.float32, {0: (10, 30), 2: (0, 5)})
+    assert arena.numel == 25 and arena.view(0).numel() == 20 and arena.view(2).numel() == 5
+    bases = arena.bases(3)
+    assert bases[1] == 0
+    assert bases[0] + 10 * 4 == arena.view(0).data_ptr()
+    assert bases[2] == arena.view(2).data_ptr()
+
+
+def test_a_host_copy_of_a_share_holds_only_its_extents(plan):
+    plan.take_share(0, 2)
+    host = HostCopy(plan, HostDevice())
+    held = sum(s.held * s.param.element_size() for s in plan.slots)
+    assert host.nbytes() == held < sum(s.numel * 4 for s in plan.slots)
+    base, item = host.bases()
+    for si, s in enumerate(plan.slots):
+        if s.held:
+            assert base[si] + s.extent[0] * item[si] == host.param[si].data_ptr()
+        else:
+            assert base[si] == 0 and host.param[si].numel() == 0

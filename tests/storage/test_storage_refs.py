@@ -38,3 +38,37 @@ def test_logical_shape_and_resolve_permute_back():
     t = ref.resolve({"w": stored})
     assert t.shape == (2, 4, 3) and torch.equal(t.permute(0, 2, 1), stored)
     assert permuted((5, 6, 7), (2, 0, 1)) == (7, 5, 6) and inverse((2, 0, 1)) == (1, 2, 0)
+
+
+# ------------------------------------------------------------------ shares
+
+def test_a_share_reference_round_trips_and_resolves_to_its_elements():
+    ref = TensorRef("model/w", 0, (4, 6), (), extent=(5, 17))
+    assert TensorRef.from_json(ref.to_json()) == ref
+    assert ref.to_json() == {"tensor": "model/w", "shape": [4, 6], "extent": [5, 17]}
+    assert ref.stored_numel == 12 and ref.logical_shape([12]) == (4, 6)
+    assert ref.check([12]) is None and "beyond" in ref.check([11])
+    stored = torch.arange(12.0)
+    assert torch.equal(ref.resolve({"model/w": stored}), stored)
+    packed = TensorRef("pack/model/F32", 3, (4, 6), (), extent=(0, 2))
+    assert torch.equal(packed.resolve({"pack/model/F32": stored}), stored[3:5])
+
+
+@pytest.mark.parametrize("bad", [
+    {"tensor": "model/w", "shape": [4, 6], "extent": [5, 25]},   # beyond the tensor
+    {"tensor": "model/w", "shape": [4, 6], "extent": [7, 5]},    # backwards
+    {"tensor": "model/w", "extent": [0, 5]},                     # no shape to be a part of
+    {"tensor": "model/w", "shape": [4, 6], "extent": [0]},
+    {"tensor": "model/w", "shape": [4, 6], "extent": [-1, 3]},
+])
+def test_malformed_share_references_are_refused(bad):
+    assert TensorRef.from_json(bad) is None
+
+
+def test_shares_must_cover_each_element_once():
+    from gockpt.storage.shares import cover_problem
+    assert cover_problem("w", [(4, 10, "p1"), (0, 4, "p0")], 10) is None
+    assert "nowhere at elements 4..6" in cover_problem("w", [(0, 4, "p0"), (6, 10, "p1")], 10)
+    assert "twice at elements 3..4" in cover_problem("w", [(0, 4, "p0"), (3, 10, "p1")], 10)
+    assert "nowhere at elements 8..10" in cover_problem("w", [(0, 8, "p0")], 10)
+    assert cover_problem("empty", [(0, 0, "p0"), (0, 0, "p1")], 0) is None
