@@ -9,6 +9,7 @@
     commit.py    atomic publish, ``latest``, listing, retention, leftovers of dead writers
     persist.py   the persist thread: streams blocks as they reach F, commits
     ranks.py     several ranks committing one checkpoint together
+    shares.py    reading a checkpoint whose replicas wrote one state in shares
     verify.py    checking a checkpoint without loading it (gockpt.verify)
     tree.py      Python state as JSON plus tensors (never pickle)
 """
