@@ -77,7 +77,7 @@ def test_custom_loop_recipe_resumes_bit_for_bit_after_a_crash(tmp_path):
     assert resumed["start"] in (12, 18) and f"resumed from {tmp_path / 'ckpt'}" in out
     assert_resumed_bitwise(resumed, full, 24)
     assert full["start"] == 0 and sorted(full["losses"]) == list(range(1, 25))
-    metrics = gockpt.metrics.read(str(tmp_path / "full"))
+    metrics = gockpt.metrics.read(str(tmp_path / "full"), rank=0)
     assert [(m["final_step"], m["overlap_steps"], m["grad_steps"]) for m in metrics] == \
         [(6, 3, 2), (12, 3, 2), (18, 3, 2), (24, 3, 2)]
     assert sorted(p.name for p in (tmp_path / "full").glob("step-*")) == \
@@ -104,7 +104,7 @@ def test_deepspeed_recipe_one_rank_resumes_bit_for_bit_after_a_crash(tmp_path,
     full, resumed = record(tmp_path / "full.json"), record(tmp_path / "resumed.json")
     assert resumed["start"] in (8, 12) and "resumed from" in out  # the newest committed
     assert_resumed_bitwise(resumed, full, 20)
-    metrics = gockpt.metrics.read(str(tmp_path / "full"))
+    metrics = gockpt.metrics.read(str(tmp_path / "full"), rank=0)
     assert [m["final_step"] for m in metrics] == [4, 8, 12, 16, 20]
     assert {m["mode"] for m in metrics} == {"gockpt-o"}  # from the config's "gockpt" section
     assert len(list((tmp_path / "full").glob("step-*"))) == 3  # keep_last
@@ -135,7 +135,7 @@ def test_deepspeed_recipe_two_ranks_stopped_and_continued_bit_for_bit(tmp_path,
         assert_resumed_bitwise(resumed, full, 16)
     full_digests = {record(tmp_path / f"full-{r}.json")["digest"] for r in (0, 1)}
     assert len(full_digests) == 2  # each rank its own ZeRO partition
-    metrics = gockpt.metrics.read(str(tmp_path / "full"))
+    metrics = gockpt.metrics.read(str(tmp_path / "full"), rank=0)
     # 4 and 8 asked without notice (copied at their step); 12 and 16 expected from the spacing
     assert [(m["final_step"], m["overlap_steps"], m["grad_steps"]) for m in metrics] == \
         [(4, 1, 0), (8, 1, 0), (12, 3, 2), (16, 3, 2)]

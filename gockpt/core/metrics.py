@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 
 @dataclass
@@ -70,8 +70,9 @@ def append(directory: str, metrics: CheckpointMetrics) -> None:
         f.write(line)
 
 
-def read(directory: str) -> List[dict]:
-    """All metrics records of a checkpoint directory, oldest first (blank lines skipped).
+def read(directory: str, rank: Optional[int] = None) -> List[dict]:
+    """All metrics records of a checkpoint directory, oldest first (blank lines skipped); with
+    ``rank``, only that rank's (a checkpoint of several ranks has one record per rank).
 
     Raises FileNotFoundError when ``<directory>/metrics.jsonl`` does not exist, and
     ValueError naming the file and line (``.../metrics.jsonl:2: not valid JSON (...)``) when
@@ -88,5 +89,6 @@ def read(directory: str) -> List[dict]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            records.append(record)
+            if rank is None or record.get("rank", 0) == rank:
+                records.append(record)
     return records
