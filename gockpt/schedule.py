@@ -155,6 +155,8 @@ class Schedule:
         spacing = self.spacing()
         if spacing is not None:
             k = min(k, spacing)
+        if plan.k_cap:  # replicas' shares: a K that every replica's share can fill
+            k = min(k, plan.k_cap)
         groups = len(plan.groups(k))
         if groups < k and self.config.overlap_steps and not self._warned_k:
             self._warned_k = True

@@ -133,6 +133,22 @@ def test_inspect_shows_the_shares_and_verify_checks_their_cover(tmp_path, capsys
     assert layout["split"] and set(layout["split"].values()) == {2}
     assert cli_main(["inspect", directory, "--rank", "1"]) == 0
     assert "(a share)" in capsys.readouterr().out
+    # gockpt export puts the shares together: the model gockpt.load restores
+    out = str(tmp_path / "model.safetensors")
+    assert cli_main(["export", directory, "--to", "safetensors", out]) == 0
+    assert "every rank's share, put together" in capsys.readouterr().out
+    from safetensors.torch import load_file
+    exported = load_file(out)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                         rank=0, world_size=1)
+    try:
+        ddp, opt, sched = model_and_optimizer()
+        gockpt.load(directory, ddp, opt, scheduler=sched)
+    finally:
+        torch.distributed.destroy_process_group()
+    loaded = ddp.module.state_dict()
+    assert exported.keys() == loaded.keys()
+    assert all(torch.equal(exported[n], loaded[n]) for n in loaded)
     # a part's manifest that lost its share of a tensor is found by verify and by load
     part, m = _parts(path)[1]
     name, ref = next((n, r) for n, r in m["model"]["params"].items() if isinstance(r, dict)

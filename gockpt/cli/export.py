@@ -10,9 +10,11 @@ import os
 import torch
 
 from .. import storage
+from ..loading import check_digests
+from ..storage import shares
 from ..storage.commit import replace_file
 from ..storage.manifest import parse as parse_manifest
-from ..storage.schema import Manifest
+from ..storage.schema import Manifest, is_small_tensor
 from ..storage.verify import read_parts
 from ..integrations.deepspeed import export as ds_export
 from ..integrations.deepspeed.export_fp32 import consolidated_fp32
@@ -42,9 +44,20 @@ def cmd_export(args) -> int:
         return _export_fp32(args)
     path, data, part = _source(args)
     m = parse_manifest(path, data)
-    tensors = storage.read_tensors(path, m, verify=True)
+    # replicas that wrote one state in shares: every part's, put together (this part's small
+    # state); a part of per-rank state is that rank's
+    shared = shares.gather(os.path.dirname(path), m, verify=True, check=check_digests) \
+        if part else None
+    if shared is not None:
+        m, tensors = shared
+        tensors.update(storage.read_tensors(path, m, [n for n in m.tensors
+                                                      if is_small_tensor(n)], verify=True))
+        part = None
+    else:
+        tensors = storage.read_tensors(path, m, verify=True)
     sd, aliases = model_state(path, m, tensors)
-    source = f" (rank {part[0]} of {part[1]}, part {part[2]})" if part else ""
+    source = f" (rank {part[0]} of {part[1]}, part {part[2]})" if part else \
+        (" (every rank's share, put together)" if shared is not None else "")
     if args.to == "safetensors":
         meta = {"format": "pt", "gockpt_step": str(m.step), "gockpt_mode": str(m.mode),
                 "gockpt_source": os.path.abspath(path)}

@@ -98,6 +98,7 @@ class Plan:
     fingerprint: tuple = ()  # the optimizer's parameters when planned (see fingerprint())
     block_elems: int = 1     # elements per block (the last block of a slot is shorter)
     share: Tuple[int, int] = (0, 1)  # (r, n): this rank holds share r of n (take_share)
+    k_cap: int = 0  # with shares: the fewest blocks any share replays (a K all can fill)
     # Derived once and kept: the slots never change (a change of parameters makes a new
     # plan) -- except which are copied at F, and what depends on that (the blocks copied at
     # F, the capture groups per K) is dropped explicitly by copy_at_f.
@@ -258,11 +259,15 @@ class Plan:
     def take_share(self, rank: int, n: int) -> None:
         """Hold only share ``rank`` of :meth:`shares` ``(n)`` from now on: its blocks are the
         ones this replica copies, replays and writes, and each slot's extent narrows to its
-        elements there (empty where the slot lies in other shares). Called once, right after
-        planning (nothing derived from the blocks is built yet)."""
+        elements there (empty where the slot lies in other shares); ``k_cap`` is the same on
+        every replica. Called once, right after planning (nothing derived from the blocks is
+        built yet)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
             raise ConfigError(f"share {rank!r} of {n!r} asked: expected 0 <= rank < n")
-        mine = self.shares(n)[rank]
+        every = self.shares(n)
+        mine = every[rank]
+        self.k_cap = max(1, min(sum(not self.slots[b.slot].at_f for b in share)
+                                for share in every))
         extents: Dict[int, Tuple[int, int]] = {}
         for b in mine:  # a share is contiguous: one run of blocks per slot
             lo, hi = extents.get(b.slot, (b.start, b.end))

@@ -75,12 +75,14 @@ class Ranks:
         if not (self.several and replicated):
             return plan
         signature = repr([(s.name, tuple(s.param.shape), str(s.param.dtype), s.opt_index,
-                           s.dims) for s in plan.slots])
+                           s.dims) for s in plan.slots] + [plan.block_elems, len(plan.blocks)])
         if not self.same(zlib.crc32(signature.encode())):
             raise ConfigError(
-                "Config(replicated=True) but the ranks do not hold the same parameters (names, "
-                "shapes, dtypes or optimizer order differ): replicas split their state into "
-                "shares only if it is one state; use replicated=False for per-rank state")
+                "Config(replicated=True) but the ranks do not plan the same state (parameter "
+                "names, shapes, dtypes or optimizer order, or block_bytes / overlap_steps "
+                "differ): replicas split their state into shares only if it is one state cut "
+                "alike; pass the same options on every rank, or replicated=False for per-rank "
+                "state")
         plan.take_share(self.rank, self.world_size)
         return plan
 

@@ -115,9 +115,15 @@ def gather(path: str, own: Manifest, *, verify: bool,
     wholes: Dict[str, _Whole] = {}
     params: Dict[str, TensorRef] = {}
     aligned: Dict[int, Dict[str, TensorRef]] = {}
-    for part in parts_of(path, data):
+    names = parts_of(path, data)
+    for rank, part in enumerate(names):
         ppath = os.path.join(path, part)
         m = parse(ppath, read_manifest(ppath))
+        if (m.step, m.rank, m.world_size) != (data.get("step"), rank, len(names)):
+            raise CorruptCheckpointError(
+                f"checkpoint {path!r}: {part} is rank {m.rank} of {m.world_size} at step "
+                f"{m.step}, listed as rank {rank} of {len(names)} at step {data.get('step')}: "
+                "its share belongs to another checkpoint")
         refs = _refs(m)
         tensors = read_tensors(ppath, m, sorted({r.tensor for _, _, r, _ in refs}),
                                verify=verify)

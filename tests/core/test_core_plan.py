@@ -131,3 +131,17 @@ def test_held_and_staged_views_present_the_same_bytes():
     assert s.staged_view(staged) is staged
     with pytest.raises(ConfigError, match="share 2 of 2"):
         plan.take_share(2, 2)
+
+
+def test_every_replica_caps_k_alike_by_the_smallest_share():
+    model, opt, _ = H.build()
+    whole = build_plan(model, opt, block_bytes=256)
+    n = 3
+    counts = [sum(not whole.slots[b.slot].at_f for b in share) for share in whole.shares(n)]
+    for r in range(n):
+        model2, opt2, _ = H.build()
+        plan = build_plan(model2, opt2, block_bytes=256)
+        plan.take_share(r, n)
+        assert plan.k_cap == min(counts)  # the same on every replica
+        assert len(plan.groups(plan.k_cap)) == plan.k_cap
+    assert whole.k_cap == 0  # unshared: no cap
