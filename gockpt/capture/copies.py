@@ -172,14 +172,13 @@ class Capture:
         pairs = []
         for si, s, e in block_runs(table if params is None else params):
             slot = plan.slots[si]
-            lo = slot.extent[0]  # the host copy holds the extent
-            pairs.append((host.param[si][s - lo:e - lo], flat(slot.param, slot.dims)[s:e]))
+            pairs.append((host.param[si][slot.host_slice(s, e)],
+                          flat(slot.param, slot.dims)[s:e]))
         for si, s, e in block_runs(table):
             slot = plan.slots[si]
-            lo = slot.extent[0]
             live = states[si] or {}
             for key in host.keys[si]:
-                dst = host.state[si][key][s - lo:e - lo]
+                dst = host.state[si][key][slot.host_slice(s, e)]
                 if key in live:
                     pairs.append((dst, flat(live[key], slot.dims)[s:e]))
                 else:

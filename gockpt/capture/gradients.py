@@ -137,8 +137,7 @@ class _GradientCopies:
 
     def pairs(self):
         slots, grads = self.job.plan.slots, self.grads
-        return [(self.grad_pool.buffer(self.bufs, si, grads[si])[start - slots[si].extent[0]:
-                                                                 end - slots[si].extent[0]],
+        return [(self.grad_pool.buffer(self.bufs, si, grads[si])[slots[si].host_slice(start, end)],
                  flat(grads[si], slots[si].dims)[start:end])
                 for si, start, end in block_runs(self.table)]
 

@@ -122,11 +122,7 @@ def _layout(data: dict, parts: List[Part]) -> dict:
     for part in parts:
         if part.data is None:
             continue
-        m = parse_manifest("", tolerant=True, data=part.data)
-        refs = [(f"param {n}", r) for n, r in m.model.params.items()]
-        for idx, by_key in (m.optimizer.aligned if m.optimizer else {}).items():
-            refs += [(f"optimizer state[{idx}][{k!r}]", r) for k, r in by_key.items()]
-        for what, ref in refs:
+        for _, what, ref, _ in parse_manifest("", tolerant=True, data=part.data).stored_refs():
             holders.setdefault(what, set()).add(part.rank)
             if ref.extent is not None:
                 split.add(what)

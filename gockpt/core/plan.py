@@ -37,8 +37,7 @@ class Slot:
     at_f: bool = False             # copied directly at the boundary of F, never replayed
     param_at_f: bool = False       # its parameter copied at F (the replay does not reproduce
     #                                its update), its moments replayed over the window
-    extent: Tuple[int, int] = (0, -1)  # the elements [lo, hi) (in memory order) this rank
-    #                                holds: all of them, unless replicas share the state
+    extent: Tuple[int, int] = (0, -1)  # elements [lo, hi) in memory order this rank holds
 
     def __post_init__(self):
         self.strides = tuple(self.param.stride())
@@ -61,14 +60,14 @@ class Slot:
         """Whether this rank holds every element."""
         return self.extent == (0, self.param.numel())
 
+    def host_slice(self, start: int, end: int) -> slice:
+        """Where its elements [start, end) lie in a host buffer holding the extent."""
+        return slice(start - self.extent[0], end - self.extent[0])
+
     def held_view(self, t: torch.Tensor) -> torch.Tensor:
-        """The part of ``t`` (its parameter or an aligned state tensor, as the framework
-        presents it) this rank holds: ``t`` itself when whole, else the extent's elements in
-        memory order, flat."""
-        if self.whole:
-            return t
-        lo, hi = self.extent
-        return flat(t, self.dims)[lo:hi]
+        """What this rank holds of ``t`` (its parameter or an aligned state tensor): ``t`` when
+        whole, else the extent's elements in memory order, flat."""
+        return t if self.whole else flat(t, self.dims)[slice(*self.extent)]
 
     def staged_view(self, staged: torch.Tensor) -> torch.Tensor:
         """A staged host copy of the extent as :meth:`held_view` presents the live tensor (the

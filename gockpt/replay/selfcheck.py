@@ -118,12 +118,11 @@ def _compare_samples(job: Job, plan: Plan, strict: bool) -> None:
     host = job.host
     bad = []
     for b, direct in job.samples:
-        lo = plan.slots[b.slot].extent[0]  # the host copy holds the extent
-        s, e = b.start - lo, b.end - lo
-        if not torch.equal(direct["param"], host.param[b.slot][s:e]):
+        at, s, e = plan.slots[b.slot].host_slice(b.start, b.end), b.start, b.end
+        if not torch.equal(direct["param"], host.param[b.slot][at]):
             bad.append(f"{plan.slots[b.slot].name}[{s}:{e}] (param)")
         for key, ref in direct.items():
-            if key != "param" and not torch.equal(ref, host.state[b.slot][key][s:e]):
+            if key != "param" and not torch.equal(ref, host.state[b.slot][key][at]):
                 bad.append(f"{plan.slots[b.slot].name}[{s}:{e}] ({key})")
     job.metrics.self_check_blocks = len(job.samples)
     job.metrics.self_check_mismatches = len(bad)

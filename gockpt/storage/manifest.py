@@ -16,7 +16,7 @@ from ..core.errors import CorruptCheckpointError, LoadError
 from .reader import read_manifest
 from .refs import TensorRef
 from .schema import (ABSENT, SMALL_SECTIONS, Manifest, ModelSection, OptimizerSection,
-                     SmallSection, check_part_name, optim_tensor, pack_prefix, param_tensor)
+                     SmallSection, check_part_name, optim_tensor, pack_prefix)
 
 
 def parse(path: str, data: dict, *, tolerant: bool = False) -> Manifest:
@@ -98,13 +98,9 @@ def _checked(self: Manifest, bad) -> Manifest:
     ``optim/<index>/<key>`` or a pack of that key), within its bounds, and no two may
     share a byte: a swapped, duplicated or renamed reference is refused here, before
     anything is read."""
-    refs = [(f"parameter {n!r}", r, param_tensor(n), pack_prefix(None))
-            for n, r in self.model.params.items()]
-    for idx, by_key in (self.optimizer.aligned if self.optimizer else {}).items():
-        refs += [(f"optimizer state [{idx}][{k!r}]", r, optim_tensor(idx, k), pack_prefix(k))
-                 for k, r in by_key.items()]
     spans: Dict[str, list] = {}
-    for what, ref, own, pack in refs:
+    for own, what, ref, (idx, key) in self.stored_refs():
+        pack = pack_prefix(None if idx is None else key)
         entry = self.tensors.get(ref.tensor)
         if entry is None:
             raise bad(f"{what} refers to tensor {ref.tensor!r}, which is not stored")

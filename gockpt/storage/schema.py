@@ -210,6 +210,17 @@ class Manifest:
                                             self.optimizer.digests.items()}}
         return out
 
+    def stored_refs(self) -> List[Tuple[str, str, TensorRef, tuple]]:
+        """(the tensor's own stored name, what it is -- for a message --, its reference,
+        ``(None, parameter name)`` or ``(state index, key)``) of every parameter and aligned
+        optimizer state tensor."""
+        refs = [(param_tensor(n), f"parameter {n!r}", r, (None, n))
+                for n, r in self.model.params.items()]
+        for idx, by_key in (self.optimizer.aligned if self.optimizer is not None else {}).items():
+            refs += [(optim_tensor(idx, k), f"optimizer state [{idx}][{k!r}]", r, (idx, k))
+                     for k, r in by_key.items()]
+        return refs
+
     def digest_checks(self) -> List[Tuple[str, TensorRef, str]]:
         """(what, reference, digest) of every parameter and optimizer state tensor whose
         digest at F the checkpoint recorded (``what`` names it for a message)."""

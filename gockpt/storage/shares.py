@@ -19,7 +19,7 @@ from .format import CODE_TO_DTYPE, DTYPE_TO_CODE
 from .manifest import parse, parts_of
 from .reader import read_manifest, read_tensors
 from .refs import TensorRef, permuted
-from .schema import Manifest, ModelSection, OptimizerSection, optim_tensor, param_tensor
+from .schema import Manifest, ModelSection, OptimizerSection
 
 
 class _Whole:
@@ -72,7 +72,7 @@ def coverage_problems(parts: List[Manifest]) -> List[str]:
     shapes: Dict[str, Tuple[int, ...]] = {}
     problems = []
     for m in parts:
-        for name, what, ref, _ in _refs(m):
+        for name, what, ref, _ in m.stored_refs():
             shape = tuple(m.logical_shape(ref))
             if shapes.setdefault(name, shape) != shape:
                 problems.append(f"part {m.rank} stores {what} as {list(shape)}, another "
@@ -84,18 +84,6 @@ def coverage_problems(parts: List[Manifest]) -> List[str]:
         if problem:
             problems.append(problem)
     return problems
-
-
-def _refs(m: Manifest) -> List[tuple]:
-    """(whole tensor's stored name, what it is, its reference in ``m``, (None, parameter
-    name) or (state index, key)) of every parameter and aligned optimizer state tensor of
-    one part."""
-    refs = [(param_tensor(n), f"parameter {n!r}", r, (None, n))
-            for n, r in m.model.params.items()]
-    for idx, by_key in (m.optimizer.aligned if m.optimizer is not None else {}).items():
-        refs += [(optim_tensor(idx, k), f"optimizer state [{idx}][{k!r}]", r, (idx, k))
-                 for k, r in by_key.items()]
-    return refs
 
 
 def gather(path: str, own: Manifest, *, verify: bool,
@@ -124,7 +112,7 @@ def gather(path: str, own: Manifest, *, verify: bool,
                 f"checkpoint {path!r}: {part} is rank {m.rank} of {m.world_size} at step "
                 f"{m.step}, listed as rank {rank} of {len(names)} at step {data.get('step')}: "
                 "its share belongs to another checkpoint")
-        refs = _refs(m)
+        refs = m.stored_refs()
         tensors = read_tensors(ppath, m, sorted({r.tensor for _, _, r, _ in refs}),
                                verify=verify)
         if verify:
