@@ -153,6 +153,12 @@ def main():
             gockpt_ds.wait(engine)
     out["final"] = live_state(engine)
     torch.save(out, os.path.join(out_dir, f"{run}-rank{rank}.pt"))
+    if torch.distributed.is_initialized() and not sc.get("exit_without_wait"):
+        # Without it gloo's threads may still hold work when the interpreter is torn down, and
+        # the process aborts after its last line ("terminate called without an active
+        # exception", pytorch/pytorch#190489).  A run that leaves its save to the exit hook keeps
+        # the group: the hook's commit still needs it.
+        torch.distributed.destroy_process_group()
     print(f"rank {rank}: ok")
 
 
