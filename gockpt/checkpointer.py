@@ -113,7 +113,7 @@ class Checkpointer:
         """Everything that needs the directory lock."""
         cleanup_temporaries(self.config.directory)
         self.planned_host_bytes = planned_host_bytes(self.plan, self.policy.replays, self.config.max_host_bytes)
-        self.device = device_for([s.param for s in self.plan.slots])
+        self.device = device_for(self.plan.locals())
         if self.config.emulate_link_gbps is not None and self.device.kind != "cpu":
             raise ConfigError("emulate_link_gbps emulates a GPU link for training on the CPU; "
                               f"the parameters live on {self.device.kind}")
@@ -378,7 +378,7 @@ class Checkpointer:
             self.adapter.close()
             self.adapter = self.capture.adapter = self.replayer.adapter = \
                 attach_adapter(plan, self.optimizer)
-        if device_for([s.param for s in plan.slots]).kind != self.device.kind:
+        if device_for(plan.locals()).kind != self.device.kind:
             raise ConfigError("the optimizer's new parameters live on another device")
         self.plan = plan
         self.planned_host_bytes = planned_host_bytes(self.plan, self.policy.replays, self.config.max_host_bytes)

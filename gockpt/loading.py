@@ -11,7 +11,7 @@ from . import storage
 from .core.digest import as_pairs, digests, to_hex
 from .replay.adapters import state_keys_of
 from .core.names import Names, is_replicated
-from .core.memory import memory_order
+from .core.memory import global_slice, like, local, memory_order
 from .storage import manifest as manifest_mod, shares
 from .capture import smallstate
 from .core.errors import CorruptCheckpointError, GockptError, LoadError
@@ -86,11 +86,13 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     if verify:
         check_digests(path, manifest, tensors)
     try:
-        sd = {name: ref.resolve(tensors) for name, ref in expected.items()}
+        # a DTensor (FSDP2) gets its local shard back as a DTensor placed like the live one
+        sd = {name: like(target[name], ref.resolve(tensors)) for name, ref in expected.items()}
         sd.update(small["model"])
         model.load_state_dict({own[name]: value for name, value in sd.items()})
         if optimizer is not None:
-            optimizer.load_state_dict(optimizer_state_dict(manifest, path, tensors, optimizer))
+            optimizer.load_state_dict(_placed_like_params(
+                optimizer_state_dict(manifest, path, tensors, optimizer), optimizer))
         if scheduler is not None:
             scheduler.load_state_dict(small["scheduler"])
         if restore_rng:
@@ -169,8 +171,8 @@ def _check_optimizer_state(path, manifest, sd: dict, optimizer, target) -> None:
     for idx, by_key in aligned.items():
         if idx not in live:
             raise bad(f"optimizer state [{idx}] belongs to no parameter of the optimizer")
-        p = live[idx]
-        of = f"its parameter {names.get(id(p), f'[{idx}]')!r}"
+        of = f"its parameter {names.get(id(live[idx]), f'[{idx}]')!r}"
+        p = local(live[idx])
         for key, ref in by_key.items():
             what = f"optimizer state [{idx}][{key!r}] (stored in {ref.tensor!r})"
             shape = list(manifest.logical_shape(ref))
@@ -194,7 +196,7 @@ def _read_params(path, manifest, tensors, target, verify) -> None:
     dtypes and shapes were validated, so only a checksum failure can interrupt a read."""
     direct = {}
     for name, ref in manifest.model.params.items():
-        t = target.get(name)
+        t = local(target.get(name))
         if t is None or ref.shape is not None:  # packed: read with its pack
             continue
         if t.device.type == "cpu" and memory_order(t) == ref.dims:
@@ -235,14 +237,42 @@ def digest_matches(manifest: Manifest, tensors: dict):
     return [(what, to_hex(pair) == want) for (what, _, want), pair in zip(checks, got)]
 
 
+def _placed_like_params(sd: dict, optimizer) -> dict:
+    """``sd`` (an optimizer state dict of local tensors) with each state tensor shaped like
+    a DTensor parameter's local shard made a DTensor placed like it: torch's optimizers step a
+    DTensor parameter with DTensor state (FSDP2)."""
+    params = {i: p for saved, group in zip(sd["param_groups"], optimizer.param_groups)
+              for i, p in zip(saved["params"], group["params"])}
+    for idx, st in sd["state"].items():
+        p = params.get(idx)
+        if p is not None and local(p) is not p:
+            for key, value in st.items():
+                if isinstance(value, torch.Tensor) and value.shape == local(p).shape:
+                    st[key] = like(p, value)
+    return sd
+
+
 def _check_params(path, target, expected, manifest) -> None:
-    """Names, shapes and dtypes of the parameters, from the manifest alone."""
+    """Names, shapes, dtypes and (DTensors) global slices of the parameters, from the
+    manifest alone."""
     for name, ref in expected.items():
         if name not in target:
             raise LoadError(f"{path}: the checkpoint has parameter {name!r} that the model "
                             "does not have; load into a model of the same architecture")
         entry = manifest.tensors[ref.tensor]  # every reference was checked on reading
-        want, shape = target[name], list(manifest.logical_shape(ref))
+        want, shape = local(target[name]), list(manifest.logical_shape(ref))
+        # where this rank's tensor lies in the global one (a plain tensor: all of it)
+        stored = manifest.model.slices.get(manifest.model.aliases.get(name, name))
+        sliced = stored is not None or global_slice(target[name]) is not None
+        stored = (stored["shape"], stored["offsets"]) if stored else (shape, [0] * len(shape))
+        live = global_slice(target[name]) or (list(want.shape), [0] * want.dim())
+        if sliced and [list(v) for v in live] != [list(v) for v in stored]:
+            raise LoadError(
+                f"{path}: parameter {name!r} was stored as the block at {list(stored[1])} "
+                f"(of {shape}) of the global {list(stored[0])}, but this rank holds the block "
+                f"at {list(live[1])} (of {list(want.shape)}) of {list(live[0])}: the model is "
+                "sharded otherwise than when it was saved (FSDP2 / DTensor placements, mesh "
+                "or number of ranks); load it with the parallelism that saved it")
         if list(want.shape) != shape:
             raise LoadError(f"{path}: parameter {name!r} has shape {shape} in the checkpoint "
                             f"but {list(want.shape)} in the model")

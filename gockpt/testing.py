@@ -23,12 +23,15 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .core.memory import local
+
 __all__ = ["snapshot", "first_difference", "assert_same"]
 
 
 def snapshot(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
              scheduler=None) -> dict:
-    """Deep-copied CPU state of a training run: ``{"model", "optimizer", "scheduler", "rng"}``.
+    """Deep-copied CPU state of a training run: ``{"model", "optimizer", "scheduler", "rng"}``
+(of a DTensor -- FSDP2 -- this rank's local shard).
 
     ``optimizer`` and ``scheduler`` are None when not given; ``rng`` holds ``torch``,
     ``numpy`` (``[name, keys as an int64 tensor, pos, has_gauss, cached_gaussian]``),
@@ -56,8 +59,8 @@ def _rng_states() -> dict:
 
 def _cpu_copy(obj):
     """``obj`` with every tensor cloned to the CPU and every container copied."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, torch.Tensor):  # a DTensor (FSDP2): this rank's local shard
+        return local(obj).detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _cpu_copy(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -16,11 +16,6 @@ from tests._support.dist_ranks import run_ranks
 WORKER = "frameworks_worker"  # a module of tests._support
 
 
-@pytest.mark.slow
-def test_fsdp2_is_refused_in_every_mode_on_two_ranks(tmp_path):
-    run_ranks(tmp_path, "fsdp2-refused", world=2, worker=WORKER)
-
-
 @pytest.mark.parametrize("mode", gockpt.MODES)
 def test_tensors_without_addressable_memory_are_refused(tmp_path, mode):
     model = nn.Linear(4, 4)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..core.lists import has_none
-from ..core.memory import flat
+from ..core.memory import flat, local
 from ..core.plan import Plan
 
 
@@ -23,7 +23,7 @@ def live_bases(plan: Plan, states: list, slots: np.ndarray, roles) -> Tuple[Dict
     has no such state yet: ``states`` per slot); the tensors read (a :class:`Reads`); and the
     copies made of tensors laid out unlike their parameter (to keep alive with the copy)."""
     n = len(plan.slots)
-    sis, params = slots.tolist(), plan.params
+    sis, params = slots.tolist(), plan.locals()
     slot_states = [states[si] for si in sis]
     bases, columns, copies = {}, [], []
     for key in roles:
@@ -31,6 +31,8 @@ def live_bases(plan: Plan, states: list, slots: np.ndarray, roles) -> Tuple[Dict
             have, tensors = sis, [params[si] for si in sis]
         else:
             tensors = [st.get(key) if st is not None else None for st in slot_states]
+            if plan.dtensors:  # their local shards
+                tensors = [local(t) for t in tensors]
             have = sis
             if has_none(tensors):  # no such state yet
                 have = [si for si, t in zip(sis, tensors) if t is not None]

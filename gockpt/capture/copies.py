@@ -24,7 +24,7 @@ from ..core.digest import LiveDigests, Ticket as DigestTicket
 from ..core.errors import Adaptation, ConsistencyError
 from ..core.job import Job
 from ..core.optstate import optimizer_small
-from ..core.memory import flat
+from ..core.memory import flat, local
 from ..core.plan import fingerprint
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
@@ -145,13 +145,13 @@ class Capture:
             if not slot.here:  # other replicas store it
                 continue
             entries.append((si, None))
-            tensors.append(slot.held_view(slot.param))
+            tensors.append(slot.held_view(slot.local))
             st = states[si]
             if st is not None and not slot.static:
                 for key in host.keys[si]:
                     if key in st:
                         entries.append((si, key))
-                        tensors.append(slot.held_view(st[key]))
+                        tensors.append(slot.held_view(local(st[key])))
         at_f = [i for i, (si, _) in enumerate(entries) if plan.slots[si].at_f]
         later = [i for i, (si, _) in enumerate(entries) if not plan.slots[si].at_f]
         book = LiveDigestBook(entries, Reads([([si for si, _ in entries], tensors)]))
@@ -173,14 +173,14 @@ class Capture:
         for si, s, e in block_runs(table if params is None else params):
             slot = plan.slots[si]
             pairs.append((host.param[si][slot.host_slice(s, e)],
-                          flat(slot.param, slot.dims)[s:e]))
+                          flat(slot.local, slot.dims)[s:e]))
         for si, s, e in block_runs(table):
             slot = plan.slots[si]
             live = states[si] or {}
             for key in host.keys[si]:
                 dst = host.state[si][key][slot.host_slice(s, e)]
                 if key in live:
-                    pairs.append((dst, flat(live[key], slot.dims)[s:e]))
+                    pairs.append((dst, flat(local(live[key]), slot.dims)[s:e]))
                 else:
                     dst.zero_()  # no state yet: the replayed first update starts from zeros
         return pairs
@@ -311,12 +311,12 @@ class _StateCopies:
         slots, tensors = [], []
         for si in self.params.slots.tolist():
             slots.append(si)
-            tensors.append(self.job.plan.slots[si].param)
+            tensors.append(self.job.plan.slots[si].local)
         for si in self.table.slots.tolist():
             live = self.states[si] or {}
             for key in self.job.host.keys[si]:
                 if key in live:
                     slots.append(si)
-                    tensors.append(live[key])
+                    tensors.append(local(live[key]))
         self.reads = Reads([(slots, tensors)])
         return pairs

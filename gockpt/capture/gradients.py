@@ -18,7 +18,7 @@ from ..core.blocks import BlockTable
 from ..core.errors import HookOrderError, UnsupportedOptimizerError
 from ..core.job import Job
 from ..core.lists import has_none
-from ..core.memory import flat
+from ..core.memory import DTensor, flat, local
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
 from ..core.staging import GradPool
@@ -174,6 +174,8 @@ def live_gradients(plan, slots: list) -> Dict[int, torch.Tensor]:
     UnsupportedOptimizerError for a gradient the replay cannot use."""
     params = plan.params
     tensors = [params[si].grad for si in slots]
+    if plan.dtensors:  # their local shards (FSDP2 reduce-scatters into them)
+        tensors = [local_gradient(plan.slots[si], g) for si, g in zip(slots, tensors)]
     if has_none(tensors):  # not trained at this step: not stepped either
         slots = [si for si, g in zip(slots, tensors) if g is not None]
         tensors = [g for g in tensors if g is not None]
@@ -185,3 +187,14 @@ def live_gradients(plan, slots: list) -> Dict[int, torch.Tensor]:
             f"the gradient of {plan.slots[si].name!r} is a {layout} {g.dtype} tensor; the "
             "replay needs dense torch.float32 gradients (mode='async-o' copies at the step)")
     return dict(zip(slots, tensors))
+
+
+def local_gradient(slot, grad: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor parameter's gradient, which must be laid out like the
+    parameter (the same placements: the elements of the local parameter shard)."""
+    if isinstance(grad, DTensor) and grad.placements != slot.param.placements:
+        raise UnsupportedOptimizerError(
+            f"the gradient of {slot.name!r} has placements {grad.placements}, its parameter "
+            f"{slot.param.placements}; the replay needs each rank's gradient shard to match its "
+            "parameter shard (mode='async-o' copies at the step)")
+    return local(grad)

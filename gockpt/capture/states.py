@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 
 from ..core.job import Job
+from ..core.memory import local
 from ..core.plan import Plan
 from ..core.staging import HostCopy
 
@@ -42,11 +43,12 @@ class StateWatch:
             if s.static:
                 continue
             if state_keys is not None:
-                likes[si] = {k: s.param for k in state_keys}
+                likes[si] = {k: s.local for k in state_keys}
             else:
                 live = self.optimizer.state.get(s.param, {})
-                likes[si] = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)
-                             and k != "step" and v.shape == s.param.shape}
+                likes[si] = {k: local(v) for k, v in live.items()
+                             if isinstance(v, torch.Tensor) and k != "step"
+                             and local(v).shape == s.local.shape}
         host.set_keys(likes)
 
     def of(self, job: Job) -> list:

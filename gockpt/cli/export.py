@@ -44,6 +44,12 @@ def cmd_export(args) -> int:
         return _export_fp32(args)
     path, data, part = _source(args)
     m = parse_manifest(path, data)
+    if m.model.slices:  # one rank's shards are no model: never written as if they were
+        raise UsageError(
+            f"{path}: its parameters are DTensor shards (FSDP2 / tensor parallel: "
+            f"{len(m.model.slices)} of them in slices of their global tensors, listed in the "
+            "checkpoint's index); exporting them put together is not supported yet -- load "
+            "the checkpoint with gockpt.load on the ranks that saved it")
     # replicas that wrote one state in shares: every part's, put together (this part's small
     # state); a part of per-rank state is that rank's
     shared = shares.gather(os.path.dirname(path), m, verify=True, check=check_digests) \

@@ -108,7 +108,8 @@ def print_parts(s: dict) -> None:
           f"in {s['tensor_count']} tensors, summed over {n_ok} part(s)")
     _print_layout(s["layout"])
     _print_state(s, f"  [rank {s['described_rank']}" + ("'s share]" if s["layout"]["shares"]
-                                                        else "]"))
+                                                        else "'s shards]"
+                                                        if s["layout"].get("sharded") else "]"))
     print("")
     print("parts")
     rows = []
@@ -143,6 +144,16 @@ def _print_layout(layout: dict) -> None:
             print(f"               ... and {len(split) - 4} more")
     elif layout["replicated"]:
         print(f"layout       replicated: every one of the {n} parts holds the whole state")
+    elif layout.get("sharded"):
+        sharded = layout["sharded"]
+        print(f"layout       sharded (DTensor: FSDP2 / tensor parallel): {len(sharded)} "
+              f"parameters in slices across the {n} parts,\n"
+              "             their optimizer state sliced alike (the global index in the "
+              f"manifest; loads on {n} ranks sharded alike)")
+        for name, e in list(sharded.items())[:4]:
+            print(f"               {name}: global shape {e['shape']}, {e['slices']} slices")
+        if len(sharded) > 4:
+            print(f"               ... and {len(sharded) - 4} more")
     else:
         print(f"layout       per-rank state: each part holds its own rank's (loads on {n} ranks)")
 

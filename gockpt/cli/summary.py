@@ -116,7 +116,8 @@ def parts_summary(path: str, data: dict, run_dir: Optional[str], parts: List[Par
 
 def _layout(data: dict, parts: List[Part]) -> dict:
     """How the ranks' state was laid out across the parts: replicated or per rank, in shares
-    or not, and how many parameters and optimizer state tensors are split across parts."""
+    or not, how many parameters and optimizer state tensors are split across parts, and the
+    parameters the global index lists in slices (DTensors: FSDP2, tensor parallelism)."""
     holders: dict = {}
     split = set()
     for part in parts:
@@ -126,9 +127,14 @@ def _layout(data: dict, parts: List[Part]) -> dict:
             holders.setdefault(what, set()).add(part.rank)
             if ref.extent is not None:
                 split.add(what)
+    index = data.get("index") if isinstance(data.get("index"), dict) else {}
+    sharded = {name: {"shape": e.get("shape"), "slices": len(e["slices"])}
+               for name, e in index.items() if isinstance(e, dict)
+               and isinstance(e.get("slices"), list)}
     return {"world_size": len(parts), "replicated": data.get("replicated") is True,
             "shares": data.get("shares") is True, "tensors": len(holders),
-            "split": {what: len(holders[what]) for what in sorted(split)}}
+            "split": {what: len(holders[what]) for what in sorted(split)},
+            "sharded": sharded}
 
 
 def tensor_table(m: Manifest) -> dict:

@@ -1,6 +1,7 @@
 """How a parameter lies in memory: its memory order (the permutation that makes it
-contiguous), flat views in that order, and whether gockpt can address it at all (a DTensor's
-local shard, a meta or quantized tensor)."""
+contiguous), flat views in that order, and whether gockpt can address it at all (a meta or
+quantized tensor cannot be; a DTensor -- FSDP2, tensor parallelism -- through its local shard,
+which is what every stage copies, replays and stores: ``local``, and back: ``like``)."""
 
 from __future__ import annotations
 
@@ -22,17 +23,55 @@ def memory_order(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
     return dims if t.permute(dims).is_contiguous() else None
 
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support has none
+    class DTensor:  # type: ignore[no-redef]
+        pass
+
+
+def local(t):
+    """The tensor whose memory holds ``t``'s elements on this rank: a DTensor's local shard
+    (looked up at each call: FSDP2 may give a parameter a new one, e.g. at its lazy init),
+    any other tensor (or None) itself. A DTensor reports ``data_ptr() == 0``: copied by address
+    it would be checkpointed as zeros at its global shape."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def like(template: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a local shard) as the live ``template`` presents it: a DTensor on its mesh
+    with its placements when ``template`` is one (no collective), else ``value`` itself."""
+    if not isinstance(template, DTensor):
+        return value
+    return DTensor.from_local(value, template.device_mesh, template.placements,
+                              run_check=False, shape=template.shape, stride=template.stride())
+
+
+def global_slice(t: torch.Tensor) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """(global shape, offsets of this rank's local shard in it, per dimension) of a DTensor,
+    as torch.distributed.checkpoint's chunk metadata gives them; None for a plain tensor."""
+    if not isinstance(t, DTensor):
+        return None
+    chunks = t.__create_chunk_list__()
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(t._local_tensor.shape):
+        raise UnsupportedTensorError(
+            f"a DTensor of shape {tuple(t.shape)} with placements {t.placements} is not one "
+            "contiguous block of the global tensor on this rank; gockpt stores local shards "
+            "that are (FSDP2's Shard(0), tensor parallelism's Shard(d) or Replicate)")
+    return tuple(t.shape), tuple(int(o) for o in chunks[0].offsets)
+
+
 def check_addressable(name: str, p: torch.Tensor) -> None:
     """UnsupportedTensorError unless parameter ``name`` owns plain memory that gockpt can copy
-    by address. A DTensor (FSDP2, tensor parallelism) reports ``data_ptr() == 0``: copied by
-    address, it would be checkpointed as zeros at its global shape."""
+    by address (a DTensor: its local shard does)."""
+    if isinstance(p, DTensor):
+        check_addressable(name, p._local_tensor)
+        global_slice(p)
+        return
     if is_traceable_wrapper_subclass(p):
-        what = (f"a {type(p).__name__} (FSDP2's fully_shard or tensor parallelism)"
-                if type(p).__name__ == "DTensor" else f"a tensor subclass ({type(p).__name__})")
         raise UnsupportedTensorError(
-            f"parameter {name!r} is {what} whose local memory gockpt cannot address yet; "
-            "sharded DTensor parameters are not supported: checkpoint this model with "
-            "torch.distributed.checkpoint, or train it with DDP or DeepSpeed ZeRO")
+            f"parameter {name!r} is a tensor subclass ({type(p).__name__}) whose memory "
+            "gockpt cannot address; checkpoint this model with torch.distributed.checkpoint")
     if p.device.type == "meta" or isinstance(p, torch.nn.parameter.UninitializedParameter):
         raise UnsupportedTensorError(
             f"parameter {name!r} has no data yet ({'meta device' if p.device.type == 'meta' else 'a lazy module'}); "
@@ -48,6 +87,7 @@ def layout_of(name: str, p: torch.Tensor) -> Tuple[int, ...]:
     """``memory_order`` of parameter ``name``; ConfigError if it has none (gockpt copies the
     storage of a dense tensor as one flat range, in memory order)."""
     check_addressable(name, p)
+    p = local(p)
     dims = None if p.is_sparse else memory_order(p)
     if dims is None:
         raise ConfigError(

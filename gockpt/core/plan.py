@@ -20,7 +20,7 @@ import torch
 
 from .blocks import Block, BlockTable
 from .errors import ConfigError, LayoutChangedError
-from .memory import flat, layout_of, logical
+from .memory import flat, global_slice, layout_of, local, logical
 from .names import Names
 
 
@@ -29,7 +29,7 @@ class Slot:
     """One model parameter in the checkpoint."""
 
     name: str                      # name in model.state_dict(), without wrapper prefixes
-    param: torch.Tensor = field(repr=False)
+    param: torch.Tensor = field(repr=False)  # as the optimizer holds it (a DTensor: `local`)
     opt_index: Optional[int]       # index in optimizer.state_dict()['state'], None if static
     group: Optional[int]           # optimizer param group, None if static
     dims: Tuple[int, ...] = ()     # memory order: param.permute(dims) is contiguous
@@ -40,10 +40,18 @@ class Slot:
     extent: Tuple[int, int] = (0, -1)  # elements [lo, hi) in memory order this rank holds
 
     def __post_init__(self):
-        self.strides = tuple(self.param.stride())
+        self.strides = tuple(self.local.stride())
         self.at_f = self.at_f or self.opt_index is None
         if self.extent[1] < 0:
-            self.extent = (0, self.param.numel())
+            self.extent = (0, self.local.numel())
+        # a DTensor's (global shape, offsets of its local shard); None for a plain tensor
+        self.global_slice = global_slice(self.param)
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The tensor whose memory holds what this rank checkpoints of the parameter: the
+        parameter, or a DTensor's local shard (what every stage copies, replays, stores)."""
+        return local(self.param)
 
     @property
     def held(self) -> int:
@@ -58,7 +66,7 @@ class Slot:
     @property
     def whole(self) -> bool:
         """Whether this rank holds every element."""
-        return self.extent == (0, self.param.numel())
+        return self.extent == (0, self.local.numel())
 
     def host_slice(self, start: int, end: int) -> slice:
         """Where its elements [start, end) lie in a host buffer holding the extent."""
@@ -72,17 +80,17 @@ class Slot:
     def staged_view(self, staged: torch.Tensor) -> torch.Tensor:
         """A staged host copy of the extent as :meth:`held_view` presents the live tensor (the
         same bytes in the same order: their digests compare)."""
-        return logical(tuple(self.param.shape), self.dims, staged) if self.whole else staged
+        return logical(tuple(self.local.shape), self.dims, staged) if self.whole else staged
 
     @property
     def stored_shape(self) -> Tuple[int, ...]:
         """The shape stored: the parameter's, permuted into memory order."""
-        shape = tuple(self.param.shape)
+        shape = tuple(self.local.shape)
         return tuple(shape[d] for d in self.dims) if self.dims else shape
 
     @property
     def numel(self) -> int:
-        return self.param.numel()
+        return self.local.numel()
 
     @property
     def static(self) -> bool:
@@ -144,8 +152,18 @@ class Plan:
 
     @cached_property
     def params(self) -> List[torch.Tensor]:
-        """Every slot's parameter, as a list."""
+        """Every slot's parameter as the optimizer holds it, as a list."""
         return [s.param for s in self.slots]
+
+    def locals(self) -> List[torch.Tensor]:
+        """Every slot's :attr:`Slot.local` tensor, as a list (:attr:`params` itself when no
+        parameter is a DTensor; read anew otherwise: a DTensor's shard may be replaced)."""
+        return [s.local for s in self.slots] if self.dtensors else self.params
+
+    @cached_property
+    def dtensors(self) -> bool:
+        """Whether some parameter is a DTensor (its memory: its local shard)."""
+        return any(s.global_slice is not None for s in self.slots)
 
     @cached_property
     def slot_of_id(self) -> Dict[int, int]:
@@ -203,7 +221,7 @@ class Plan:
     @cached_property
     def _bytes(self) -> tuple:
         """(bytes of every parameter, of the optimized ones)."""
-        sizes = [(s.held * s.param.element_size(), s.static) for s in self.slots]
+        sizes = [(s.held * s.local.element_size(), s.static) for s in self.slots]
         return (sum(n for n, _ in sizes), sum(n for n, static in sizes if not static))
 
     def groups(self, k: int) -> List[List[Block]]:
@@ -250,7 +268,7 @@ class Plan:
         without a collective. A share may be empty (more replicas than blocks)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"the number of shares must be an int >= 1, got {n!r}")
-        weights = [b.numel * (self.slots[b.slot].param.element_size()
+        weights = [b.numel * (self.slots[b.slot].local.element_size()
                               + (0 if self.slots[b.slot].static else 8)) for b in self.blocks]
         return split_by_weight(self.blocks, weights, n)
 
@@ -388,12 +406,12 @@ def stepped_groups(planned: tuple, optimizer: torch.optim.Optimizer) -> Optional
 
 def check_layouts(plan: Plan) -> None:
     """Raise LayoutChangedError if a parameter's strides differ from those planned."""
-    if [p.stride() for p in plan.params] == plan.strides:
+    if [p.stride() for p in plan.locals()] == plan.strides:
         return  # (one comparison of two lists: this runs at every checkpoint)
     for s in plan.slots:
-        if s.param.stride() != s.strides:
+        if s.local.stride() != s.strides:
             raise LayoutChangedError(
                 f"parameter {s.name!r} changed its memory layout after the Checkpointer was "
-                f"built (strides {s.strides} -> {tuple(s.param.stride())}); change layouts (e.g. "
+                f"built (strides {s.strides} -> {tuple(s.local.stride())}); change layouts (e.g. "
                 "model.to(memory_format=...)) before creating the optimizer and the "
                 "Checkpointer, or close this Checkpointer and create a new one")

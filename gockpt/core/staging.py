@@ -112,11 +112,12 @@ class HostCopy:
         self.device = device
         by_dtype: Dict[torch.dtype, Dict[int, Tuple[int, int]]] = {}
         for si, extent in plan.extents().items():
-            by_dtype.setdefault(plan.slots[si].param.dtype, {})[si] = extent
+            by_dtype.setdefault(plan.slots[si].local.dtype, {})[si] = extent
         self.param_arenas = {d: Arena(device, d, ext) for d, ext in by_dtype.items()}
         # (a slot held by other replicas only: an empty view, never addressed)
         self.param: List[torch.Tensor] = [
-            self.param_arenas[s.param.dtype].view(si) if s.here else s.param.new_empty(0, device="cpu")
+            self.param_arenas[s.local.dtype].view(si) if s.here
+            else s.local.new_empty(0, device="cpu")
             for si, s in enumerate(plan.slots)]
         self.state_arenas: Dict[Tuple[str, torch.dtype], Arena] = {}
         self.state: List[Dict[str, torch.Tensor]] = [{} for _ in plan.slots]
@@ -179,7 +180,7 @@ class HostCopy:
     def arena_of(self, si: int, key: Optional[str] = None) -> Arena:
         """The arena holding slot ``si``'s parameter (``key`` None) or state ``key``."""
         if key is None:
-            return self.param_arenas[self.slots[si].param.dtype]
+            return self.param_arenas[self.slots[si].local.dtype]
         return self.state_arenas[(key, self.state[si][key].dtype)]
 
     def nbytes(self) -> int:
@@ -230,7 +231,7 @@ class StagingAllocation:
         try:
             host = HostCopy(plan, device)
             if state_keys:
-                host.set_keys({si: {k: s.param for k in state_keys}
+                host.set_keys({si: {k: s.local for k in state_keys}
                                for si, s in enumerate(plan.slots) if not s.static})
             pool = GradPool(plan, device) if grad_dtypes else None
             if pool is not None:

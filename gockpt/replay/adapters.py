@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..core.lists import has_none
+from ..core.memory import DTensor, local
 from ..core.modes import NO_REPLAY_MODES
 from ..core.errors import UnsupportedOptimizerError
 from . import arithmetic
@@ -55,6 +56,8 @@ class AdamAdapter:
         self.optimizer = optimizer
         self.device = _device_of(optimizer)
         self._not_replayed: Dict[int, str] = {}  # id(param) -> why (see params_not_replayed)
+        self._like = next((p for g in optimizer.param_groups for p in g["params"]
+                           if isinstance(p, DTensor)), None)  # FSDP2: the probe steps DTensors
         for gi, g in enumerate(optimizer.param_groups):
             for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
                 if g.get(flag, False):
@@ -76,7 +79,7 @@ class AdamAdapter:
         else:
             _refuse(optimizer, f"no replay arithmetic is proven for {self.device.type} tensors")
         for gi, sc in self.scalars().items():
-            if not probe(type(optimizer), sc, self.device):
+            if not probe(type(optimizer), sc, self.device, like=self._like):
                 _refuse(optimizer, f"a probe replay of param group {gi}'s settings ({sc}) "
                                    f"differs from torch {torch.__version__} on "
                                    f"{_device_name(self.device)}")
@@ -92,18 +95,19 @@ class AdamAdapter:
                 _refuse(self.optimizer, f"param group {gi}: beta1 <= 0.5 takes a lerp branch "
                                         "with no proof on CUDA")
             if sc.impl is Kernel.CUDA_FUSED and sc.weight_decay != 0.0:
-                odd = [p for p in g["params"] if p.numel() % 4]
+                odd = [p for p in g["params"] if local(p).numel() % 4]
                 if odd and not sc.decoupled:  # Adam's moments read the parameter (L2)
                     _refuse(self.optimizer, f"param group {gi}: fused CUDA Adam with weight "
                                             "decay is proven for parameters of numel % 4 == 0; "
                                             f"shapes {[tuple(p.shape) for p in odd[:3]]} are "
                                             "not (use foreach=True for that group, or AdamW)")
-                if odd and not probe(type(self.optimizer), sc, self.device, moments_only=True):
+                if odd and not probe(type(self.optimizer), sc, self.device,
+                                     moments_only=True, like=self._like):
                     _refuse(self.optimizer, f"param group {gi}: a probe replay of the moments "
                                             "of fused CUDA AdamW at an odd element count "
                                             f"differs on {_device_name(self.device)}")
                 self._not_replayed.update(
-                    (id(p), replay_claims("cuda/torch/AdamW/fused", p.numel(),
+                    (id(p), replay_claims("cuda/torch/AdamW/fused", local(p).numel(),
                                           sc.weight_decay)["param"]) for p in odd)
 
     def params_not_replayed(self) -> Dict[int, str]:

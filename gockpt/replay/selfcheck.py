@@ -26,7 +26,7 @@ from typing import Dict
 import torch
 
 from ..core.digest import as_pairs, digests, to_hex
-from ..core.memory import flat
+from ..core.memory import flat, local
 from ..core.plan import Plan
 from ..core.errors import Adaptation, ConsistencyError
 from ..core.job import Job
@@ -44,10 +44,11 @@ def sample(job: Job, plan: Plan, optimizer: torch.optim.Optimizer, fraction: flo
     for b in picks:
         slot = plan.slots[b.slot]
         live = optimizer.state.get(slot.param, {})
-        direct = {"param": flat(slot.param, slot.dims)[b.start:b.end].to("cpu", copy=True)}
+        direct = {"param": flat(slot.local, slot.dims)[b.start:b.end].to("cpu", copy=True)}
         for key in job.host.keys[b.slot]:
             if key in live:
-                direct[key] = flat(live[key], slot.dims)[b.start:b.end].to("cpu", copy=True)
+                direct[key] = flat(local(live[key]), slot.dims)[b.start:b.end].to("cpu",
+                                                                                  copy=True)
         job.samples.append((b, direct))
 
 

@@ -130,7 +130,7 @@ def _ref(out: StoredLayout, plan: Plan, si: int, role: Optional[str]) -> TensorR
     name, base = out.where[(si, role)]
     slot = plan.slots[si]
     if not slot.whole:
-        return TensorRef(name, base, tuple(slot.param.shape), slot.dims, extent=slot.extent)
+        return TensorRef(name, base, tuple(slot.local.shape), slot.dims, extent=slot.extent)
     if name.startswith("pack/"):
-        return TensorRef(name, base, tuple(slot.param.shape), slot.dims)
+        return TensorRef(name, base, tuple(slot.local.shape), slot.dims)
     return TensorRef(name, 0, None, slot.dims)

@@ -57,6 +57,10 @@ def parse(path: str, data: dict, *, tolerant: bool = False) -> Manifest:
     if not check(model_digests is not None and set(model_digests) <= set(params),
                  "the model's 'digests' are malformed or name parameters it does not have"):
         model_digests = model_digests or {}
+    slices = model.get("slices", {})
+    if not check(_slices_fit(slices, params, data.get("tensors", {})),
+                 "the model's 'slices' are malformed or do not fit the parameters they name"):
+        slices = {}
     small = data.get("small") if isinstance(data.get("small"), dict) else {}
     check(all(s in small for s in SMALL_SECTIONS), "the 'small' section is missing or incomplete")
     optimizer = _optimizer(data.get("optimizer"), check)
@@ -65,7 +69,7 @@ def parse(path: str, data: dict, *, tolerant: bool = False) -> Manifest:
            (("step", None), ("start_step", None), ("mode", None), ("overlap_steps", None),
             ("rank", None if tolerant else 0), ("world_size", None if tolerant else 1),
             ("replicated", False))},
-        model=ModelSection(params, dict(aliases), model_digests),
+        model=ModelSection(params, dict(aliases), model_digests, dict(slices)),
         small=SmallSection(**{s: small.get(s, ABSENT) for s in SMALL_SECTIONS}),
         optimizer=optimizer, tensors=data.get("tensors", {}),
         metrics=data["metrics"] if isinstance(data.get("metrics"), dict) else
@@ -123,6 +127,33 @@ def _checked(self: Manifest, bad) -> Manifest:
                 raise bad(f"{what} and {other} share elements of stored tensor {tensor!r}")
     return self
 
+
+
+def _slices_fit(slices, params: Dict[str, TensorRef], tensors) -> bool:
+    """Whether ``slices`` (a part's ``model.slices``) names stored parameters whose stored
+    shape lies at its offsets inside its global shape."""
+    if not isinstance(slices, dict):
+        return False
+    for name, s in slices.items():
+        ref = params.get(name)
+        if ref is None or not isinstance(s, dict) or set(s) != {"shape", "offsets"}:
+            return False
+        shape, offsets = s["shape"], s["offsets"]
+        entry = tensors.get(ref.tensor) if isinstance(tensors, dict) else None
+        lengths = list(ref.shape) if ref.shape is not None else \
+            (entry.get("shape") if isinstance(entry, dict) else None)
+        if ref.shape is None and ref.dims and isinstance(lengths, list) \
+                and len(lengths) == len(ref.dims):  # stored in memory order: the logical shape
+            logical = [0] * len(lengths)
+            for i, d in enumerate(ref.dims):
+                logical[d] = lengths[i]
+            lengths = logical
+        if not all(isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
+                   for v in (shape, offsets, lengths)) \
+                or not len(shape) == len(offsets) == len(lengths) \
+                or any(o + n > d for o, n, d in zip(offsets, lengths, shape)):
+            return False
+    return True
 
 
 def parts_of(path: str, data: dict) -> Optional[List[str]]:

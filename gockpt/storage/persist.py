@@ -33,6 +33,7 @@ from ..core.config import Config
 from ..core.errors import GockptError, StorageError
 from ..core.job import Job
 from ..core.protocols import StorageWriter
+from . import index
 from .commit import apply_retention
 from .layout import StoredLayout, stored_layout
 from .schema import Manifest, ModelSection, OptimizerSection, PartsManifest, part_name
@@ -65,6 +66,7 @@ class Persister:
         self.optimizer_class = optimizer_class
         self.step_time, self.host_bytes, self.on_durable = step_time, host_bytes, on_durable
         self._layout_key, self._layout_cache = None, None
+        self._indexed = (None, {})  # (the plan indexed, its global index)
         self._queue: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="gockpt-persist", daemon=True)
         self._thread.start()
@@ -228,7 +230,7 @@ class Persister:
                                     self.config.mode, job.k,
                                     [part_name(r) for r in range(self.ranks.world_size)],
                                     replicated=bool(self.config.replicated),
-                                    shares=job.plan.share[1] > 1)
+                                    shares=job.plan.share[1] > 1, index=self._index(job.plan))
                 path = self.ranks.commit(self.config.directory, name, write_part, top,
                                          self.new_writer)
                 if job.error is not None:
@@ -253,6 +255,15 @@ class Persister:
             if writer is not None:
                 writer.abort()
             job.fail(self._storage_error(job, exc))
+
+    def _index(self, plan) -> dict:
+        """The global index of ``plan``'s checkpoints (on rank 0; {} elsewhere): gathered from
+        every rank when some rank's plan changed since the last checkpoint."""
+        parts = self.ranks.gather_if(plan is not self._indexed[0],
+                                     lambda: index.part_entries(plan))
+        if parts is not None:
+            self._indexed = (plan, index.merge(parts) if self.ranks.rank == 0 else {})
+        return self._indexed[1]
 
     def _write(self, job: Job, root: Optional[str], name: str, t0: float, *, writer=None,
                update_latest: bool = True) -> str:
@@ -283,7 +294,8 @@ class Persister:
                 replicated=bool(self.config.replicated),
                 model=ModelSection(self._layout(job).param_refs, job.plan.aliases,
                                    {job.plan.slots[si].name: d for (si, key), d in
-                                    job.digests.items() if key is None}),
+                                    job.digests.items() if key is None},
+                                   index.part_slices(job.plan)),
                 optimizer=OptimizerSection(self.optimizer_class, self._layout(job).state_refs,
                                            _state_digests(job)),
                 small=job.small, metrics=m.to_dict())

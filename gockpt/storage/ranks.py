@@ -74,8 +74,9 @@ class Ranks:
         would not fit together). Training thread, on every rank."""
         if not (self.several and replicated):
             return plan
-        signature = repr([(s.name, tuple(s.param.shape), str(s.param.dtype), s.opt_index,
-                           s.dims) for s in plan.slots] + [plan.block_elems, len(plan.blocks)])
+        signature = repr([(s.name, tuple(s.local.shape), str(s.local.dtype), s.opt_index,
+                           s.dims, s.global_slice) for s in plan.slots]
+                         + [plan.block_elems, len(plan.blocks)])
         if not self.same(zlib.crc32(signature.encode())):
             raise ConfigError(
                 "Config(replicated=True) but the ranks do not plan the same state (parameter "
@@ -94,6 +95,14 @@ class Ranks:
         out = [None] * self.world_size if self.rank == 0 else None
         torch.distributed.gather_object(value, out, dst=0, group=self._persist_group)
         return out
+
+    def gather_if(self, changed: bool, value: Callable[[], object]) -> Optional[List]:
+        """``value()`` of every rank, in rank order, on rank 0 when ``changed`` holds on some
+        rank (one int all-reduce decides; then one gather), else None; persist thread, on
+        every rank. What changes rarely (the global index: with a plan) is gathered rarely."""
+        if self.several:  # on some rank: the max over the ranks
+            changed = self._all_min(-int(bool(changed))) < 0
+        return self.gather(value()) if changed else None
 
     def _all_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)

@@ -101,6 +101,9 @@ class ModelSection:
     digests: Dict[str, str] = field(default_factory=dict)
     """``state_dict`` name -> the digest (:mod:`gockpt.core.digest`, 32 hex digits) of the
     live parameter at F; empty in checkpoints written without verification."""
+    slices: Dict[str, dict] = field(default_factory=dict)
+    """``state_dict`` name of each DTensor parameter (FSDP2, tensor parallelism) -> its global
+    ``shape`` and the ``offsets`` of this part's local shard in it (:mod:`.index`)."""
 
     def expected(self) -> Dict[str, TensorRef]:
         """Every ``state_dict`` name the parameters answer to (aliases included) -> ref."""
@@ -196,7 +199,8 @@ class Manifest:
                "world_size": self.world_size,
                "model": {"params": {n: r.to_json() for n, r in self.model.params.items()},
                          "aliases": dict(self.model.aliases),
-                         "digests": dict(self.model.digests)},
+                         "digests": dict(self.model.digests),
+                         **({"slices": dict(self.model.slices)} if self.model.slices else {})},
                # shallow: asdict() would deep-copy thousands of encoded values
                "small": {s: getattr(self.small, s) for s in SMALL_SECTIONS},
                "metrics": dict(self.metrics)}
@@ -253,6 +257,9 @@ class PartsManifest:
     shares: bool = False
     """The replicas split that state: each part holds a share of it (its tensors' references
     carry an ``extent``), and a load gathers every part."""
+    index: Dict[str, dict] = field(default_factory=dict)
+    """The global index (:mod:`.index`): per parameter stored in slices or shares, its global
+    shape, dtype and which part holds which slice."""
 
     def to_json(self) -> dict:
         out = {"step": self.step, "start_step": self.start_step, "mode": self.mode,
@@ -262,4 +269,6 @@ class PartsManifest:
             out["replicated"] = True
         if self.shares:
             out["shares"] = True
+        if self.index:
+            out["index"] = self.index
         return out

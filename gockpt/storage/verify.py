@@ -19,6 +19,7 @@ from ..core.paths import directory_to_read
 from .commit import is_committed, list_checkpoints, resolve
 from .manifest import parse as parse_manifest, parts_of
 from .schema import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor
+from .index import index_problems
 from .shares import coverage_problems
 from .reader import read_manifest, read_tensors
 
@@ -332,6 +333,12 @@ def _verify_parts(path: str, data: dict, report: CheckpointReport) -> None:
         report.bytes += sub.bytes
         row.ok, row.tensors, row.bytes = sub.ok and not part.problems, sub.tensors, sub.bytes
         row.bad, row.problems = len(sub.bad), len(problems)
+    if "index" in data and all(p.data is not None for p in parts):
+        try:  # the global index: each tensor's slices cover it once, as the parts hold them
+            report.problems += index_problems(data["index"], [parse_manifest(p.path, p.data)
+                                                              for p in parts])
+        except CorruptCheckpointError as exc:
+            report.problems.append(_one_line(exc))
     if data.get("shares") is True and all(p.data is not None for p in parts):
         try:  # the replicas' shares: together, each element of each tensor once
             report.problems += coverage_problems([parse_manifest(p.path, p.data)

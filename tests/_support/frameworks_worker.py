@@ -1,7 +1,6 @@
 """One rank of tests/test_frameworks.py (started by tests/_support/dist_ranks.py): the
 frameworks users wrap their models in, on real gloo ranks. Exits non-zero on any mismatch."""
 
-import os
 import sys
 
 import torch
@@ -10,24 +9,6 @@ from torch import nn
 
 import gockpt
 import gockpt.testing
-
-
-def fsdp2_refused(directory: str, rank: int) -> None:
-    """FSDP2's DTensor parameters are refused at construction in every mode, nothing written."""
-    from torch.distributed.fsdp import fully_shard
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for mode in gockpt.MODES:
-        try:
-            gockpt.Checkpointer(model, opt, directory, mode=mode, overlap_steps=None)
-        except gockpt.UnsupportedTensorError as exc:
-            assert "'0.weight' is a DTensor (FSDP2" in str(exc), str(exc)
-            assert "torch.distributed.checkpoint" in str(exc), str(exc)
-        else:
-            raise AssertionError(f"mode {mode}: an FSDP2 model was accepted")
-    assert not os.path.exists(os.path.join(directory, "latest"))
 
 
 def tiny(seed: int = 0):
@@ -99,7 +80,7 @@ def per_rank_save(directory: str, rank: int) -> None:
     torch.save(at_f, directory + f".expected-{rank}.pt")
 
 
-SCENARIOS = {"fsdp2-refused": fsdp2_refused, "ddp-save": ddp_save,
+SCENARIOS = {"ddp-save": ddp_save,
              "load-into-ddp": load_into_ddp, "per-rank-save": per_rank_save}
 
 

@@ -1,8 +1,9 @@
 """One rank of tests/test_many_ranks.py (started by tests/_support/dist_ranks.py): a
-DistributedDataParallel model whose replicas split the checkpoint into shares. Exits non-zero
-on any mismatch.
+DistributedDataParallel model whose replicas split the checkpoint into shares, or an FSDP2
+model (``fully_shard``: DTensor parameters, each rank its local shards; gradients clipped over
+DTensors and accumulated over two micro-batches). Exits non-zero on any mismatch.
 
-Scenarios (``SCENARIO`` is ``<what>:<mode>``):
+Scenarios (``SCENARIO`` is ``<what>:<mode>:<kind>``, kind ``ddp`` or ``fsdp2``):
 
     train   train STEPS steps with checkpoints at SAVE_AT, and a twin model without gockpt on
             the same batches: the two end bitwise equal; every committed checkpoint loads
@@ -12,6 +13,7 @@ Scenarios (``SCENARIO`` is ``<what>:<mode>``):
             state the uninterrupted run ended with
     kill    a first checkpoint commits; during the second, rank 1 is killed inside its part's
             write (SIGKILL: no handler, no vote); the parent then stops the others
+    reload  after ``kill``: the first checkpoint loads, a new Checkpointer clears leftovers
 """
 
 import os
@@ -46,15 +48,25 @@ def ordered_mean(group, bucket):
     return done
 
 
-def model_and_optimizer():
+def model_and_optimizer(kind: str = "ddp"):
     torch.manual_seed(0)  # every replica starts equal (DDP would broadcast rank 0's anyway)
     model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
                           nn.Linear(256, 64))
-    ddp = nn.parallel.DistributedDataParallel(model)
-    ddp.register_comm_hook(None, ordered_mean)
+    if kind == "fsdp2":  # 3 rows on 4 ranks: one rank's shards of it are empty
+        model.append(nn.Tanh())
+        model.append(nn.Linear(64, 3))
+    if kind == "fsdp2":  # each Linear its own FSDP unit, then the root
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        wrapped = fully_shard(model)
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        wrapped.register_comm_hook(None, ordered_mean)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    return ddp, opt, sched
+    return wrapped, opt, sched
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
@@ -62,11 +74,15 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(8, 64, generator=torch.Generator().manual_seed(1000 * rank + step))
 
 
-def one_step(ddp, opt, sched, x, ck=None):
-    loss = ddp(x).square().mean()
+def one_step(model, opt, sched, x, ck=None):
     if ck is not None:
         ck.backward_begin()
-    loss.backward()
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model(x).square().mean().backward()
+    else:  # FSDP2: two micro-batches accumulated, the gradient norm clipped over DTensors
+        for half in x.chunk(2):
+            (model(half).square().mean() / 2).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
     if ck is not None:
         ck.update_begin()
     opt.step()
@@ -74,8 +90,8 @@ def one_step(ddp, opt, sched, x, ck=None):
     opt.zero_grad()
 
 
-def snapshot(ddp, opt, sched):
-    return gockpt.testing.snapshot(ddp.module, opt, sched)
+def snapshot(model, opt, sched):
+    return gockpt.testing.snapshot(getattr(model, "module", model), opt, sched)
 
 
 def same(a, b, what):
@@ -96,10 +112,10 @@ class KilledInWrite(storage.CheckpointWriter):
         return super().write_tensors(tensors)
 
 
-def train(directory: str, rank: int, mode: str) -> None:
-    ddp, opt, sched = model_and_optimizer()
-    twin, twin_opt, twin_sched = model_and_optimizer()  # trained without gockpt
-    ck = gockpt.Checkpointer(ddp, opt, directory, mode=mode, scheduler=sched,
+def train(directory: str, rank: int, mode: str, kind: str) -> None:
+    model, opt, sched = model_and_optimizer(kind)
+    twin, twin_opt, twin_sched = model_and_optimizer(kind)  # trained without gockpt
+    ck = gockpt.Checkpointer(model, opt, directory, mode=mode, scheduler=sched,
                              overlap_steps=2 if mode.startswith("gockpt") else None,
                              block_bytes=4096, self_check=1.0)
     for step in SAVE_AT:  # announced: the replay modes copy over the K steps up to it
@@ -107,38 +123,38 @@ def train(directory: str, rank: int, mode: str) -> None:
     at_f, handles = {}, []
     for step in range(STEPS):
         x = batch(rank, step)
-        one_step(ddp, opt, sched, x, ck)
+        one_step(model, opt, sched, x, ck)
         one_step(twin, twin_opt, twin_sched, x)
         h = ck.save_checkpoint(step + 1)
         handles += [h] if h is not None else []
         if step + 1 in SAVE_AT:
-            at_f[step + 1] = snapshot(ddp, opt, sched)
+            at_f[step + 1] = snapshot(model, opt, sched)
     ck.close()
     assert [h.error for h in handles] == [None] * len(SAVE_AT), [h.error for h in handles]
-    same(snapshot(twin, twin_opt, twin_sched), snapshot(ddp, opt, sched),
+    same(snapshot(twin, twin_opt, twin_sched), snapshot(model, opt, sched),
          "training with gockpt vs without")
     for step in SAVE_AT:
-        fresh, fresh_opt, fresh_sched = model_and_optimizer()
+        fresh, fresh_opt, fresh_sched = model_and_optimizer(kind)
         restored = gockpt.load(directory, fresh, fresh_opt, scheduler=fresh_sched,
                                tag=storage.checkpoint_name(step))
         assert restored.step == step
         same(at_f[step], snapshot(fresh, fresh_opt, fresh_sched), f"loaded step {step}")
-    torch.save(snapshot(ddp, opt, sched), f"{directory}.final-{rank}.pt")
+    torch.save(snapshot(model, opt, sched), f"{directory}.final-{rank}.pt")
 
 
-def resume(directory: str, rank: int, mode: str) -> None:
-    ddp, opt, sched = model_and_optimizer()
-    start = gockpt.load(directory, ddp, opt, scheduler=sched).step
+def resume(directory: str, rank: int, mode: str, kind: str) -> None:
+    model, opt, sched = model_and_optimizer(kind)
+    start = gockpt.load(directory, model, opt, scheduler=sched).step
     assert start == SAVE_AT[-1], start
     for step in range(start, STEPS):
-        one_step(ddp, opt, sched, batch(rank, step))
+        one_step(model, opt, sched, batch(rank, step))
     same(torch.load(f"{directory}.final-{rank}.pt", weights_only=True),
-         snapshot(ddp, opt, sched), "resumed vs uninterrupted")
+         snapshot(model, opt, sched), "resumed vs uninterrupted")
 
 
-def kill(directory: str, rank: int, mode: str) -> None:
-    ddp, opt, sched = model_and_optimizer()
-    ck = gockpt.Checkpointer(ddp, opt, directory, mode=mode, scheduler=sched,
+def kill(directory: str, rank: int, mode: str, kind: str) -> None:
+    model, opt, sched = model_and_optimizer(kind)
+    ck = gockpt.Checkpointer(model, opt, directory, mode=mode, scheduler=sched,
                              overlap_steps=2 if mode.startswith("gockpt") else None,
                              block_bytes=4096, storage_writer=KilledInWrite)
     for step in range(STEPS):
@@ -146,22 +162,30 @@ def kill(directory: str, rank: int, mode: str) -> None:
             ck.wait()  # the first checkpoint is committed
             assert storage.list_checkpoints(directory) == [storage.checkpoint_name(SAVE_AT[0])]
             KilledInWrite.armed = rank == 1
-        one_step(ddp, opt, sched, batch(rank, step), ck)
+        one_step(model, opt, sched, batch(rank, step), ck)
         ck.save_checkpoint(step + 1, force=step + 1 in SAVE_AT)
     print(f"rank {rank}: waiting for the second checkpoint", flush=True)
     ck.wait()  # rank 1 never votes: the parent stops this rank here
     raise AssertionError("the checkpoint completed without rank 1")
 
 
-SCENARIOS = {"train": train, "resume": resume, "kill": kill}
+def reload(directory: str, rank: int, mode: str, kind: str) -> None:
+    """After ``kill``: the latest checkpoint is the first, and a Checkpointer on the
+    directory clears the dead one's leftovers."""
+    model, opt, sched = model_and_optimizer(kind)
+    assert gockpt.load(directory, model, opt, scheduler=sched).step == SAVE_AT[0]
+    gockpt.Checkpointer(model, opt, directory, mode=mode).close()
+
+
+SCENARIOS = {"train": train, "resume": resume, "kill": kill, "reload": reload}
 
 
 def main():
     directory, scenario = sys.argv[1], sys.argv[2]
-    what, mode = scenario.split(":")
+    what, mode, kind = (scenario + ":ddp").split(":")[:3]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    SCENARIOS[what](directory, rank, mode)
+    SCENARIOS[what](directory, rank, mode, kind)
     print(f"rank {rank}: ok", flush=True)
     dist.destroy_process_group()
 
