@@ -266,7 +266,8 @@ def _check_params(path, target, expected, manifest) -> None:
         sliced = stored is not None or global_slice(target[name]) is not None
         stored = (stored["shape"], stored["offsets"]) if stored else (shape, [0] * len(shape))
         live = global_slice(target[name]) or (list(want.shape), [0] * want.dim())
-        if sliced and [list(v) for v in live] != [list(v) for v in stored]:
+        if sliced and ([list(v) for v in live] != [list(v) for v in stored]
+                       or list(want.shape) != shape):
             raise LoadError(
                 f"{path}: parameter {name!r} was stored as the block at {list(stored[1])} "
                 f"(of {shape}) of the global {list(stored[0])}, but this rank holds the block "

@@ -101,6 +101,8 @@ def test_fsdp2_shards_load_and_resume_bitwise(tmp_path, world, mode, capsys):
     directory = str(tmp_path / "fsdp2")
     run_ranks(directory, f"train:{mode}:fsdp2", world=world, worker=WORKER)
     run_ranks(directory, f"resume:{mode}:fsdp2", world=world, worker=WORKER)
+    if world == 2:  # sharded otherwise on as many ranks: refused before anything is written
+        run_ranks(directory, f"resharded:{mode}:fsdp2", world=world, worker=WORKER)
     for path in (os.path.join(directory, storage.checkpoint_name(f)) for f in SAVE_AT):
         top = storage.read_manifest(path)
         assert top["world_size"] == world and not top.get("replicated")

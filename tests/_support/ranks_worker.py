@@ -14,6 +14,7 @@ Scenarios (``SCENARIO`` is ``<what>:<mode>:<kind>``, kind ``ddp`` or ``fsdp2``):
     kill    a first checkpoint commits; during the second, rank 1 is killed inside its part's
             write (SIGKILL: no handler, no vote); the parent then stops the others
     reload  after ``kill``: the first checkpoint loads, a new Checkpointer clears leftovers
+    resharded  FSDP2 sharded by columns refuses the checkpoint sharded by rows (LoadError)
 """
 
 import os
@@ -48,19 +49,30 @@ def ordered_mean(group, bucket):
     return done
 
 
-def model_and_optimizer(kind: str = "ddp"):
+def layers(kind: str = "ddp") -> nn.Sequential:
     torch.manual_seed(0)  # every replica starts equal (DDP would broadcast rank 0's anyway)
     model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
                           nn.Linear(256, 64))
     if kind == "fsdp2":  # 3 rows on 4 ranks: one rank's shards of it are empty
         model.append(nn.Tanh())
         model.append(nn.Linear(64, 3))
-    if kind == "fsdp2":  # each Linear its own FSDP unit, then the root
-        from torch.distributed.fsdp import fully_shard
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        wrapped = fully_shard(model)
+    return model
+
+
+def fsdp2(model: nn.Sequential, placement=None) -> nn.Module:
+    """``model`` with each Linear its own FSDP unit, then the root (``placement``: FSDP2's
+    ``shard_placement_fn``, default Shard(0))."""
+    from torch.distributed.fsdp import fully_shard
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, shard_placement_fn=placement)
+    return fully_shard(model, shard_placement_fn=placement)
+
+
+def model_and_optimizer(kind: str = "ddp"):
+    model = layers(kind)
+    if kind == "fsdp2":
+        wrapped = fsdp2(model)
     else:
         wrapped = nn.parallel.DistributedDataParallel(model)
         wrapped.register_comm_hook(None, ordered_mean)
@@ -177,7 +189,25 @@ def reload(directory: str, rank: int, mode: str, kind: str) -> None:
     gockpt.Checkpointer(model, opt, directory, mode=mode).close()
 
 
-SCENARIOS = {"train": train, "resume": resume, "kill": kill, "reload": reload}
+def resharded(directory: str, rank: int, mode: str, kind: str) -> None:
+    """FSDP2 sharded along columns (Shard(1)) where the checkpoint's rows were: a LoadError
+    naming the parameter, before any byte of the model is written."""
+    from torch.distributed.tensor import Shard
+    plain = fsdp2(layers("fsdp2"), lambda p: Shard(p.dim() - 1))
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1)
+    before = gockpt.testing.snapshot(plain, opt)
+    try:
+        gockpt.load(directory, plain, opt)
+    except gockpt.LoadError as exc:
+        assert "sharded otherwise than when it was saved" in str(exc), str(exc)
+    else:
+        raise AssertionError("a checkpoint sharded by rows loaded into one sharded by columns")
+    same_model = gockpt.testing.first_difference(before, gockpt.testing.snapshot(plain, opt))
+    assert same_model is None, same_model
+
+
+SCENARIOS = {"train": train, "resume": resume, "kill": kill, "reload": reload,
+             "resharded": resharded}
 
 
 def main():
