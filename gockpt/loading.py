@@ -263,9 +263,10 @@ def _check_params(path, target, expected, manifest) -> None:
         want, shape = local(target[name]), list(manifest.logical_shape(ref))
         # where this rank's tensor lies in the global one (a plain tensor: all of it)
         stored = manifest.model.slices.get(manifest.model.aliases.get(name, name))
-        sliced = stored is not None or global_slice(target[name]) is not None
+        live = global_slice(target[name])
+        sliced = stored is not None or live is not None
         stored = (stored["shape"], stored["offsets"]) if stored else (shape, [0] * len(shape))
-        live = global_slice(target[name]) or (list(want.shape), [0] * want.dim())
+        live = live or (list(want.shape), [0] * want.dim())
         if sliced and ([list(v) for v in live] != [list(v) for v in stored]
                        or list(want.shape) != shape):
             raise LoadError(

@@ -24,10 +24,11 @@ def memory_order(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
 
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # a torch built without distributed support has none
     class DTensor:  # type: ignore[no-redef]
         pass
+    Shard = None
 
 
 def local(t):

@@ -10,7 +10,7 @@ from typing import Dict, Optional
 import torch
 
 from . import arithmetic
-from ..core.memory import DTensor, local
+from ..core.memory import DTensor, Shard, local
 from ..core.records import GroupScalars, Kernel
 from .claims import moments_weight_decay
 
@@ -28,22 +28,30 @@ def probe(cls, sc: GroupScalars, device: Optional[torch.device] = None,
     steps DTensors on its mesh with its placements (each rank its local shard, no collective),
     as it steps the training's."""
     device = torch.device("cpu") if device is None else torch.device(device)
-    layout = None if like is None else (like.device_mesh.ndim, tuple(map(str, like.placements)))
-    key = (cls, sc, torch.get_num_threads(), str(device), moments_only, layout)
+    placements = None if like is None else _flat_placements(like)
+    key = (cls, sc, torch.get_num_threads(), str(device), moments_only,
+           None if like is None else (like.device_mesh.ndim, tuple(map(str, placements))))
     if key not in _PROBED:
-        _PROBED[key] = _run_probe(cls, sc, device, moments_only, like)
+        _PROBED[key] = _run_probe(cls, sc, device, moments_only, like, placements)
     return _PROBED[key]
 
 
+def _flat_placements(like: torch.Tensor) -> tuple:
+    """``like``'s placements for the probe's 1-D tensors: a sharded dimension becomes dimension
+    0 (the update is elementwise: which dimension is split does not change a shard's
+    arithmetic; a row-parallel Shard(1) cannot place a 1-D tensor)."""
+    return tuple(Shard(0) if p.is_shard() else p for p in like.placements)
+
+
 def _run_probe(cls, sc: GroupScalars, device: torch.device, moments_only: bool = False,
-               like: Optional[torch.Tensor] = None) -> bool:
+               like: Optional[torch.Tensor] = None, placements: tuple = ()) -> bool:
     gen = torch.Generator().manual_seed(7)
     # CPU: an odd size; CUDA fused wants n % 4 == 0 for every tensor, and an odd one for the
     # moments alone
     n = _N - 1 if device.type == "cpu" or moments_only else _N
 
     def placed(t: torch.Tensor) -> torch.Tensor:  # as the training's parameters are
-        return t if like is None else DTensor.from_local(t, like.device_mesh, like.placements,
+        return t if like is None else DTensor.from_local(t, like.device_mesh, placements,
                                                          run_check=False)
 
     p = torch.nn.Parameter(placed((torch.rand(n, generator=gen) - 0.5).to(device)))

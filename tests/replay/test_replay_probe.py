@@ -82,3 +82,35 @@ def test_a_moments_only_probe_compares_the_moments_alone(fresh_cache, monkeypatc
         exp_avg[5] = torch.nextafter(exp_avg[5], torch.tensor(float("inf")))
     monkeypatch.setattr(arithmetic, "adam_replay", wrong_moment)
     assert probe_mod.probe(cls, scalars(impl, decoupled, lr=1e-2), moments_only=True) is False
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A 1-rank gloo process group and its CPU device mesh (torch.distributed.tensor needs
+    one to place a DTensor)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                         rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_the_probe_steps_dtensors_placed_like_the_parameters(fresh_cache, monkeypatch,
+                                                             one_rank_mesh, dim):
+    """FSDP2's Shard(0) and a row-parallel Shard(1) weight: the probe steps 1-D DTensors on
+    the same mesh (a sharded dimension moved to 0), and a wrong kernel still fails it."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    w = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), one_rank_mesh, [Shard(dim)]))
+    stepped = []
+    real = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **kw: stepped.append(
+        all(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]))
+        or real(self, *a, **kw))
+    assert probe_mod.probe(torch.optim.AdamW, scalars(), like=w)
+    assert stepped == [True] * 3
+    adapter_for(torch.optim.AdamW([w], lr=1e-3))  # the adapter's probe accepts it too
+    off_by_one_ulp(monkeypatch)
+    assert probe_mod.probe(torch.optim.AdamW, scalars(lr=2e-3), like=w) is False
