@@ -95,7 +95,8 @@ class Checkpointer:
         if self.config.replicated is None:
             self.config.replicated = is_replicated(model)
         self.plan = self.ranks.share(build_plan(model, optimizer, self.config.block_bytes,
-                                                self._min_blocks()), self.config.replicated)
+                                                self._min_blocks()), self.config.replicated,
+                                     self.config.global_slices)
         ensure_writable(self.config.directory)
         self.lock = lock_for_ranks(self.config.directory, self.ranks)
         self.adapter = None
@@ -372,7 +373,8 @@ class Checkpointer:
         groups' settings as at construction); host memory is allocated anew."""
         adapted = {s.name for s in self.plan.slots if s.at_f and not s.static}
         plan = self.ranks.share(build_plan(self.model, self.optimizer, self.config.block_bytes,
-                                           self._min_blocks()), self.config.replicated)
+                                           self._min_blocks()), self.config.replicated,
+                                self.config.global_slices)
         plan.copy_at_f(adapted)
         if self.policy.replays:
             self.adapter.close()

@@ -261,14 +261,14 @@ def _check_params(path, target, expected, manifest) -> None:
                             "does not have; load into a model of the same architecture")
         entry = manifest.tensors[ref.tensor]  # every reference was checked on reading
         want, shape = local(target[name]), list(manifest.logical_shape(ref))
-        # where this rank's tensor lies in the global one (a plain tensor: all of it)
+        # where this rank's tensor lies in the global one: a DTensor says it; a plain tensor
+        # is all of it -- or a block of a tensor the training partitions itself
+        # (Config.global_slices, which the load does not see: its rank's part is its block)
         stored = manifest.model.slices.get(manifest.model.aliases.get(name, name))
         live = global_slice(target[name])
-        sliced = stored is not None or live is not None
         stored = (stored["shape"], stored["offsets"]) if stored else (shape, [0] * len(shape))
-        live = live or (list(want.shape), [0] * want.dim())
-        if sliced and ([list(v) for v in live] != [list(v) for v in stored]
-                       or list(want.shape) != shape):
+        if live is not None and ([list(v) for v in live] != [list(v) for v in stored]
+                                 or list(want.shape) != shape):
             raise LoadError(
                 f"{path}: parameter {name!r} was stored as the block at {list(stored[1])} "
                 f"(of {shape}) of the global {list(stored[0])}, but this rank holds the block "

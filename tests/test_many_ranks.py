@@ -9,7 +9,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 
 import pytest
 import torch
@@ -20,8 +19,7 @@ from gockpt.cli import main as cli_main
 from gockpt.core import metrics
 from gockpt.storage.manifest import parse as parse_manifest
 from gockpt.storage.schema import is_small_tensor
-from tests._support import worker_command, worker_env
-from tests._support.dist_ranks import free_port, run_ranks
+from tests._support.dist_ranks import run_ranks, start_ranks
 from tests._support.ranks_worker import SAVE_AT, model_and_optimizer
 
 WORKER = "ranks_worker"
@@ -137,15 +135,47 @@ def test_fsdp2_shards_load_and_resume_bitwise(tmp_path, world, mode, capsys):
     assert not report.ok and "'0.weight'" in str(report), report
 
 
-@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world,mode", [pytest.param(2, "gockpt-o", id="2-gockpt-o"),
+                                        pytest.param(4, "async-o", id="4-async-o",
+                                                     marks=pytest.mark.slow)])
+def test_replicated_weights_in_shares_beside_each_ranks_own_partition(tmp_path, world, mode,
+                                                                     capsys):
+    """ZeRO-1's state (tests/_support/ranks_worker.py: ZeroLike): the weights every rank holds
+    are written once, in shares; each rank's fp32 partition and its AdamW state are its own
+    slice of one global tensor (Config.replicated names the weights, global_slices the
+    partition). Training with gockpt is bitwise training without; every checkpoint loads ==
+    live at F; a resume continues bit for bit."""
+    directory = str(tmp_path / "zero")
+    run_ranks(directory, f"train:{mode}:zero", world=world, worker=WORKER)
+    run_ranks(directory, f"resume:{mode}:zero", world=world, worker=WORKER)
+    path = storage.resolve(directory)
+    top = storage.read_manifest(path)
+    assert top["shares"] is True and not top.get("replicated")
+    index, held = top["index"], {}
+    assert [s[0] for s in index["master"]["slices"]] == list(range(world))
+    assert all("shares" in e for n, e in index.items() if n != "master")
+    for part, data in _parts(path):
+        m = parse_manifest(part, data)
+        assert set(m.model.slices) == {"master"} and m.optimizer.params == {0: "master"}
+        for name, ref in m.model.params.items():
+            n = ref.extent[1] - ref.extent[0] if ref.extent else math.prod(m.logical_shape(ref))
+            held[name] = held.get(name, 0) + n
+    # each element of each tensor once in the directory: replicated or partitioned
+    assert held == {name: math.prod(e["shape"]) for name, e in index.items()}
+    assert gockpt.verify(path).ok
+    capsys.readouterr()
+    assert cli_main(["inspect", directory]) == 0
+    out = capsys.readouterr().out
+    assert f"one replicated state in {world} shares" in out and "sharded (DTensor shards" in out
+    assert "master: global shape" in out
+
+
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow),
+                                  pytest.param("zero", marks=pytest.mark.slow)])
 def test_a_rank_killed_while_writing_its_part_leaves_the_previous_latest(tmp_path, kind):
     directory = str(tmp_path / kind)
-    port, world = free_port(), 2
-    procs = [subprocess.Popen(worker_command(WORKER, directory, f"kill:gockpt-o:{kind}"),
-                              env=worker_env(RANK=str(r), WORLD_SIZE=str(world),
-                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
+    world = 2
+    procs = start_ranks(directory, f"kill:gockpt-o:{kind}", world, WORKER)
     out1, err1 = procs[1].communicate(timeout=240)
     assert procs[1].returncode == -signal.SIGKILL, (out1, err1)
     assert "rank 1: killed in the write" in out1
@@ -159,9 +189,9 @@ def test_a_rank_killed_while_writing_its_part_leaves_the_previous_latest(tmp_pat
     assert not os.path.exists(os.path.join(directory, second))
     assert gockpt.verify(directory).ok
     # a restart loads it and clears the leftovers (DDP here on one rank: its state is
-    # replicated; FSDP2's per-rank shards on the same two ranks)
-    if kind == "fsdp2":
-        run_ranks(directory, "reload:gockpt-o:fsdp2", world=world, worker=WORKER)
+    # replicated; FSDP2's and ZeRO's per-rank shards on the same two ranks)
+    if kind != "ddp":
+        run_ranks(directory, f"reload:gockpt-o:{kind}", world=world, worker=WORKER)
     else:
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
                                              rank=0, world_size=1)
@@ -212,6 +242,7 @@ def test_inspect_shows_the_shares_and_verify_checks_their_cover(tmp_path, capsys
                      and "extent" in r)
     del m["model"]["params"][name]
     m["model"]["digests"].pop(name, None)
+    m["optimizer"]["params"] = {i: n for i, n in m["optimizer"]["params"].items() if n != name}
     from gockpt.storage.format import seal_manifest
     with open(os.path.join(part, storage.MANIFEST_FILE), "wb") as f:
         f.write(seal_manifest({k: v for k, v in m.items() if k != "manifest_crc32c"}))

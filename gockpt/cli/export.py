@@ -17,6 +17,7 @@ from ..storage.manifest import parse as parse_manifest
 from ..storage.schema import Manifest, is_small_tensor
 from ..storage.verify import read_parts
 from ..integrations.deepspeed import export as ds_export
+from ..integrations.deepspeed.export_files import read_parts as read_engine_parts
 from ..integrations.deepspeed.export_fp32 import consolidated_fp32
 from ..storage.statedict import model_state, optimizer_state
 from .common import (BadCheckpoint, UsageError, every_part, human, no_rank_for_single,
@@ -88,8 +89,9 @@ def _export_fp32(args) -> int:
     path, _run, warns = resolve_checkpoint(args.path)
     warn(warns)
     sources = every_part(path, read_manifest(path), "--to fp32")
-    sd = consolidated_fp32(sources)
-    step = parse_manifest(*sources[0]).step
+    parts = read_engine_parts(sources)
+    sd = consolidated_fp32(parts)
+    step = parts[0].m.step
     meta = {"format": "pt", "gockpt_step": str(step), "gockpt_source": os.path.abspath(path),
             "gockpt_dtype": "fp32 master weights"}
     written, _, _ = _save_safetensors(args.out, sd, {}, meta)

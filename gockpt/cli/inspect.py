@@ -144,9 +144,12 @@ def _print_layout(layout: dict) -> None:
             print(f"               ... and {len(split) - 4} more")
     elif layout["replicated"]:
         print(f"layout       replicated: every one of the {n} parts holds the whole state")
-    elif layout.get("sharded"):
-        sharded = layout["sharded"]
-        print(f"layout       sharded (DTensor: FSDP2 / tensor parallel): {len(sharded)} "
+    elif not layout.get("sharded"):
+        print(f"layout       per-rank state: each part holds its own rank's (loads on {n} ranks)")
+    sharded = layout.get("sharded")
+    if sharded:
+        print(f"{'and' if layout['shares'] else 'layout':<13}sharded (DTensor shards: FSDP2 / "
+              f"tensor parallel; ZeRO partitions): {len(sharded)} "
               f"parameters in slices across the {n} parts,\n"
               "             their optimizer state sliced alike (the global index in the "
               f"manifest; loads on {n} ranks sharded alike)")
@@ -154,8 +157,6 @@ def _print_layout(layout: dict) -> None:
             print(f"               {name}: global shape {e['shape']}, {e['slices']} slices")
         if len(sharded) > 4:
             print(f"               ... and {len(sharded) - 4} more")
-    else:
-        print(f"layout       per-rank state: each part holds its own rank's (loads on {n} ranks)")
 
 
 def _print_header(s: dict, none: str = "none") -> None:

@@ -12,6 +12,7 @@ import torch
 from .. import storage
 from ..storage.manifest import parse as parse_manifest
 from ..storage.schema import Manifest
+from ..storage.shares import own_state
 from ..storage.verify import Part, world_size_problems
 from .common import disk_usage, human, iso, mtime, one_line, select_part
 
@@ -123,7 +124,11 @@ def _layout(data: dict, parts: List[Part]) -> dict:
     for part in parts:
         if part.data is None:
             continue
-        for _, what, ref, _ in parse_manifest("", tolerant=True, data=part.data).stored_refs():
+        m = parse_manifest("", tolerant=True, data=part.data)
+        own = own_state(m)  # a rank's own slice of a global tensor: in "sharded", not shares
+        for _, what, ref, key in m.stored_refs():
+            if own(key):
+                continue
             holders.setdefault(what, set()).add(part.rank)
             if ref.extent is not None:
                 split.add(what)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import ConfigError, StorageError
 from .modes import MODES, POLICIES, Mode, ModePolicy
@@ -134,12 +134,25 @@ class Config:
     layer's contract on a machine without one, to develop, test and benchmark the overlap.
     ``None``: copies at memory speed."""
 
-    replicated: Optional[bool] = None
-    """Whether every rank holds the same model and optimizer state (data parallelism): such a
-    checkpoint may be loaded on another number of ranks (each reads one part). ``None``:
-    detected when the Checkpointer is built -- true for a ``DistributedDataParallel`` or
-    ``DataParallel`` model (compiled or not). Per-rank state (``False``) loads only on the
-    number of ranks that wrote it."""
+    replicated: Union[None, bool, Collection[str]] = None
+    """Which state every rank holds identically (data parallelism). The replicas split it into
+    disjoint shares balanced by bytes: each rank copies, replays and writes about 1/N of it.
+    ``None``: detected when the Checkpointer is built -- true for a ``DistributedDataParallel``
+    or ``DataParallel`` model (compiled or not). ``True``: all of it (such a checkpoint may be
+    loaded on another number of ranks). ``False``: each rank its own state, loaded only on the
+    number of ranks that wrote it. A collection of parameter names (``state_dict`` names as
+    the checkpoint stores them, without wrapper prefixes): those parameters and their
+    optimizer state are replicated and split; every other parameter must be this rank's block
+    of a global tensor -- a DTensor, or named in ``global_slices`` -- as DeepSpeed ZeRO 1/2's
+    module weights (replicated) and fp32 master partitions (one per rank). Kept as a
+    ``frozenset``."""
+
+    global_slices: Optional[Mapping[str, Tuple[Sequence[int], Sequence[int]]]] = None
+    """Parameters that are this rank's block of a larger tensor partitioned across the ranks by
+    your own code (a DTensor says so itself): parameter name -> ``(global shape, offsets of
+    this rank's tensor in it)``, one int per dimension. Recorded in the rank's part and in the
+    checkpoint's global index (as DeepSpeed ZeRO's flat fp32 partitions are: 1-D slices of
+    each flat param group). Loaded on the number of ranks that wrote it."""
 
     storage_writer: Optional[Callable] = None
     """Storage plugin: ``storage_writer(root, name)`` returns the writer of one checkpoint, a
@@ -209,7 +222,14 @@ class Config:
             raise ConfigError(f"grad_multiplier must be None or a callable, got "
                               f"{self.grad_multiplier!r}")
         if self.replicated is not None and not isinstance(self.replicated, bool):
-            raise ConfigError(f"replicated must be None, True or False, got {self.replicated!r}")
+            if isinstance(self.replicated, (str, bytes)) or not isinstance(
+                    self.replicated, Collection) or not all(
+                    isinstance(n, str) for n in self.replicated):
+                raise ConfigError("replicated must be None, True, False or a collection of "
+                                  f"parameter names, got {self.replicated!r:.80}")
+            self.replicated = frozenset(self.replicated)
+        if self.global_slices is not None:
+            self.global_slices = _global_slices(self.global_slices)
         if self.storage_writer is not None and not callable(self.storage_writer):
             raise ConfigError(f"storage_writer must be a callable (root, name) -> writer, got "
                               f"{self.storage_writer!r}")
@@ -226,6 +246,25 @@ class Config:
     def fixed_overlap_steps(self) -> Optional[int]:
         """K when it does not depend on measurements, else ``None``."""
         return self.policy.fixed_k or self.overlap_steps
+
+
+def _global_slices(value) -> Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """``Config.global_slices`` checked: name -> (global shape, offsets), tuples of ints."""
+    def ints(v) -> bool:
+        return isinstance(v, Sequence) and not isinstance(v, (str, bytes)) and all(
+            type(x) is int and x >= 0 for x in v)
+
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"global_slices must be a mapping name -> (global shape, offsets), "
+                          f"got {value!r:.80}")
+    out = {}
+    for name, entry in value.items():
+        if not isinstance(name, str) or not isinstance(entry, Sequence) or len(entry) != 2 \
+                or not ints(entry[0]) or not ints(entry[1]) or len(entry[0]) != len(entry[1]):
+            raise ConfigError(f"global_slices[{name!r}] must be (global shape, offsets): two "
+                              f"sequences of ints >= 0 of one length, got {entry!r:.80}")
+        out[name] = (tuple(entry[0]), tuple(entry[1]))
+    return out
 
 
 def check_step(step) -> None:

@@ -38,6 +38,8 @@ class Slot:
     param_at_f: bool = False       # its parameter copied at F (the replay does not reproduce
     #                                its update), its moments replayed over the window
     extent: Tuple[int, int] = (0, -1)  # elements [lo, hi) in memory order this rank holds
+    replicated: bool = True        # the same on every replica: split among them when the ranks
+    #                                take shares (False: this rank's own, kept whole)
 
     def __post_init__(self):
         self.strides = tuple(self.local.stride())
@@ -268,29 +270,36 @@ class Plan:
         without a collective. A share may be empty (more replicas than blocks)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"the number of shares must be an int >= 1, got {n!r}")
+        blocks = [b for b in self.blocks if self.slots[b.slot].replicated]
         weights = [b.numel * (self.slots[b.slot].local.element_size()
-                              + (0 if self.slots[b.slot].static else 8)) for b in self.blocks]
-        return split_by_weight(self.blocks, weights, n)
+                              + (0 if self.slots[b.slot].static else 8)) for b in blocks]
+        return split_by_weight(blocks, weights, n)
 
 
     def take_share(self, rank: int, n: int) -> None:
-        """Hold only share ``rank`` of :meth:`shares` ``(n)`` from now on: its blocks are the
-        ones this replica copies, replays and writes, and each slot's extent narrows to its
-        elements there (empty where the slot lies in other shares); ``k_cap`` is the same on
-        every replica. Called once, right after planning (nothing derived from the blocks is
-        built yet)."""
+        """Hold only share ``rank`` of :meth:`shares` ``(n)`` from now on, and every block of
+        the slots that are this rank's own (not :attr:`Slot.replicated`): these are the blocks
+        this replica copies, replays and writes, and each replicated slot's extent narrows to
+        its elements in the share (empty where the slot lies in other shares); ``k_cap`` is
+        the fewest blocks any replica replays (its own counted as this rank's: the ranks agree
+        on it where their own slots differ). Called once, right after planning (nothing
+        derived from the blocks is built yet)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
             raise ConfigError(f"share {rank!r} of {n!r} asked: expected 0 <= rank < n")
         every = self.shares(n)
-        mine = every[rank]
-        self.k_cap = max(1, min(sum(not self.slots[b.slot].at_f for b in share)
-                                for share in every))
+        picked = set(every[rank])
+        mine = [b for b in self.blocks if b in picked or not self.slots[b.slot].replicated]
+        own = sum(not self.slots[b.slot].at_f for b in self.blocks
+                  if not self.slots[b.slot].replicated)
+        self.k_cap = max(1, own + min(sum(not self.slots[b.slot].at_f for b in share)
+                                      for share in every))
         extents: Dict[int, Tuple[int, int]] = {}
-        for b in mine:  # a share is contiguous: one run of blocks per slot
+        for b in every[rank]:  # a share is contiguous: one run of blocks per slot
             lo, hi = extents.get(b.slot, (b.start, b.end))
             extents[b.slot] = (min(lo, b.start), max(hi, b.end))
         for si, s in enumerate(self.slots):
-            s.extent = extents.get(si, (0, 0))
+            if s.replicated:
+                s.extent = extents.get(si, (0, 0))
         self.blocks, self.share = mine, (rank, n)
         self._at_f_table = None
         self._windows.clear()
@@ -359,6 +368,57 @@ def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         for start in range(0, n, elems):
             blocks.append(Block(si, start, min(n, start + elems)))
     return Plan(slots, blocks, aliases, fingerprint(optimizer), elems)
+
+
+def mark_parallel(plan: Plan, replicated, global_slices) -> bool:
+    """Mark which slots the ranks hold alike (``Config.replicated``: True, False or parameter
+    names) and where a plain tensor lies in a global one (``Config.global_slices``). Returns
+    whether any slot is replicated. ConfigError naming a parameter the plan does not have, a
+    DTensor named in ``global_slices`` (its place is its own), a block that does not fit its
+    global shape, or -- names given -- a parameter both replicated and a slice, or neither (a
+    checkpoint in shares holds one global state: what is not replicated must say where it
+    lies)."""
+    by_name = {s.name: s for s in plan.slots}
+
+    def slot(name: str, option: str) -> Slot:
+        found = by_name.get(plan.aliases.get(name, name))
+        if found is None:
+            known = ", ".join(list(by_name)[:4]) + (", ..." if len(by_name) > 4 else "")
+            raise ConfigError(f"Config.{option} names {name!r}, which is not a parameter of "
+                              f"the model ({known})")
+        return found
+
+    for name, (shape, offsets) in (global_slices or {}).items():
+        s = slot(name, "global_slices")
+        if s.global_slice is not None:
+            raise ConfigError(f"Config.global_slices names {name!r}, a DTensor: its place in "
+                              "the global tensor is its own")
+        lengths = tuple(s.local.shape)
+        if len(shape) != len(lengths) or any(o + n > d for o, n, d in
+                                             zip(offsets, lengths, shape)):
+            raise ConfigError(f"Config.global_slices[{name!r}]: a block of {list(lengths)} at "
+                              f"{list(offsets)} does not fit in the global shape {list(shape)}")
+        s.global_slice = (tuple(shape), tuple(offsets))
+    if replicated is None or isinstance(replicated, bool):
+        if replicated and global_slices:
+            raise ConfigError("Config(replicated=True) with global_slices: a slice of a "
+                              "partitioned tensor is no replica; name the replicated "
+                              "parameters instead")
+        for s in plan.slots:
+            s.replicated = bool(replicated)
+        return bool(replicated) and bool(plan.slots)
+    named = {slot(n, "replicated").name for n in replicated}
+    for s in plan.slots:
+        s.replicated = s.name in named
+        if s.replicated and s.global_slice is not None:
+            raise ConfigError(f"parameter {s.name!r} is named in Config.replicated but is a "
+                              "slice of a global tensor (a DTensor or in global_slices)")
+        if not s.replicated and s.global_slice is None:
+            raise ConfigError(
+                f"parameter {s.name!r} is neither in Config.replicated nor a slice of a global "
+                "tensor (a DTensor, or named in Config.global_slices): with some parameters "
+                "replicated, the others must say where they lie")
+    return bool(named)
 
 
 def _block_elems(elems: int, sizes: List[int], min_blocks: int) -> int:

@@ -64,6 +64,10 @@ def parse(path: str, data: dict, *, tolerant: bool = False) -> Manifest:
     small = data.get("small") if isinstance(data.get("small"), dict) else {}
     check(all(s in small for s in SMALL_SECTIONS), "the 'small' section is missing or incomplete")
     optimizer = _optimizer(data.get("optimizer"), check)
+    if optimizer is not None and not check(set(optimizer.params.values()) <= set(params),
+                                           "the optimizer's 'params' name parameters the "
+                                           "model section does not store"):
+        optimizer.params = {}
     m = Manifest(
         **{k: data.get(k, default) for k, default in
            (("step", None), ("start_step", None), ("mode", None), ("overlap_steps", None),
@@ -92,8 +96,13 @@ def _optimizer(opt, check) -> Optional[OptimizerSection]:
                                              for i, d in digests.items()),
                  "the optimizer's 'digests' are malformed or name state it does not store"):
         digests = digests or {}
+    params = opt.get("params", {})
+    if not check(isinstance(params, dict) and all(_is_index(i) and isinstance(n, str)
+                                                  for i, n in params.items()),
+                 "the optimizer's 'params' are malformed"):
+        params = {}
     return OptimizerSection(opt.get("class") if isinstance(opt.get("class"), str) else "",
-                            aligned, digests)
+                            aligned, digests, {int(i): n for i, n in params.items()})
 
 
 def _checked(self: Manifest, bad) -> Manifest:

@@ -229,7 +229,7 @@ class Persister:
                 top = PartsManifest(job.handle.final_step, job.metrics.start_step,
                                     self.config.mode, job.k,
                                     [part_name(r) for r in range(self.ranks.world_size)],
-                                    replicated=bool(self.config.replicated),
+                                    replicated=self.config.replicated is True,
                                     shares=job.plan.share[1] > 1, index=self._index(job.plan))
                 path = self.ranks.commit(self.config.directory, name, write_part, top,
                                          self.new_writer)
@@ -291,13 +291,14 @@ class Persister:
             manifest = Manifest(
                 step=job.handle.final_step, start_step=m.start_step, mode=self.config.mode,
                 overlap_steps=job.k, rank=self.ranks.rank, world_size=self.ranks.world_size,
-                replicated=bool(self.config.replicated),
+                replicated=self.config.replicated is True,
                 model=ModelSection(self._layout(job).param_refs, job.plan.aliases,
                                    {job.plan.slots[si].name: d for (si, key), d in
                                     job.digests.items() if key is None},
                                    index.part_slices(job.plan)),
                 optimizer=OptimizerSection(self.optimizer_class, self._layout(job).state_refs,
-                                           _state_digests(job)),
+                                           _state_digests(job),
+                                           _state_params(job, self._layout(job).state_refs)),
                 small=job.small, metrics=m.to_dict())
             t_commit = time.perf_counter()
             path = writer.commit(manifest.to_json(), update_latest=update_latest)
@@ -307,6 +308,11 @@ class Persister:
         except BaseException:
             writer.abort()
             raise
+
+
+def _state_params(job: Job, state_refs: Dict[int, dict]) -> Dict[int, str]:
+    """The parameter of each optimizer state index whose aligned state this part stores."""
+    return {s.opt_index: s.name for s in job.plan.slots if s.opt_index in state_refs}
 
 
 def _state_digests(job: Job) -> Dict[int, Dict[str, str]]:

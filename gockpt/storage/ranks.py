@@ -20,7 +20,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..core.errors import ConfigError, StorageError
-from ..core.plan import Plan
+from ..core.plan import Plan, mark_parallel
 from .format import TMP_PREFIX
 from .schema import PartsManifest, part_name
 
@@ -67,24 +67,30 @@ class Ranks:
         """Whether ``value`` is the same on every rank (training thread)."""
         return self.agree_max(value) == -self.agree_max(-value)
 
-    def share(self, plan: Plan, replicated: bool) -> Plan:
-        """``plan`` narrowed to this rank's share (:meth:`Plan.take_share`) when the ranks are
-        replicas (``replicated``) of one state: each copies, replays and writes 1/N of it.
-        Every rank must have planned the same tensors (ConfigError otherwise: the shares
-        would not fit together). Training thread, on every rank."""
-        if not (self.several and replicated):
+    def share(self, plan: Plan, replicated, global_slices=None) -> Plan:
+        """``plan`` with its slots marked (:func:`~gockpt.core.plan.mark_parallel`:
+        ``Config.replicated`` / ``global_slices``) and, when the ranks are replicas of some of
+        it, narrowed to this rank's share of that (:meth:`Plan.take_share`): each copies,
+        replays and writes 1/N of it, and all of its own. Every rank must have planned the
+        same replicated tensors (ConfigError otherwise: the shares would not fit together).
+        Training thread, on every rank."""
+        shared = mark_parallel(plan, replicated, global_slices)
+        if not (self.several and shared):
             return plan
         signature = repr([(s.name, tuple(s.local.shape), str(s.local.dtype), s.opt_index,
-                           s.dims, s.global_slice) for s in plan.slots]
-                         + [plan.block_elems, len(plan.blocks)])
+                           s.dims, s.global_slice) for s in plan.slots if s.replicated]
+                         + [plan.block_elems,
+                            sum(plan.slots[b.slot].replicated for b in plan.blocks)])
         if not self.same(zlib.crc32(signature.encode())):
             raise ConfigError(
-                "Config(replicated=True) but the ranks do not plan the same state (parameter "
-                "names, shapes, dtypes or optimizer order, or block_bytes / overlap_steps "
-                "differ): replicas split their state into shares only if it is one state cut "
-                "alike; pass the same options on every rank, or replicated=False for per-rank "
-                "state")
+                "Config.replicated but the ranks do not plan the same replicated state "
+                "(parameter names, shapes, dtypes or optimizer order, or block_bytes / "
+                "overlap_steps differ): replicas split their state into shares only if it is "
+                "one state cut alike; pass the same options on every rank, or "
+                "replicated=False for per-rank state")
         plan.take_share(self.rank, self.world_size)
+        # the ranks' own slots may differ: a K that every rank's blocks can fill
+        plan.k_cap = -self.agree_max(-plan.k_cap)
         return plan
 
     def gather(self, value) -> Optional[List]:

@@ -124,6 +124,10 @@ class OptimizerSection:
     stored."""
     digests: Dict[int, Dict[str, str]] = field(default_factory=dict)
     """Optimizer state index -> key -> the digest of the live state tensor at F."""
+    params: Dict[int, str] = field(default_factory=dict)
+    """Optimizer state index -> the parameter (``state_dict`` name) whose state it is, for each
+    index whose aligned state this part stores (empty in earlier checkpoints, where the
+    optimizer's order alone said it)."""
 
 
 class _Absent:
@@ -212,6 +216,9 @@ class Manifest:
                                             for i, refs in self.optimizer.aligned.items()},
                                 "digests": {str(i): dict(d) for i, d in
                                             self.optimizer.digests.items()}}
+            if self.optimizer.params:
+                out["optimizer"]["params"] = {str(i): n for i, n in
+                                              self.optimizer.params.items()}
         return out
 
     def stored_refs(self) -> List[Tuple[str, str, TensorRef, tuple]]:

@@ -65,14 +65,29 @@ def cover_problem(what: str, runs: List[Tuple[int, int, str]], numel: int) -> Op
     return None
 
 
+def own_state(m: Manifest) -> Callable[[tuple], bool]:
+    """Whether a :meth:`Manifest.stored_refs` key of part ``m`` is this part's own state -- a
+    parameter that is its rank's slice of a global tensor (``model.slices``: a DTensor shard,
+    a ZeRO partition) or such a parameter's optimizer state -- which no share of another part
+    completes: it is never put together, and only its rank reads it."""
+    params = set(m.model.slices)
+    states = {i for i, n in (m.optimizer.params if m.optimizer is not None else {}).items()
+              if n in params}
+    return lambda key: key[1] in params if key[0] is None else key[0] in states
+
+
 def coverage_problems(parts: List[Manifest]) -> List[str]:
-    """From the manifests of a checkpoint's parts alone (nothing read): every tensor whose
-    shares do not cover it exactly once, or whose parts disagree on its shape."""
+    """From the manifests of a checkpoint's parts alone (nothing read): every replicated
+    tensor whose shares do not cover it exactly once, or whose parts disagree on its shape
+    (each part's own state is checked by the global index: :mod:`.index`)."""
     runs: Dict[str, list] = {}
     shapes: Dict[str, Tuple[int, ...]] = {}
     problems = []
     for m in parts:
-        for name, what, ref, _ in m.stored_refs():
+        own = own_state(m)
+        for name, what, ref, key in m.stored_refs():
+            if own(key):
+                continue
             shape = tuple(m.logical_shape(ref))
             if shapes.setdefault(name, shape) != shape:
                 problems.append(f"part {m.rank} stores {what} as {list(shape)}, another "
@@ -88,36 +103,55 @@ def coverage_problems(parts: List[Manifest]) -> List[str]:
 
 def gather(path: str, own: Manifest, *, verify: bool,
            check: Callable[[str, Manifest, dict], None]) -> Optional[Tuple[Manifest, dict]]:
-    """A checkpoint at ``path`` (its top-level directory) written in shares, put together:
-    ``own`` (the part whose small state this rank restores) with every parameter and aligned
-    optimizer state tensor referenced whole, and those tensors (stored name -> tensor, in
-    memory order). None for a checkpoint not written in shares.
+    """A checkpoint at ``path`` (its top-level directory) written in shares, put together for
+    the rank of part ``own`` (whose small state that rank restores): ``own`` with every
+    replicated parameter and aligned optimizer state tensor referenced whole, its own state
+    (:func:`own_state`) as it stored it, and the tensors those references read (stored name
+    -> tensor). None for a checkpoint not written in shares.
 
-    Every part is read (checksums unless ``verify=False``) and handed to ``check(part path,
-    its manifest, its tensors)`` as read -- the digests of the live state at F were taken per
-    share -- before its pieces are put in place. CorruptCheckpointError naming the tensor when
-    the parts do not cover it exactly once, or disagree on its shape or dtype."""
+    Every part's shares are read (checksums unless ``verify=False``), and only ``own``'s own
+    state; each part is handed to ``check(part path, its manifest, its tensors)`` as read --
+    the digests of the live state at F were taken per share -- before its pieces are put in
+    place. CorruptCheckpointError naming the tensor when the parts do not cover it exactly
+    once, or disagree on its shape or dtype."""
+    together = read_together(path, verify=verify, check=check, rank=own.rank)
+    return None if together is None else together[own.rank]
+
+
+def read_together(path: str, *, verify: bool, check: Callable[[str, Manifest, dict], None],
+                  rank: Optional[int] = None) -> Optional[Dict[int, Tuple[Manifest, dict]]]:
+    """:func:`gather` for the rank ``rank`` (None: every rank, each part read once): rank ->
+    (its part's manifest with the replicated tensors referenced whole, the tensors its
+    references read -- the replicated ones shared by every rank, small state not included).
+    None for a checkpoint not written in shares."""
     data = read_manifest(path)
     if data.get("shares") is not True:
         return None
     wholes: Dict[str, _Whole] = {}
-    params: Dict[str, TensorRef] = {}
-    aligned: Dict[int, Dict[str, TensorRef]] = {}
+    manifests: Dict[int, Manifest] = {}
+    owned: Dict[int, Tuple[list, dict]] = {}  # rank -> (its own refs, the tensors they read)
     names = parts_of(path, data)
-    for rank, part in enumerate(names):
+    for r, part in enumerate(names):
         ppath = os.path.join(path, part)
         m = parse(ppath, read_manifest(ppath))
-        if (m.step, m.rank, m.world_size) != (data.get("step"), rank, len(names)):
+        if (m.step, m.rank, m.world_size) != (data.get("step"), r, len(names)):
             raise CorruptCheckpointError(
                 f"checkpoint {path!r}: {part} is rank {m.rank} of {m.world_size} at step "
-                f"{m.step}, listed as rank {rank} of {len(names)} at step {data.get('step')}: "
+                f"{m.step}, listed as rank {r} of {len(names)} at step {data.get('step')}: "
                 "its share belongs to another checkpoint")
-        refs = m.stored_refs()
-        tensors = read_tensors(ppath, m, sorted({r.tensor for _, _, r, _ in refs}),
-                               verify=verify)
+        is_own = own_state(m)
+        mine = rank is None or r == rank
+        refs = [x for x in m.stored_refs() if mine or not is_own(x[3])]
+        tensors = read_tensors(ppath, m, sorted({x[2].tensor for x in refs}), verify=verify)
         if verify:
-            check(ppath, m, tensors)
+            check(ppath, m, tensors)  # (the digests of the tensors read)
+        if mine:
+            manifests[r] = m
+            owned[r] = ([x for x in refs if is_own(x[3])], {})
         for name, what, ref, key in refs:
+            if is_own(key):
+                owned[r][1][ref.tensor] = tensors[ref.tensor]
+                continue
             dtype = CODE_TO_DTYPE[m.tensors[ref.tensor]["dtype"]]
             shape = tuple(m.logical_shape(ref))
             whole = wholes.get(name)
@@ -135,18 +169,34 @@ def gather(path: str, own: Manifest, *, verify: bool,
             else:
                 whole.put(part, ref.extent[0], piece)
         del tensors
-    out = {}
-    table = {n: e for n, e in own.tensors.items() if n.startswith("small/")}
+    stored: Dict[str, torch.Tensor] = {}
+    params: Dict[str, TensorRef] = {}
+    aligned: Dict[int, Dict[str, TensorRef]] = {}
+    table = {}
     for name, whole in wholes.items():
         whole.check(path)
-        out[name] = whole.stored()
+        stored[name] = whole.stored()
         whole_ref = TensorRef(name, dims=whole.dims)
         if whole.key[0] is None:
             params[whole.key[1]] = whole_ref
         else:
             aligned.setdefault(whole.key[0], {})[whole.key[1]] = whole_ref
-        table[name] = {"dtype": DTYPE_TO_CODE[whole.dtype], "shape": list(out[name].shape)}
-    optimizer = None if own.optimizer is None else OptimizerSection(own.optimizer.cls, aligned)
-    merged = replace(own, model=ModelSection(params, dict(own.model.aliases)),
-                     optimizer=optimizer, tensors=table)
-    return merged, out
+        table[name] = {"dtype": DTYPE_TO_CODE[whole.dtype], "shape": list(stored[name].shape)}
+    out = {}
+    for r, m in manifests.items():
+        refs, tensors = owned[r]
+        own_params, own_aligned = dict(params), {i: dict(by) for i, by in aligned.items()}
+        for _, _, ref, (idx, key) in refs:
+            if idx is None:
+                own_params[key] = ref
+            else:
+                own_aligned.setdefault(idx, {})[key] = ref
+        own_table = {n: e for n, e in m.tensors.items() if n.startswith("small/")}
+        own_table.update(table)
+        own_table.update({n: m.tensors[n] for n in tensors})
+        optimizer = None if m.optimizer is None else \
+            OptimizerSection(m.optimizer.cls, own_aligned, params=dict(m.optimizer.params))
+        model = ModelSection(own_params, dict(m.model.aliases), slices=dict(m.model.slices))
+        out[r] = (replace(m, model=model, optimizer=optimizer, tensors=own_table),
+                  {**stored, **tensors})
+    return out

@@ -11,12 +11,16 @@ scenario (see ``PLAIN_KEYS``)."""
 
 import copy
 import json
+import math
 import os
 
 import torch
 
 import gockpt
+from gockpt import storage
 from gockpt.storage.commit import read_latest
+from gockpt.storage.manifest import parse
+from gockpt.storage.reader import read_manifest
 from tests._support.dist_ranks import run_ranks
 
 WORKER = "deepspeed_worker"  # a module of tests._support
@@ -89,6 +93,8 @@ def check_checkpoint_and_resume(tmp_path, stage, world, extra, transport=None):
         assert resumed[r]["losses"] == plain[r]["losses"][final * gas:]
         assert_states_equal(resumed[r]["final"], plain[r]["final"], f"rank {r}: resumed vs plain")
     assert read_latest(str(tmp_path / "ckpt"))[0] == f"step-{final:09d}"
+    if world > 1:
+        assert_each_replicated_byte_once(tmp_path / "ckpt", stage)
     assert_fp32_export_matches(tmp_path, saved[0]["live"])
     records = gockpt.metrics.read(str(tmp_path / "ckpt"), rank=0)
     assert [m["final_step"] for m in records] == SAVES
@@ -97,6 +103,26 @@ def check_checkpoint_and_resume(tmp_path, stage, world, extra, transport=None):
     if transport is not None:  # the replay modes: how the replayed gradients crossed
         assert records[-1]["grad_transport"] == transport
         assert records[-1]["grad_steps"] == k - 1
+
+
+def assert_each_replicated_byte_once(directory, stage):
+    """The latest checkpoint in ``directory`` of several data-parallel ranks holds what they
+    hold alike once (the module's weights; under ZeRO 0 everything, as shares) and each ZeRO
+    1/2 fp32 partition as its rank's slice of the flat group, as the global index says."""
+    path = storage.resolve(str(directory))
+    top = read_manifest(path)
+    assert top["shares"] is True
+    held = {}
+    for name in top["ranks"]:
+        m = parse(os.path.join(path, name), read_manifest(os.path.join(path, name)))
+        for param, ref in m.model.params.items():
+            n = ref.extent[1] - ref.extent[0] if ref.extent else math.prod(m.logical_shape(ref))
+            held[param] = held.get(param, 0) + n
+    index = top["index"]
+    assert held == {name: math.prod(e["shape"]) for name, e in index.items()}, (held, index)
+    for name, e in index.items():
+        partitioned = stage > 0 and name.startswith("master_")
+        assert ("slices" if partitioned else "shares") in e, (name, e)
 
 
 def assert_fp32_export_matches(tmp_path, live):

@@ -17,11 +17,14 @@ live state at the last one is dumped), "resume" (a fresh engine loads the checkp
 engine), "plain-load" (DeepSpeed alone -- gockpt not installed, and not even importable until
 the load is done -- loads the DeepSpeed checkpoint in "load_dir", e.g. one written by
 `gockpt export --to deepspeed`, and trains on).  Each rank writes OUT/<run>-rank<r>.pt: losses
-and states.
+and states.  "kill" (gockpt): a checkpoint at the first step of "save_at" commits; in the
+second's write rank 1 kills itself (SIGKILL), and every other rank waits for a commit that
+cannot come (the test stops it, as torchrun would).
 """
 
 import json
 import os
+import signal
 import sys
 import warnings
 
@@ -95,6 +98,21 @@ def live_state(engine):
                                            engine.skipped_steps]}
 
 
+def killed_in_write():
+    """The storage plugin of the "kill" run: its writer kills its process once ``armed``."""
+    from gockpt import storage
+
+    class KilledInWrite(storage.CheckpointWriter):
+        armed = False
+
+        def write_tensors(self, tensors):
+            if KilledInWrite.armed:
+                print(f"rank {torch.distributed.get_rank()}: killed in the write", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().write_tensors(tensors)
+    return KilledInWrite
+
+
 class NoGockpt:
     """An import hook that refuses gockpt: the plain-load run builds and loads without it."""
 
@@ -112,8 +130,10 @@ def main():
         from gockpt.integrations import deepspeed as gockpt_ds
     run, rank = sc["run"], int(os.environ["RANK"])
     ck_dir = os.path.join(out_dir, "ckpt")
-    if run in ("patched", "save", "resume", "native-load"):
-        gockpt_ds.install(**sc.get("options", {}))
+    writer = killed_in_write() if run == "kill" else None
+    if run in ("patched", "save", "resume", "native-load", "kill"):
+        gockpt_ds.install(**sc.get("options", {}),
+                          **({"storage_writer": writer} if writer else {}))
     engine = build(sc)
     out = {"losses": []}
     if run in ("resume", "native-load", "plain-load"):
@@ -141,6 +161,14 @@ def main():
         saves = sc["save_at"] if isinstance(sc["save_at"], list) else [sc["save_at"]]
 
         def at(step):  # "save" through gockpt, "native-save" DeepSpeed's own
+            if run == "kill" and step in saves[:2]:
+                engine.save_checkpoint(ck_dir, client_state={"data_pos": engine.global_steps,
+                                                             "rank": rank})
+                print(f"rank {rank}: waiting for the checkpoint of step {step}", flush=True)
+                gockpt_ds.wait(engine)  # the second: rank 1 never votes; stopped here
+                if step == saves[1]:
+                    raise AssertionError("the checkpoint completed without rank 1")
+                writer.armed = rank == 1
             if run in ("save", "native-save") and step in saves:
                 # values of this step: the checkpoint must be this step's state
                 engine.save_checkpoint(ck_dir, client_state={"data_pos": engine.global_steps,

@@ -16,17 +16,21 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(directory, scenario, world=2, worker=WORKER, timeout=240):
-    """Run ``python -m tests._support.<worker> DIRECTORY SCENARIO`` as ``world`` gloo ranks;
-    returns (stdout, stderr) each."""
+def start_ranks(directory, scenario, world=2, worker=WORKER):
+    """Start ``python -m tests._support.<worker> DIRECTORY SCENARIO`` as ``world`` gloo ranks;
+    returns their processes (stdout and stderr piped, text)."""
     port = free_port()
-    procs = []
-    for rank in range(world):
-        env = worker_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(worker_command(worker, directory, scenario),
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+    return [subprocess.Popen(worker_command(worker, directory, scenario),
+                             env=worker_env(RANK=str(rank), WORLD_SIZE=str(world),
+                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in range(world)]
+
+
+def run_ranks(directory, scenario, world=2, worker=WORKER, timeout=240):
+    """:func:`start_ranks` and check that every rank finished; returns (stdout, stderr)
+    each."""
+    procs = start_ranks(directory, scenario, world, worker)
     outs = [p.communicate(timeout=timeout) for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {rank}:\n{out}\n{err}"

@@ -3,7 +3,9 @@ DistributedDataParallel model whose replicas split the checkpoint into shares, o
 model (``fully_shard``: DTensor parameters, each rank its local shards; gradients clipped over
 DTensors and accumulated over two micro-batches). Exits non-zero on any mismatch.
 
-Scenarios (``SCENARIO`` is ``<what>:<mode>:<kind>``, kind ``ddp`` or ``fsdp2``):
+Scenarios (``SCENARIO`` is ``<what>:<mode>:<kind>``, kind ``ddp``, ``fsdp2`` or ``zero`` --
+ZeRO-1's state built by hand, :class:`ZeroLike`: replicated weights in shares, each rank's
+fp32 partition its own slice of a global tensor):
 
     train   train STEPS steps with checkpoints at SAVE_AT, and a twin model without gockpt on
             the same batches: the two end bitwise equal; every committed checkpoint loads
@@ -69,8 +71,66 @@ def fsdp2(model: nn.Sequential, placement=None) -> nn.Module:
     return fully_shard(model, shard_placement_fn=placement)
 
 
+class ZeroLike(nn.Module):
+    """DeepSpeed ZeRO-1's state, without DeepSpeed: the network's weights on every rank
+    (``net``: replicated, not stepped by the optimizer) and this rank's partition of their
+    flat fp32 copy (``master``: what its AdamW steps); after each step the ranks all-gather
+    the partitions back into the weights."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+        world, rank = dist.get_world_size(), dist.get_rank()
+        flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        self.size = -(-flat.numel() // world)  # padded to world x size, as ZeRO does
+        flat = torch.cat([flat, flat.new_zeros(world * self.size - flat.numel())])
+        self.master = nn.Parameter(flat[rank * self.size:(rank + 1) * self.size].clone())
+        for p in net.parameters():
+            p.requires_grad_(True)
+
+    def options(self) -> dict:
+        """The Checkpointer's options: what is replicated, where this rank's partition lies."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        return {"replicated": [f"net.{n}" for n, _ in self.net.named_parameters()],
+                "global_slices": {"master": ((world * self.size,), (rank * self.size,))}}
+
+    def step(self, x, opt, sched, ck=None) -> None:
+        self.net(x).square().mean().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in self.net.parameters()])
+        world, rank = dist.get_world_size(), dist.get_rank()
+        grads = torch.cat([grads, grads.new_zeros(world * self.size - grads.numel())])
+        parts = [torch.empty_like(grads) for _ in range(world)]
+        dist.all_gather(parts, grads)  # summed in rank order: the same bits on every rank
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        self.master.grad = (total / world)[rank * self.size:(rank + 1) * self.size].clone()
+        if ck is not None:
+            ck.update_begin()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        self.net.zero_grad(set_to_none=True)
+        pieces = [torch.empty_like(self.master) for _ in range(world)]
+        dist.all_gather(pieces, self.master.detach())
+        flat, at = torch.cat(pieces), 0
+        with torch.no_grad():
+            for p in self.net.parameters():
+                p.copy_(flat[at:at + p.numel()].view_as(p))
+                at += p.numel()
+
+
+def options(model) -> dict:
+    return model.options() if isinstance(model, ZeroLike) else {}
+
+
 def model_and_optimizer(kind: str = "ddp"):
     model = layers(kind)
+    if kind == "zero":
+        wrapped = ZeroLike(model)
+        opt = torch.optim.AdamW([wrapped.master], lr=1e-3, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        return wrapped, opt, sched
     if kind == "fsdp2":
         wrapped = fsdp2(model)
     else:
@@ -89,6 +149,8 @@ def batch(rank: int, step: int) -> torch.Tensor:
 def one_step(model, opt, sched, x, ck=None):
     if ck is not None:
         ck.backward_begin()
+    if isinstance(model, ZeroLike):
+        return model.step(x, opt, sched, ck)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model(x).square().mean().backward()
     else:  # FSDP2: two micro-batches accumulated, the gradient norm clipped over DTensors
@@ -103,7 +165,7 @@ def one_step(model, opt, sched, x, ck=None):
 
 
 def snapshot(model, opt, sched):
-    return gockpt.testing.snapshot(getattr(model, "module", model), opt, sched)
+    return gockpt.testing.snapshot(getattr(model, "module", model), opt, sched)  # (DDP's inner)
 
 
 def same(a, b, what):
@@ -129,7 +191,7 @@ def train(directory: str, rank: int, mode: str, kind: str) -> None:
     twin, twin_opt, twin_sched = model_and_optimizer(kind)  # trained without gockpt
     ck = gockpt.Checkpointer(model, opt, directory, mode=mode, scheduler=sched,
                              overlap_steps=2 if mode.startswith("gockpt") else None,
-                             block_bytes=4096, self_check=1.0)
+                             block_bytes=4096, self_check=1.0, **options(model))
     for step in SAVE_AT:  # announced: the replay modes copy over the K steps up to it
         ck.plan_checkpoint(step)
     at_f, handles = {}, []
@@ -168,7 +230,7 @@ def kill(directory: str, rank: int, mode: str, kind: str) -> None:
     model, opt, sched = model_and_optimizer(kind)
     ck = gockpt.Checkpointer(model, opt, directory, mode=mode, scheduler=sched,
                              overlap_steps=2 if mode.startswith("gockpt") else None,
-                             block_bytes=4096, storage_writer=KilledInWrite)
+                             block_bytes=4096, storage_writer=KilledInWrite, **options(model))
     for step in range(STEPS):
         if step + 1 == SAVE_AT[-1] - 1:
             ck.wait()  # the first checkpoint is committed
@@ -186,7 +248,7 @@ def reload(directory: str, rank: int, mode: str, kind: str) -> None:
     directory clears the dead one's leftovers."""
     model, opt, sched = model_and_optimizer(kind)
     assert gockpt.load(directory, model, opt, scheduler=sched).step == SAVE_AT[0]
-    gockpt.Checkpointer(model, opt, directory, mode=mode).close()
+    gockpt.Checkpointer(model, opt, directory, mode=mode, **options(model)).close()
 
 
 def resharded(directory: str, rank: int, mode: str, kind: str) -> None:

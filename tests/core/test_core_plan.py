@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gockpt.core.errors import ConfigError
-from gockpt.core.plan import build_plan
+from gockpt.core.plan import build_plan, mark_parallel
 
 from tests._support import harness as H
 
@@ -145,3 +145,48 @@ def test_every_replica_caps_k_alike_by_the_smallest_share():
         assert plan.k_cap == min(counts)  # the same on every replica
         assert len(plan.groups(plan.k_cap)) == plan.k_cap
     assert whole.k_cap == 0  # unshared: no cap
+
+
+def _zero_like():
+    """A ZeRO-1/2-like state: replicated module weights (frozen for the optimizer) and one
+    flat fp32 partition per rank, which the optimizer updates."""
+    model = torch.nn.Module()
+    model.module = torch.nn.Linear(8, 6)
+    model.master = torch.nn.Parameter(torch.randn(40))
+    opt = torch.optim.AdamW([model.master])
+    return model, opt
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_only_replicated_slots_are_split_and_each_rank_keeps_its_own_whole(n):
+    replicated = ["module.weight", "module.bias"]
+    whole = build_plan(*_zero_like(), block_bytes=64)
+    mark_parallel(whole, replicated, {"master": ((n * 40,), (0,))})
+    shared = [b for b in whole.blocks if whole.slots[b.slot].replicated]
+    own = [b for b in whole.blocks if not whole.slots[b.slot].replicated]
+    assert [b for share in whole.shares(n) for b in share] == shared and own
+    for r in range(n):
+        plan = build_plan(*_zero_like(), block_bytes=64)
+        assert mark_parallel(plan, replicated, {"master": ((n * 40,), (r * 40,))})
+        plan.take_share(r, n)
+        assert plan.blocks == [b for b in whole.blocks if b in set(whole.shares(n)[r]) or b in own]
+        master = next(s for s in plan.slots if s.name == "master")
+        assert master.whole and master.global_slice == ((n * 40,), (r * 40,))
+        # the partition's blocks are this rank's, counted in the K every rank can fill
+        assert plan.k_cap == len(own)  # (the module's weights are static: copied at F)
+
+
+def test_mark_parallel_says_what_is_replicated_and_where_a_partition_lies():
+    plan = build_plan(*_zero_like(), block_bytes=64)
+    assert mark_parallel(plan, True, None) and all(s.replicated for s in plan.slots)
+    assert not mark_parallel(plan, False, None) and not any(s.replicated for s in plan.slots)
+    for replicated, slices, match in (
+            (["nope"], {"master": ((80,), (0,))}, "names 'nope', which is not a parameter"),
+            (["module.weight", "module.bias"], {}, "'master' is neither in Config.replicated"),
+            (["module.weight", "module.bias", "master"], {"master": ((80,), (0,))},
+             "'master' is named in Config.replicated but is a slice"),
+            (["module.weight", "module.bias"], {"master": ((80,), (50,))}, "does not fit"),
+            (["module.weight", "module.bias"], {"master": ((80, 1), (0, 0))}, "does not fit"),
+            (True, {"master": ((80,), (0,))}, "replicated=True\\) with global_slices")):
+        with pytest.raises(ConfigError, match=match):
+            mark_parallel(build_plan(*_zero_like(), block_bytes=64), replicated, slices)

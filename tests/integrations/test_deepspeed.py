@@ -9,6 +9,9 @@ would drift (see gockpt/integrations/deepspeed/state.py: warm_cpu_adam).
 """
 
 import gc
+import json
+import os
+import signal
 import types
 import warnings
 import weakref
@@ -16,7 +19,11 @@ import weakref
 import pytest
 import torch
 
-from tests._support.deepspeed_cases import assert_states_equal, check_checkpoint_and_resume, runs
+import gockpt
+from gockpt import storage
+from tests._support.deepspeed_cases import (WORKER, assert_states_equal,
+                                            check_checkpoint_and_resume, runs)
+from tests._support.dist_ranks import start_ranks
 from gockpt.core.errors import ConfigError
 
 pytest.importorskip("deepspeed")  # installed by the README's setup: this never skips in CI
@@ -36,7 +43,8 @@ GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # wind
     (1, 1, {"fp32_accumulation": True}),            # BF16_Optimizer
     (2, 1, {"gas": 2, "gockpt_section": {"keep_last": 2}}),
     (0, 1, {"options": GOCKPT_O}),                  # the replay of DeepSpeed's CPU Adam
-    (1, 2, {"options": GOCKPT_O}),
+    (0, 2, {"options": GOCKPT_O}),                  # replicas: everything in shares
+    (1, 2, {"options": GOCKPT_O}),                  # module weights in shares, fp32 partitions
     (2, 1, {"options": GOCKPT_O, "gas": 2}),
     (1, 1, {"options": GOCKPT_O, "two_groups": True}),  # the base optimizer steps per group
     (1, 2, {"options": {**GOCKPT_O, "emulate_link_gbps": 1.0}}),  # across a link: bf16
@@ -53,6 +61,31 @@ def test_checkpoint_is_the_state_at_f_and_resumes_bitwise(tmp_path, stage, world
             "emulate_link_gbps" in options and stage in (1, 2))
         transport = "bf16" if bf16 else "fp32"
     check_checkpoint_and_resume(tmp_path, stage, world, extra, transport)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_rank_killed_while_writing_its_part_leaves_the_previous_latest(tmp_path, stage):
+    # the checkpoint of step 6 commits; in the write of step 8's, rank 1 dies
+    scenario = {"stage": stage, "steps": 10, "save_at": [6, 8], "options": GOCKPT_O}
+    procs = start_ranks(tmp_path, json.dumps({**scenario, "run": "kill"}), 2, WORKER)
+    out1, err1 = procs[1].communicate(timeout=300)
+    assert procs[1].returncode == -signal.SIGKILL and "rank 1: killed in the write" in out1, \
+        (out1, err1)
+    procs[0].kill()  # as torchrun stops the job when one of its ranks dies
+    out0, _ = procs[0].communicate(timeout=60)
+    assert "rank 0: waiting for the checkpoint of step 8" in out0 and "rank 0: ok" not in out0
+    directory = str(tmp_path / "ckpt")
+    assert storage.list_checkpoints(directory) == ["step-000000006"]
+    assert os.path.basename(storage.resolve(directory)) == "step-000000006"
+    assert gockpt.verify(directory).ok
+    # resumed on the same two ranks from what is latest: bit for bit the uninterrupted run
+    one = runs(tmp_path, 2, **scenario)
+    plain, resumed = one("plain"), one("resume")
+    for r in range(2):
+        assert resumed[r]["client"] == {"data_pos": 6, "rank": r}
+        assert resumed[r]["losses"] == plain[r]["losses"][6:]
+        assert_states_equal(resumed[r]["final"], plain[r]["final"], f"rank {r}: resumed vs plain")
 
 
 @pytest.mark.slow

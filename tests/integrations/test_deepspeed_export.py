@@ -41,6 +41,7 @@ from gockpt.storage import tree  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,world,extra,save_at", [
     (0, 1, {}, 3),                          # FP16_Optimizer (bf16): optimizer in the model states
+    (0, 2, {}, 3),                          # replicas: the state in shares, put together
     (2, 1, {"gas": 2}, 3),
     (1, 1, {"fp32_accumulation": True}, 3),  # BF16_Optimizer
     (1, 1, {"fp16": True, "inf_at": 4}, 4),  # dynamic loss scaler; step 4 overflowed
@@ -117,17 +118,18 @@ def test_export_of_zero1_on_two_ranks_and_what_it_refuses(tmp_path, capsys, monk
     # What the recorded config lost (not storable without pickle): outside what decides the
     # layout, a note; inside, refused without --ds-config, and --ds-config is not checked.
     from gockpt.integrations.deepspeed import export as export_deepspeed
-    read = export_deepspeed.read_part
+    read = export_deepspeed.read_parts
 
     def recorded(dropped, config=True):
-        def _read(path, data):
-            part = read(path, data)
-            if config:
-                part.record["ds_config_dropped"] = dropped
-            else:  # a checkpoint of a gockpt that did not record the config
-                del part.record["ds_config"], part.record["ds_config_dropped"]
-            return part
-        monkeypatch.setattr(export_deepspeed, "read_part", _read)
+        def _read(sources):
+            parts = read(sources)
+            for part in parts:
+                if config:
+                    part.record["ds_config_dropped"] = dropped
+                else:  # a checkpoint of a gockpt that did not record the config
+                    del part.record["ds_config"], part.record["ds_config_dropped"]
+            return parts
+        monkeypatch.setattr(export_deepspeed, "read_parts", _read)
 
     recorded([{"path": ["tensorboard", "writer"], "type": "SummaryWriter"}])
     rc, stdout, err = export(ckpt, "--to", "deepspeed", tmp_path / "n")

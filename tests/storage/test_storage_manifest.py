@@ -34,7 +34,7 @@ def sample_manifest(**kw):
                              extra_state=[1, "two"]),
         optimizer=S.OptimizerSection("AdamW", {0: {"exp_avg": ref("optim/0/exp_avg"),
                                                    "exp_avg_sq": ref("optim/0/exp_avg_sq")},
-                                               1: {}}),
+                                               1: {}}, params={0: "a.weight"}),
         metrics={"blocked_s": 0.5}, tensors=ENTRIES)
     fields.update(kw)
     return S.Manifest(**fields)
@@ -52,6 +52,7 @@ def test_to_json_from_json_round_trip():
         "0": {"exp_avg": "optim/0/exp_avg", "exp_avg_sq": "optim/0/exp_avg_sq"}, "1": {}}
     assert data["model"]["params"]["c.weight"] == {"tensor": "pack/model/F32", "offset": 4,
                                                    "shape": [2, 3], "dims": [1, 0]}
+    assert data["optimizer"]["params"] == {"0": "a.weight"}  # whose state each index is
     back = M.parse("ck", as_read(m))
     assert back == m
     assert back.model.expected()["b.weight"] == ref("model/a.weight")
@@ -153,6 +154,10 @@ MALFORMED = [
     (("optimizer", "aligned"), {"0": "exp_avg"}, "'optimizer' section"),
     (("optimizer", "aligned"), {"0": [1]}, "'optimizer' section"),
     (("rank",), "0", "'rank'"), (("world_size",), -2, "'world_size'"),
+    (("optimizer", "params"), ["a.weight"], "optimizer's 'params' are malformed"),
+    (("optimizer", "params"), {"x": "a.weight"}, "optimizer's 'params' are malformed"),
+    (("optimizer", "params"), {"0": 3}, "optimizer's 'params' are malformed"),
+    (("optimizer", "params"), {"0": "z.weight"}, "'params' name parameters the model section"),
 ]
 
 

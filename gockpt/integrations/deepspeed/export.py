@@ -60,7 +60,7 @@ from ...storage.format import TMP_PREFIX, fsync_dir, fsync_path
 from .export_config import (BF16, RECORDED, ZERO, check_dtype, choose, load_config,
                             settings_of, wrapper_kind)
 from .export_files import (deepspeed_classes, groups_of, model_states_of, module_dtypes,
-                           read_part, stage0_optimizer, zero_optimizer)
+                           read_parts, stage0_optimizer, zero_optimizer)
 
 
 @dataclass
@@ -84,7 +84,7 @@ def build(sources, config_path: Optional[str] = None) -> Export:
     if config_path is not None:  # before anything is read: a wrong config fails at once
         given = settings_of(load_config(config_path), f"--ds-config {config_path}")
     ds = deepspeed_classes()
-    parts = [read_part(path, data) for path, data in sources]
+    parts = read_parts(sources)
     s, notes = choose(given, parts[0].path, parts[0].record)
     check_dtype(s, module_dtypes(parts[0]))
     kind = wrapper_kind(s, parts[0].m.optimizer.cls, parts[0].record["scalers"])

@@ -6,6 +6,7 @@ DeepSpeed's ``engine.save_checkpoint`` writes for them (see
 from __future__ import annotations
 
 import math
+import os
 import re
 import types
 from collections import OrderedDict
@@ -16,8 +17,10 @@ import torch
 
 from ... import storage
 from ...core.errors import ConfigError, CorruptCheckpointError
+from ...loading import check_digests
+from ...storage import shares
 from ...storage.manifest import parse as parse_manifest
-from ...storage.schema import Manifest
+from ...storage.schema import Manifest, is_small_tensor
 from ...storage.statedict import model_state, optimizer_state
 from .export_config import BF16, UNFUSED, ZERO, Settings, one_line
 
@@ -63,16 +66,37 @@ def deepspeed_classes():
                                  ZeroStageEnum=ZeroStageEnum, fragment_address=fragment_address)
 
 
-def read_part(path: str, data: dict) -> Part:
-    m = parse_manifest(path, data)
-    tensors = storage.read_tensors(path, m, verify=True)
+def read_parts(sources) -> List[Part]:
+    """Every rank's part, read: ``sources`` are (path, manifest data) in rank order. Replicas
+    that wrote their state in shares (ZeRO 0: all of it; ZeRO 1/2: the module's weights) are
+    put together once (every part's digests checked) and each part sees them whole."""
+    together = None
+    if len(sources) > 1:
+        together = shares.read_together(os.path.dirname(os.path.abspath(sources[0][0])),
+                                        verify=True, check=check_digests)
+    parts = []
+    for rank, (path, data) in enumerate(sources):
+        if together is None:
+            m = parse_manifest(path, data)
+            tensors = storage.read_tensors(path, m, verify=True)
+        else:
+            m, shared = together[rank]
+            tensors = {**shared, **storage.read_tensors(
+                path, m, [n for n in m.tensors if is_small_tensor(n)], verify=True)}
+        parts.append(_part(path, m, tensors))
+    return parts
+
+
+def _part(path: str, m: Manifest, tensors: dict) -> Part:
     try:
         record = m.small.decode("extra_state", tensors)
     except (KeyError, TypeError, ValueError):
         record = None
     if not isinstance(record, dict) or any(k not in record for k in RECORD):
-        raise CorruptCheckpointError(f"{path}: no DeepSpeed engine state; --to deepspeed exports "
-                            "checkpoints written through gockpt.integrations.deepspeed")
+        raise CorruptCheckpointError(f"{path}: no DeepSpeed engine state; gockpt export "
+                                     "--to deepspeed / fp32 exports checkpoints written "
+                                     "through gockpt.integrations.deepspeed (--to "
+                                     "safetensors exports others)")
     if m.optimizer is None:
         raise CorruptCheckpointError(f"{path}: no optimizer section")
     part = Part(path, m, tensors, record)

@@ -24,8 +24,8 @@ from ...core.errors import CheckpointNotFoundError, ConfigError
 from ...loading import load
 from ...core.paths import real_directory
 from ...storage.commit import is_committed, read_latest
-from .state import (EngineState, base_optimizer, engine_record, fp32_layout, restore_engine,
-                    warm_cpu_adam)
+from .state import (EngineState, base_optimizer, engine_record, fp32_layout,
+                    parallel_options, restore_engine, warm_cpu_adam)
 
 
 class EnginePatch:
@@ -102,8 +102,9 @@ class EnginePatch:
         if fresh:
             self.state = EngineState(self.engine)
             self.layout = fp32_layout(self.engine)
+            options = {**parallel_options(self.engine, self.state), **self.options}
             self.ck = Checkpointer(self.state, base_optimizer(self.engine), directory,
-                                   scheduler=self.engine.lr_scheduler, **self.options)
+                                   scheduler=self.engine.lr_scheduler, **options)
         elif not self.pending:
             raise ConfigError("engine.save_checkpoint() must follow engine.step(): a second "
                               "save at the same step, or a save before the first step")

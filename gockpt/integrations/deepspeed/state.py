@@ -54,6 +54,28 @@ class EngineState(torch.nn.Module):
         self.module = engine.module
 
 
+def parallel_options(engine, state: EngineState) -> dict:
+    """What the ranks hold alike (``Config.replicated``) and where each rank's fp32 partition
+    lies (``Config.global_slices``) when every rank is a data-parallel replica: ZeRO 0 holds
+    everything on every rank (split into shares); ZeRO 1/2 hold the module's weights on every
+    rank (shares) and one partition of each flat fp32 group per rank -- rank r's is the 1-D
+    slice at r x its size of a group of world x size elements (DeepSpeed pads the groups so).
+    ``{}`` (each rank its own state, as written before) on one rank, or where the data-parallel
+    group is not the whole world (pipeline or tensor parallelism)."""
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world < 2 or getattr(engine, "dp_world_size", None) != world:
+        return {}
+    if engine.zero_optimization_stage() == 0:
+        return {"replicated": True}
+    rank = dist.get_rank()
+    masters = {n: p for n, p in state.named_parameters(remove_duplicate=False)
+               if n.startswith("master_")}
+    return {"replicated": [n for n, _ in state.named_parameters() if n.startswith("module.")],
+            "global_slices": {n: ((world * p.numel(),), (rank * p.numel(),))
+                              for n, p in masters.items()}}
+
+
 def fp32_layout(engine) -> dict:
     """Where each module parameter's fp32 master lives on this rank:
     ``{name: [group, start in master_g{group}_p0, start in the parameter, numel, shape]}``
