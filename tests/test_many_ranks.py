@@ -135,6 +135,25 @@ def test_fsdp2_shards_load_and_resume_bitwise(tmp_path, world, mode, capsys):
     assert not report.ok and "'0.weight'" in str(report), report
 
 
+@pytest.mark.slow
+def test_hsdp_on_a_2x2_mesh_loads_and_resumes_bitwise(tmp_path):
+    """HSDP (FSDP2 on a 2-D mesh: two replicas of the model, each sharded over two ranks):
+    each rank checkpoints its local shards; the two ranks of a shard hold the same block,
+    which the global index lists once per rank (not split between them yet)."""
+    directory = str(tmp_path / "hsdp")
+    run_ranks(directory, "train:gockpt-o:hsdp", world=4, worker=WORKER)
+    run_ranks(directory, "resume:gockpt-o:hsdp", world=4, worker=WORKER)
+    path = storage.resolve(directory)
+    top = storage.read_manifest(path)
+    for name, entry in top["index"].items():
+        blocks = {}
+        for rank, offsets, lengths in entry["slices"]:
+            blocks.setdefault((tuple(offsets), tuple(lengths)), []).append(rank)
+        # mesh [[0, 1], [2, 3]]: ranks r and r + 2 hold the same shard
+        assert sorted(blocks.values()) == [[0, 2], [1, 3]], (name, blocks)
+    assert gockpt.verify(path).ok
+
+
 @pytest.mark.parametrize("world,mode", [pytest.param(2, "gockpt-o", id="2-gockpt-o"),
                                         pytest.param(4, "async-o", id="4-async-o",
                                                      marks=pytest.mark.slow)])

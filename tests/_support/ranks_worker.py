@@ -3,7 +3,8 @@ DistributedDataParallel model whose replicas split the checkpoint into shares, o
 model (``fully_shard``: DTensor parameters, each rank its local shards; gradients clipped over
 DTensors and accumulated over two micro-batches). Exits non-zero on any mismatch.
 
-Scenarios (``SCENARIO`` is ``<what>:<mode>:<kind>``, kind ``ddp``, ``fsdp2`` or ``zero`` --
+Scenarios (``SCENARIO`` is ``<what>:<mode>:<kind>``, kind ``ddp``, ``fsdp2``, ``hsdp`` (FSDP2
+on a 2-D mesh: 2 replicas of the model sharded over 2 ranks each) or ``zero`` --
 ZeRO-1's state built by hand, :class:`ZeroLike`: replicated weights in shares, each rank's
 fp32 partition its own slice of a global tensor):
 
@@ -55,20 +56,27 @@ def layers(kind: str = "ddp") -> nn.Sequential:
     torch.manual_seed(0)  # every replica starts equal (DDP would broadcast rank 0's anyway)
     model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
                           nn.Linear(256, 64))
-    if kind == "fsdp2":  # 3 rows on 4 ranks: one rank's shards of it are empty
+    if kind in ("fsdp2", "hsdp"):  # 3 rows on 4 ranks: one rank's shards of it are empty
         model.append(nn.Tanh())
         model.append(nn.Linear(64, 3))
     return model
 
 
-def fsdp2(model: nn.Sequential, placement=None) -> nn.Module:
+def fsdp2(model: nn.Sequential, placement=None, mesh=None) -> nn.Module:
     """``model`` with each Linear its own FSDP unit, then the root (``placement``: FSDP2's
-    ``shard_placement_fn``, default Shard(0))."""
+    ``shard_placement_fn``, default Shard(0); ``mesh``: a 2-D one is HSDP)."""
     from torch.distributed.fsdp import fully_shard
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, shard_placement_fn=placement)
-    return fully_shard(model, shard_placement_fn=placement)
+            fully_shard(layer, shard_placement_fn=placement, mesh=mesh)
+    return fully_shard(model, shard_placement_fn=placement, mesh=mesh)
+
+
+def hsdp_mesh():
+    """HSDP's 2-D mesh: 2 replicas (dim 0) of the model sharded over 2 ranks (dim 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (dist.get_world_size() // 2, 2),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 class ZeroLike(nn.Module):
@@ -131,8 +139,8 @@ def model_and_optimizer(kind: str = "ddp"):
         opt = torch.optim.AdamW([wrapped.master], lr=1e-3, weight_decay=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         return wrapped, opt, sched
-    if kind == "fsdp2":
-        wrapped = fsdp2(model)
+    if kind in ("fsdp2", "hsdp"):
+        wrapped = fsdp2(model, mesh=hsdp_mesh() if kind == "hsdp" else None)
     else:
         wrapped = nn.parallel.DistributedDataParallel(model)
         wrapped.register_comm_hook(None, ordered_mean)

@@ -16,7 +16,9 @@ lists and dicts -- never pickled).  It also records the engine's DeepSpeed confi
 stores it with its own checkpoints (``ds_config``; what cannot be stored without pickle is
 left out with a warning, never failing the save), which a load does not put back: it is for
 ``gockpt export --to deepspeed``.  Every rank writes its own part; the checkpoint commits
-(and ``latest`` names it) when every part is durable.
+(and ``latest`` names it) when every part is durable.  Data-parallel ranks write what they
+hold alike once, in shares (:func:`.state.parallel_options`): ZeRO 0 all of it, ZeRO 1/2 the
+module's weights, each rank its fp32 partition as its slice of the flat group.
 
 Options (keyword arguments of :func:`patch`/:func:`install`, or a ``"gockpt": {...}`` section of
 the DeepSpeed config; arguments win) are :class:`gockpt.Config` fields: ``mode`` (default
