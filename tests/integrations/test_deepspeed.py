@@ -45,6 +45,7 @@ GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # wind
     (0, 1, {"options": GOCKPT_O}),                  # the replay of DeepSpeed's CPU Adam
     (0, 2, {"options": GOCKPT_O}),                  # replicas: everything in shares
     (1, 2, {"options": GOCKPT_O}),                  # module weights in shares, fp32 partitions
+    (2, 2, {"options": GOCKPT_O}),
     (2, 1, {"options": GOCKPT_O, "gas": 2}),
     (1, 1, {"options": GOCKPT_O, "two_groups": True}),  # the base optimizer steps per group
     (1, 2, {"options": {**GOCKPT_O, "emulate_link_gbps": 1.0}}),  # across a link: bf16
