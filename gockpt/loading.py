@@ -61,11 +61,11 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     path, manifest = manifest_mod.read(
         top, rank, live_world=dist.get_world_size() if distributed else 1,
         live_rank=dist.get_rank() if distributed else 0, target_replicated=is_replicated(model))
-    gathered = {}
+    tensors = None
     if path != top:  # replicas that wrote one state in shares: every part's, put together
         shared = shares.gather(top, manifest, verify=verify, check=check_digests)
         if shared is not None:
-            manifest, gathered = shared
+            manifest, tensors = shared  # (with this rank's small state)
     live = model.state_dict()
     # Stored names carry no wrapper prefix (DDP's module., compile's _orig_mod.): the same
     # checkpoint loads into the wrapped and the unwrapped model. ``own``: stored -> live name.
@@ -76,10 +76,10 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
 
     # Small state first (cheap): everything small decoded and checked against the targets
     # before any parameter is read (parameters are read straight into the model).
-    tensors = storage.read_tensors(path, manifest,
-                                   [n for n in manifest.tensors if is_small_tensor(n)],
-                                   verify=verify)
-    tensors.update(gathered)
+    if tensors is None:
+        tensors = storage.read_tensors(path, manifest,
+                                       [n for n in manifest.tensors if is_small_tensor(n)],
+                                       verify=verify)
     small = _check_small(path, manifest, tensors, target, expected, optimizer, scheduler,
                          restore_rng)
     _read_params(path, manifest, tensors, target, verify)

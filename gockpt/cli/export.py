@@ -14,7 +14,7 @@ from ..loading import check_digests
 from ..storage import shares
 from ..storage.commit import replace_file
 from ..storage.manifest import parse as parse_manifest
-from ..storage.schema import Manifest, is_small_tensor
+from ..storage.schema import Manifest
 from ..storage.verify import read_parts
 from ..integrations.deepspeed import export as ds_export
 from ..integrations.deepspeed.export_files import read_parts as read_engine_parts
@@ -57,8 +57,6 @@ def cmd_export(args) -> int:
         if part else None
     if shared is not None:
         m, tensors = shared
-        tensors.update(storage.read_tensors(path, m, [n for n in m.tensors
-                                                      if is_small_tensor(n)], verify=True))
         part = None
     else:
         tensors = storage.read_tensors(path, m, verify=True)

@@ -19,7 +19,7 @@ from .format import CODE_TO_DTYPE, DTYPE_TO_CODE
 from .manifest import parse, parts_of
 from .reader import read_manifest, read_tensors
 from .refs import TensorRef, permuted
-from .schema import Manifest, ModelSection, OptimizerSection
+from .schema import Manifest, ModelSection, OptimizerSection, is_small_tensor
 
 
 class _Whole:
@@ -106,8 +106,8 @@ def gather(path: str, own: Manifest, *, verify: bool,
     """A checkpoint at ``path`` (its top-level directory) written in shares, put together for
     the rank of part ``own`` (whose small state that rank restores): ``own`` with every
     replicated parameter and aligned optimizer state tensor referenced whole, its own state
-    (:func:`own_state`) as it stored it, and the tensors those references read (stored name
-    -> tensor). None for a checkpoint not written in shares.
+    (:func:`own_state`) as it stored it, and the tensors it names (stored name -> tensor: its
+    small state too). None for a checkpoint not written in shares.
 
     Every part's shares are read (checksums unless ``verify=False``), and only ``own``'s own
     state; each part is handed to ``check(part path, its manifest, its tensors)`` as read --
@@ -121,9 +121,9 @@ def gather(path: str, own: Manifest, *, verify: bool,
 def read_together(path: str, *, verify: bool, check: Callable[[str, Manifest, dict], None],
                   rank: Optional[int] = None) -> Optional[Dict[int, Tuple[Manifest, dict]]]:
     """:func:`gather` for the rank ``rank`` (None: every rank, each part read once): rank ->
-    (its part's manifest with the replicated tensors referenced whole, the tensors its
-    references read -- the replicated ones shared by every rank, small state not included).
-    None for a checkpoint not written in shares."""
+    (its part's manifest with the replicated tensors referenced whole, the tensors it names
+    -- the replicated ones shared by every rank, its own state and its small state read from
+    its part). None for a checkpoint not written in shares."""
     data = read_manifest(path)
     if data.get("shares") is not True:
         return None
@@ -142,12 +142,14 @@ def read_together(path: str, *, verify: bool, check: Callable[[str, Manifest, di
         is_own = own_state(m)
         mine = rank is None or r == rank
         refs = [x for x in m.stored_refs() if mine or not is_own(x[3])]
-        tensors = read_tensors(ppath, m, sorted({x[2].tensor for x in refs}), verify=verify)
+        small = [n for n in m.tensors if is_small_tensor(n)] if mine else []
+        tensors = read_tensors(ppath, m, sorted({x[2].tensor for x in refs} | set(small)),
+                               verify=verify)
         if verify:
             check(ppath, m, tensors)  # (the digests of the tensors read)
-        if mine:
+        if mine:  # its own state and its small state: only its rank's view holds them
             manifests[r] = m
-            owned[r] = ([x for x in refs if is_own(x[3])], {})
+            owned[r] = ([x for x in refs if is_own(x[3])], {n: tensors[n] for n in small})
         for name, what, ref, key in refs:
             if is_own(key):
                 owned[r][1][ref.tensor] = tensors[ref.tensor]
@@ -191,9 +193,8 @@ def read_together(path: str, *, verify: bool, check: Callable[[str, Manifest, di
                 own_params[key] = ref
             else:
                 own_aligned.setdefault(idx, {})[key] = ref
-        own_table = {n: e for n, e in m.tensors.items() if n.startswith("small/")}
-        own_table.update(table)
-        own_table.update({n: m.tensors[n] for n in tensors})
+        own_table = dict(table)
+        own_table.update({n: m.tensors[n] for n in tensors})  # its own and its small state
         optimizer = None if m.optimizer is None else \
             OptimizerSection(m.optimizer.cls, own_aligned, params=dict(m.optimizer.params))
         model = ModelSection(own_params, dict(m.model.aliases), slices=dict(m.model.slices))

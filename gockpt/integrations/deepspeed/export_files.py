@@ -20,7 +20,7 @@ from ...core.errors import ConfigError, CorruptCheckpointError
 from ...loading import check_digests
 from ...storage import shares
 from ...storage.manifest import parse as parse_manifest
-from ...storage.schema import Manifest, is_small_tensor
+from ...storage.schema import Manifest
 from ...storage.statedict import model_state, optimizer_state
 from .export_config import BF16, UNFUSED, ZERO, Settings, one_line
 
@@ -80,9 +80,7 @@ def read_parts(sources) -> List[Part]:
             m = parse_manifest(path, data)
             tensors = storage.read_tensors(path, m, verify=True)
         else:
-            m, shared = together[rank]
-            tensors = {**shared, **storage.read_tensors(
-                path, m, [n for n in m.tensors if is_small_tensor(n)], verify=True)}
+            m, tensors = together[rank]
         parts.append(_part(path, m, tensors))
     return parts
 
