@@ -24,7 +24,6 @@ cannot come (the test stops it, as torchrun would).
 
 import json
 import os
-import signal
 import sys
 import warnings
 
@@ -98,21 +97,6 @@ def live_state(engine):
                                            engine.skipped_steps]}
 
 
-def killed_in_write():
-    """The storage plugin of the "kill" run: its writer kills its process once ``armed``."""
-    from gockpt import storage
-
-    class KilledInWrite(storage.CheckpointWriter):
-        armed = False
-
-        def write_tensors(self, tensors):
-            if KilledInWrite.armed:
-                print(f"rank {torch.distributed.get_rank()}: killed in the write", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-            return super().write_tensors(tensors)
-    return KilledInWrite
-
-
 class NoGockpt:
     """An import hook that refuses gockpt: the plain-load run builds and loads without it."""
 
@@ -130,7 +114,10 @@ def main():
         from gockpt.integrations import deepspeed as gockpt_ds
     run, rank = sc["run"], int(os.environ["RANK"])
     ck_dir = os.path.join(out_dir, "ckpt")
-    writer = killed_in_write() if run == "kill" else None
+    writer = None
+    if run == "kill":
+        from tests._support.faulty_storage import killing_writer
+        writer = killing_writer()
     if run in ("patched", "save", "resume", "native-load", "kill"):
         gockpt_ds.install(**sc.get("options", {}),
                           **({"storage_writer": writer} if writer else {}))

@@ -1,4 +1,8 @@
-"""A storage plugin for tests: a CheckpointWriter whose C++ writer fails one of its data pwrites."""
+"""Storage plugins for tests: CheckpointWriters that fail a pwrite, write the wrong bytes, or
+kill their process in the write."""
+
+import os
+import signal
 
 from gockpt import storage
 
@@ -30,3 +34,20 @@ def misplacing_writer(tensor: str):
                                           for n, t in tensors.items()})
 
     return MisplacingWriter
+
+
+def killing_writer():
+    """A ``storage_writer`` plugin class whose writer, once its ``armed`` is set, kills its
+    process (SIGKILL: no handler, no vote) as it writes a checkpoint's tensors."""
+
+    class KilledInWrite(storage.CheckpointWriter):
+        armed = False
+
+        def write_tensors(self, tensors):
+            if KilledInWrite.armed:
+                import torch.distributed as dist
+                print(f"rank {dist.get_rank()}: killed in the write", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().write_tensors(tensors)
+
+    return KilledInWrite

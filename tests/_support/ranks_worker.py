@@ -20,8 +20,6 @@ fp32 partition its own slice of a global tensor):
     resharded  FSDP2 sharded by columns refuses the checkpoint sharded by rows (LoadError)
 """
 
-import os
-import signal
 import sys
 
 import torch
@@ -31,6 +29,7 @@ from torch import nn
 import gockpt
 import gockpt.testing
 from gockpt import storage
+from tests._support.faulty_storage import killing_writer
 
 STEPS, SAVE_AT = 8, (4, 7)
 
@@ -182,16 +181,7 @@ def same(a, b, what):
         assert why is None, why
 
 
-class KilledInWrite(storage.CheckpointWriter):
-    """Rank 1's storage plugin in ``kill``: dies in the second checkpoint's write."""
-
-    armed = False
-
-    def write_tensors(self, tensors):
-        if KilledInWrite.armed:
-            print(f"rank {dist.get_rank()}: killed in the write", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().write_tensors(tensors)
+KilledInWrite = killing_writer()  # rank 1's storage plugin in ``kill``
 
 
 def train(directory: str, rank: int, mode: str, kind: str) -> None:
