@@ -92,10 +92,11 @@ class Checkpointer:
                                    or self.config.on_busy is OnBusy.SKIP):
             raise ConfigError("with several ranks every rank must start the same checkpoints: "
                               "use a fixed interval (or force) and on_busy='wait'")
-        if self.config.replicated is None:
-            self.config.replicated = is_replicated(model)
+        if self.config.replicated is None and is_replicated(model):
+            self.config.replicated = True  # (None: DTensors replicated as their placements say)
         self.plan = self.ranks.share(build_plan(model, optimizer, self.config.block_bytes,
-                                                self._min_blocks()), self.config.replicated,
+                                                self._min_blocks(), self.ranks.world_size),
+                                     self.config.replicated,
                                      self.config.global_slices)
         ensure_writable(self.config.directory)
         self.lock = lock_for_ranks(self.config.directory, self.ranks)
@@ -373,7 +374,8 @@ class Checkpointer:
         groups' settings as at construction); host memory is allocated anew."""
         adapted = {s.name for s in self.plan.slots if s.at_f and not s.static}
         plan = self.ranks.share(build_plan(self.model, self.optimizer, self.config.block_bytes,
-                                           self._min_blocks()), self.config.replicated,
+                                           self._min_blocks(), self.ranks.world_size),
+                                self.config.replicated,
                                 self.config.global_slices)
         plan.copy_at_f(adapted)
         if self.policy.replays:

@@ -20,7 +20,7 @@ from gockpt.core import metrics
 from gockpt.storage.manifest import parse as parse_manifest
 from gockpt.storage.schema import is_small_tensor
 from tests._support.dist_ranks import run_ranks, start_ranks
-from tests._support.ranks_worker import SAVE_AT, model_and_optimizer
+from tests._support.ranks_worker import SAVE_AT, layers, model_and_optimizer
 
 WORKER = "ranks_worker"
 
@@ -136,22 +136,33 @@ def test_fsdp2_shards_load_and_resume_bitwise(tmp_path, world, mode, capsys):
 
 
 @pytest.mark.slow
-def test_hsdp_on_a_2x2_mesh_loads_and_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("mode", ["gockpt-o", "async-o"])
+def test_hsdp_replicas_split_each_shard_into_shares_that_load_and_resume_bitwise(tmp_path, mode):
     """HSDP (FSDP2 on a 2-D mesh: two replicas of the model, each sharded over two ranks):
-    each rank checkpoints its local shards; the two ranks of a shard hold the same block,
-    which the global index lists once per rank (not split between them yet)."""
+    the two ranks holding a shard alike (a Replicate() mesh dimension) split it, with its
+    AdamW state, into shares -- each rank stores about a quarter of the state, each element
+    of each tensor once in the directory -- and a load puts each rank's shard together from
+    its replica's part and its own, bitwise; a resume continues bit for bit."""
     directory = str(tmp_path / "hsdp")
-    run_ranks(directory, "train:gockpt-o:hsdp", world=4, worker=WORKER)
-    run_ranks(directory, "resume:gockpt-o:hsdp", world=4, worker=WORKER)
-    path = storage.resolve(directory)
-    top = storage.read_manifest(path)
-    for name, entry in top["index"].items():
-        blocks = {}
-        for rank, offsets, lengths in entry["slices"]:
-            blocks.setdefault((tuple(offsets), tuple(lengths)), []).append(rank)
-        # mesh [[0, 1], [2, 3]]: ranks r and r + 2 hold the same shard
-        assert sorted(blocks.values()) == [[0, 2], [1, 3]], (name, blocks)
-    assert gockpt.verify(path).ok
+    run_ranks(directory, f"train:{mode}:hsdp", world=4, worker=WORKER)
+    run_ranks(directory, f"resume:{mode}:hsdp", world=4, worker=WORKER)
+    s = 12 * sum(p.numel() for p in layers("hsdp").parameters())
+    for path in (os.path.join(directory, storage.checkpoint_name(f)) for f in SAVE_AT):
+        top = storage.read_manifest(path)
+        assert top["shares"] is True and not top.get("replicated")
+        for name, entry in top["index"].items():
+            blocks, held = {}, 0
+            for rank, offsets, lengths, *extent in entry["slices"]:
+                blocks.setdefault(tuple(offsets), set()).add(rank)
+                held += (extent[0][1] - extent[0][0]) if extent else math.prod(lengths)
+            # mesh [[0, 1], [2, 3]]: ranks r and r + 2 hold the same shard, and write it once
+            assert all(ranks <= {0, 2} or ranks <= {1, 3} for ranks in blocks.values())
+            assert held == math.prod(entry["shape"]), (name, entry["slices"])
+        for part, m in _parts(path):
+            stored = sum(math.prod(e["shape"]) * storage.CODE_TO_DTYPE[e["dtype"]].itemsize
+                         for n, e in m["tensors"].items() if not is_small_tensor(n))
+            assert abs(stored - s / 4) <= 0.1 * s / 4, (part, stored, s / 4)
+        assert gockpt.verify(path).ok
 
 
 @pytest.mark.parametrize("world,mode", [pytest.param(2, "gockpt-o", id="2-gockpt-o"),
@@ -185,22 +196,25 @@ def test_replicated_weights_in_shares_beside_each_ranks_own_partition(tmp_path, 
     capsys.readouterr()
     assert cli_main(["inspect", directory]) == 0
     out = capsys.readouterr().out
-    assert f"one replicated state in {world} shares" in out and "sharded (DTensor shards" in out
+    assert f"replicas of a shard) in {world} shares" in out and "sharded (DTensor shards" in out
     assert "master: global shape" in out
 
 
 @pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow),
-                                  pytest.param("zero", marks=pytest.mark.slow)])
+                                  pytest.param("zero", marks=pytest.mark.slow),
+                                  pytest.param("hsdp", marks=pytest.mark.slow)])
 def test_a_rank_killed_while_writing_its_part_leaves_the_previous_latest(tmp_path, kind):
     directory = str(tmp_path / kind)
-    world = 2
+    world = 4 if kind == "hsdp" else 2
     procs = start_ranks(directory, f"kill:gockpt-o:{kind}", world, WORKER)
     out1, err1 = procs[1].communicate(timeout=240)
     assert procs[1].returncode == -signal.SIGKILL, (out1, err1)
     assert "rank 1: killed in the write" in out1
-    procs[0].kill()  # as torchrun stops the job when one of its ranks dies
-    out0, _ = procs[0].communicate(timeout=60)
-    assert "rank 0: ok" not in out0
+    for rank, proc in enumerate(procs):
+        if rank != 1:
+            proc.kill()  # as torchrun stops the job when one of its ranks dies
+            out, _ = proc.communicate(timeout=60)
+            assert f"rank {rank}: ok" not in out
 
     first, second = (storage.checkpoint_name(s) for s in SAVE_AT)
     assert os.path.basename(storage.resolve(directory)) == first
@@ -208,7 +222,7 @@ def test_a_rank_killed_while_writing_its_part_leaves_the_previous_latest(tmp_pat
     assert not os.path.exists(os.path.join(directory, second))
     assert gockpt.verify(directory).ok
     # a restart loads it and clears the leftovers (DDP here on one rank: its state is
-    # replicated; FSDP2's and ZeRO's per-rank shards on the same two ranks)
+    # replicated; FSDP2's, HSDP's and ZeRO's per-rank shards on as many ranks)
     if kind != "ddp":
         run_ranks(directory, f"reload:gockpt-o:{kind}", world=world, worker=WORKER)
     else:
@@ -221,6 +235,15 @@ def test_a_rank_killed_while_writing_its_part_leaves_the_previous_latest(tmp_pat
         finally:
             torch.distributed.destroy_process_group()
     assert not [n for n in os.listdir(directory) if n.startswith(storage.TMP_PREFIX)]
+
+
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("hsdp", marks=pytest.mark.slow)])
+def test_replicas_that_plan_otherwise_are_refused_on_every_rank(tmp_path, kind):
+    """One replica cuts its blocks otherwise (DDP: rank 0 of 2; HSDP: rank 2, the replica of
+    rank 0's shard): every rank raises the ConfigError -- those whose replicas agree too,
+    none is left waiting in a collective."""
+    run_ranks(str(tmp_path / kind), f"mismatch:gockpt-o:{kind}",
+              world=4 if kind == "hsdp" else 2, worker=WORKER)
 
 
 def test_inspect_shows_the_shares_and_verify_checks_their_cover(tmp_path, capsys):

@@ -134,8 +134,11 @@ def print_parts(s: dict) -> None:
 def _print_layout(layout: dict) -> None:
     """The parallel layout of a checkpoint of several ranks."""
     n, split = layout["world_size"], layout["split"]
+    sharded = layout.get("sharded")
     if layout["shares"]:
-        print(f"layout       one replicated state in {n} shares: each rank copied, replayed and "
+        what = "one replicated state" if not sharded else \
+            "what the ranks hold alike (replicated tensors, HSDP's replicas of a shard)"
+        print(f"layout       {what} in {n} shares: each rank copied, replayed and "
               f"wrote about 1/{n} of it; of its {layout['tensors']} parameters and optimizer "
               f"state tensors {len(split)} are split across parts, the others lie whole in one")
         for what, parts in list(split.items())[:4]:
@@ -144,9 +147,8 @@ def _print_layout(layout: dict) -> None:
             print(f"               ... and {len(split) - 4} more")
     elif layout["replicated"]:
         print(f"layout       replicated: every one of the {n} parts holds the whole state")
-    elif not layout.get("sharded"):
+    elif not sharded:
         print(f"layout       per-rank state: each part holds its own rank's (loads on {n} ranks)")
-    sharded = layout.get("sharded")
     if sharded:
         print(f"{'and' if layout['shares'] else 'layout':<13}sharded (DTensor shards: FSDP2 / "
               f"tensor parallel; ZeRO partitions): {len(sharded)} "

@@ -125,9 +125,9 @@ def _layout(data: dict, parts: List[Part]) -> dict:
         if part.data is None:
             continue
         m = parse_manifest("", tolerant=True, data=part.data)
-        own = own_state(m)  # a rank's own slice of a global tensor: in "sharded", not shares
+        own = own_state(m)  # a slice of a global tensor: in "sharded" -- unless in shares
         for _, what, ref, key in m.stored_refs():
-            if own(key):
+            if own(key) and ref.extent is None:
                 continue
             holders.setdefault(what, set()).add(part.rank)
             if ref.extent is not None:

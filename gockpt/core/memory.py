@@ -62,6 +62,23 @@ def global_slice(t: torch.Tensor) -> Optional[Tuple[Tuple[int, ...], Tuple[int, 
     return tuple(t.shape), tuple(int(o) for o in chunks[0].offsets)
 
 
+def replicas_of(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
+    """The global ranks whose local shard of DTensor ``t`` is this rank's (sorted, this rank
+    among them): the ranks of its mesh that differ from this one only along the dimensions
+    where ``t`` is ``Replicate()`` -- HSDP's replicate dimension, tensor parallelism's
+    replicated parameters. ``(rank,)`` when it is replicated nowhere; None for a plain tensor
+    (or a rank outside the mesh)."""
+    if not isinstance(t, DTensor):
+        return None
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    where = tuple(slice(None) if p.is_replicate() else c
+                  for p, c in zip(t.placements, coordinate))
+    return tuple(sorted(int(r) for r in mesh.mesh[where].reshape(-1).tolist()))
+
+
 def check_addressable(name: str, p: torch.Tensor) -> None:
     """UnsupportedTensorError unless parameter ``name`` owns plain memory that gockpt can copy
     by address (a DTensor: its local shard does)."""

@@ -20,7 +20,7 @@ import torch
 
 from .blocks import Block, BlockTable
 from .errors import ConfigError, LayoutChangedError
-from .memory import flat, global_slice, layout_of, local, logical
+from .memory import flat, global_slice, layout_of, local, logical, replicas_of
 from .names import Names
 
 
@@ -40,6 +40,8 @@ class Slot:
     extent: Tuple[int, int] = (0, -1)  # elements [lo, hi) in memory order this rank holds
     replicated: bool = True        # the same on every replica: split among them when the ranks
     #                                take shares (False: this rank's own, kept whole)
+    replicas: Optional[Tuple[int, ...]] = None  # the ranks holding it alike (None: every
+    #                                rank); a DTensor's are the ranks of its mesh's Replicate dims
 
     def __post_init__(self):
         self.strides = tuple(self.local.stride())
@@ -262,45 +264,63 @@ class Plan:
         # the parameter and its two moments
         return split_by_weight(blocks, [b.numel * 3 for b in blocks], k)
 
-    def shares(self, n: int) -> List[List[Block]]:
-        """Every block split into ``n`` contiguous shares of about equal bytes (a block weighs
-        its parameter's bytes, plus 8 per element for an optimized slot's two fp32 moments),
-        in storage order: share r is what replica r of ``n`` identical replicas copies,
-        replays and writes. A pure function of the plan: every replica computes the same split
-        without a collective. A share may be empty (more replicas than blocks)."""
+    def shares(self, n: int, replicas: Optional[Tuple[int, ...]] = None) -> List[List[Block]]:
+        """The blocks of the replicated slots held by ``replicas`` (:attr:`Slot.replicas`;
+        None: by every rank) split into ``n`` shares of about equal bytes (a block weighs its
+        parameter's bytes, plus 8 per element for an optimized slot's two fp32 moments), each
+        in storage order: share i is what the i-th of ``n`` identical replicas copies,
+        replays and writes. The blocks replayed and those copied at F are split apart -- each
+        share takes a contiguous run of each kind -- so that the replay's work (and the K its
+        blocks allow) is balanced too; a slot's blocks in a share are one run. A pure function
+        of the plan: every replica computes the same split without a collective. A share may
+        be empty (more replicas than blocks)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"the number of shares must be an int >= 1, got {n!r}")
-        blocks = [b for b in self.blocks if self.slots[b.slot].replicated]
-        weights = [b.numel * (self.slots[b.slot].local.element_size()
-                              + (0 if self.slots[b.slot].static else 8)) for b in blocks]
-        return split_by_weight(blocks, weights, n)
-
+        out: List[List[Block]] = [[] for _ in range(n)]
+        for at_f in (False, True):
+            blocks = [b for b in self.blocks if self.slots[b.slot].replicated
+                      and self.slots[b.slot].replicas == replicas
+                      and self.slots[b.slot].at_f == at_f]
+            weights = [b.numel * (self.slots[b.slot].local.element_size()
+                                  + (0 if self.slots[b.slot].static else 8)) for b in blocks]
+            for share, run in zip(out, split_by_weight(blocks, weights, n)):
+                share += run
+        order = {id(b): i for i, b in enumerate(self.blocks)}
+        return [sorted(share, key=lambda b: order[id(b)]) for share in out]
 
     def take_share(self, rank: int, n: int) -> None:
-        """Hold only share ``rank`` of :meth:`shares` ``(n)`` from now on, and every block of
+        """Hold only this rank's share of the replicated slots from now on -- for each set of
+        replicas (:attr:`Slot.replicas`: every one of the ``n`` ranks, or a DTensor's), share
+        i of :meth:`shares` among them, i this rank's place in the set -- and every block of
         the slots that are this rank's own (not :attr:`Slot.replicated`): these are the blocks
-        this replica copies, replays and writes, and each replicated slot's extent narrows to
-        its elements in the share (empty where the slot lies in other shares); ``k_cap`` is
-        the fewest blocks any replica replays (its own counted as this rank's: the ranks agree
-        on it where their own slots differ). Called once, right after planning (nothing
-        derived from the blocks is built yet)."""
+        it copies, replays and writes, and each replicated slot's extent narrows to its
+        elements in the share (empty where the slot lies in other shares); ``k_cap`` is the
+        fewest blocks any replica of this rank's sets replays, its own blocks counted (the
+        ranks then agree on the least). Called once, right after planning (nothing derived
+        from the blocks is built yet)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
             raise ConfigError(f"share {rank!r} of {n!r} asked: expected 0 <= rank < n")
-        every = self.shares(n)
-        picked = set(every[rank])
-        mine = [b for b in self.blocks if b in picked or not self.slots[b.slot].replicated]
-        own = sum(not self.slots[b.slot].at_f for b in self.blocks
-                  if not self.slots[b.slot].replicated)
-        self.k_cap = max(1, own + min(sum(not self.slots[b.slot].at_f for b in share)
-                                      for share in every))
-        extents: Dict[int, Tuple[int, int]] = {}
-        for b in every[rank]:  # a share is contiguous: one run of blocks per slot
-            lo, hi = extents.get(b.slot, (b.start, b.end))
-            extents[b.slot] = (min(lo, b.start), max(hi, b.end))
+        picked, extents = set(), {}
+        replays = sum(not self.slots[b.slot].at_f for b in self.blocks
+                      if not self.slots[b.slot].replicated)
+        for replicas in dict.fromkeys(s.replicas for s in self.slots if s.replicated):
+            members = tuple(range(n)) if replicas is None else replicas
+            if rank not in members:
+                raise ConfigError(f"rank {rank} is not among the replicas {list(members)} of "
+                                  "a tensor it holds")
+            every = self.shares(len(members), replicas)
+            replays += min(sum(not self.slots[b.slot].at_f for b in share) for share in every)
+            mine = every[members.index(rank)]
+            picked.update(mine)
+            for b in mine:  # a share is contiguous: one run of blocks per slot
+                lo, hi = extents.get(b.slot, (b.start, b.end))
+                extents[b.slot] = (min(lo, b.start), max(hi, b.end))
+        self.k_cap = max(1, replays)
         for si, s in enumerate(self.slots):
             if s.replicated:
                 s.extent = extents.get(si, (0, 0))
-        self.blocks, self.share = mine, (rank, n)
+        self.blocks = [b for b in self.blocks if b in picked or not self.slots[b.slot].replicated]
+        self.share = (rank, n)
         self._at_f_table = None
         self._windows.clear()
         self.__dict__.pop("_bytes", None)
@@ -327,11 +347,12 @@ def split_by_weight(items: list, weights: List[int], k: int) -> List[list]:
 
 
 def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               block_bytes: int, min_blocks: int = 1) -> Plan:
+               block_bytes: int, min_blocks: int = 1, ranks: int = 1) -> Plan:
     """Map the optimizer's parameters to model names and cut everything into blocks of
     ``block_bytes`` -- smaller where the optimized parameters would otherwise make fewer than
     ``min_blocks`` blocks (an explicit K needs K groups: one flat partition of DeepSpeed's
-    would be one block)."""
+    would be one block), or, as far as they have elements, fewer than ``min_blocks`` per rank
+    of ``ranks`` (replicas split the blocks into shares: each share needs K groups too)."""
     canonical: Dict[int, str] = {}
     aliases: Dict[str, str] = {}
     names = Names(model)  # stored without wrapper prefixes (DDP's module., compile's _orig_mod.)
@@ -360,8 +381,12 @@ def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         if id(p) not in seen:
             slots.append(Slot(name, p, None, None, dims=layout_of(name, p)))
 
-    elems = _block_elems(max(1, block_bytes // 4), [s.numel for s in slots if not s.static],
-                         min_blocks)
+    sizes = [s.numel for s in slots if not s.static]
+    elems = _block_elems(max(1, block_bytes // 4), sizes, min_blocks)
+    per_rank = min(min_blocks * ranks, sum(sizes))
+    if sum(-(-n // elems) for n in sizes) < per_rank:
+        # blocks of even size: a split by bytes then gives every share as many blocks
+        elems = max(1, sum(sizes) // per_rank)
     blocks = []
     for si, s in enumerate(slots):
         n = s.numel
@@ -371,13 +396,15 @@ def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def mark_parallel(plan: Plan, replicated, global_slices) -> bool:
-    """Mark which slots the ranks hold alike (``Config.replicated``: True, False or parameter
-    names) and where a plain tensor lies in a global one (``Config.global_slices``). Returns
-    whether any slot is replicated. ConfigError naming a parameter the plan does not have, a
-    DTensor named in ``global_slices`` (its place is its own), a block that does not fit its
-    global shape, or -- names given -- a parameter both replicated and a slice, or neither (a
-    checkpoint in shares holds one global state: what is not replicated must say where it
-    lies)."""
+    """Mark which slots the ranks hold alike (``Config.replicated``: None, True, False or
+    parameter names; a DTensor as its placements say: replicated among the ranks of its
+    mesh's ``Replicate()`` dimensions, unless ``replicated`` is False) and where a plain tensor
+    lies in a global one (``Config.global_slices``). Returns whether any slot is replicated.
+    ConfigError naming a parameter the plan does not have, a DTensor named in
+    ``global_slices`` or ``replicated`` (its place is its own), a block that does not fit its
+    global shape, or -- some state replicated -- a plain parameter neither replicated nor a
+    slice (a checkpoint in shares holds one global state: what is not replicated must say
+    where it lies)."""
     by_name = {s.name: s for s in plan.slots}
 
     def slot(name: str, option: str) -> Slot:
@@ -388,9 +415,10 @@ def mark_parallel(plan: Plan, replicated, global_slices) -> bool:
                               f"the model ({known})")
         return found
 
+    dtensors = {s.name for s in plan.slots if s.global_slice is not None}
     for name, (shape, offsets) in (global_slices or {}).items():
         s = slot(name, "global_slices")
-        if s.global_slice is not None:
+        if s.name in dtensors:
             raise ConfigError(f"Config.global_slices names {name!r}, a DTensor: its place in "
                               "the global tensor is its own")
         lengths = tuple(s.local.shape)
@@ -399,26 +427,35 @@ def mark_parallel(plan: Plan, replicated, global_slices) -> bool:
             raise ConfigError(f"Config.global_slices[{name!r}]: a block of {list(lengths)} at "
                               f"{list(offsets)} does not fit in the global shape {list(shape)}")
         s.global_slice = (tuple(shape), tuple(offsets))
-    if replicated is None or isinstance(replicated, bool):
-        if replicated and global_slices:
-            raise ConfigError("Config(replicated=True) with global_slices: a slice of a "
-                              "partitioned tensor is no replica; name the replicated "
-                              "parameters instead")
+    if replicated is True and global_slices:
+        raise ConfigError("Config(replicated=True) with global_slices: a slice of a "
+                          "partitioned tensor is no replica; name the replicated "
+                          "parameters instead")
+    named = set()
+    if not (replicated is None or isinstance(replicated, bool)):
+        named = {slot(n, "replicated").name for n in replicated}
         for s in plan.slots:
-            s.replicated = bool(replicated)
-        return bool(replicated) and bool(plan.slots)
-    named = {slot(n, "replicated").name for n in replicated}
+            if s.name in named and s.global_slice is not None:
+                raise ConfigError(f"parameter {s.name!r} is named in Config.replicated but is "
+                                  "a slice of a global tensor (a DTensor or in global_slices)")
     for s in plan.slots:
-        s.replicated = s.name in named
-        if s.replicated and s.global_slice is not None:
-            raise ConfigError(f"parameter {s.name!r} is named in Config.replicated but is a "
-                              "slice of a global tensor (a DTensor or in global_slices)")
-        if not s.replicated and s.global_slice is None:
-            raise ConfigError(
-                f"parameter {s.name!r} is neither in Config.replicated nor a slice of a global "
-                "tensor (a DTensor, or named in Config.global_slices): with some parameters "
-                "replicated, the others must say where they lie")
-    return bool(named)
+        s.replicas = replicas_of(s.param) if s.name in dtensors and replicated is not False \
+            else None
+        if s.replicas is not None:  # a DTensor: replicated where its placements say
+            s.replicated = len(s.replicas) > 1
+            s.replicas = s.replicas if s.replicated else None
+        else:
+            s.replicated = s.name in named or (replicated is True and s.name not in dtensors)
+    if any(s.replicated for s in plan.slots):
+        for s in plan.slots:
+            if not s.replicated and s.global_slice is None:
+                raise ConfigError(
+                    f"parameter {s.name!r} is neither replicated nor a slice of a global "
+                    "tensor (a DTensor, or named in Config.global_slices): with some state "
+                    "replicated across the ranks, name the replicated plain parameters in "
+                    "Config.replicated and say where the others lie in Config.global_slices")
+        return True
+    return False
 
 
 def _block_elems(elems: int, sizes: List[int], min_blocks: int) -> int:

@@ -139,19 +139,24 @@ def _checked(self: Manifest, bad) -> Manifest:
 
 
 def _slices_fit(slices, params: Dict[str, TensorRef], tensors) -> bool:
-    """Whether ``slices`` (a part's ``model.slices``) names stored parameters whose stored
-    shape lies at its offsets inside its global shape."""
+    """Whether ``slices`` (a part's ``model.slices``) gives each parameter it names a global
+    shape and offsets where the stored shape fits (a parameter this part does not store --
+    its replicas hold all of it -- an empty block at the offsets)."""
     if not isinstance(slices, dict):
         return False
     for name, s in slices.items():
         ref = params.get(name)
-        if ref is None or not isinstance(s, dict) or set(s) != {"shape", "offsets"}:
+        if not isinstance(s, dict) or set(s) != {"shape", "offsets"}:
             return False
         shape, offsets = s["shape"], s["offsets"]
-        entry = tensors.get(ref.tensor) if isinstance(tensors, dict) else None
-        lengths = list(ref.shape) if ref.shape is not None else \
-            (entry.get("shape") if isinstance(entry, dict) else None)
-        if ref.shape is None and ref.dims and isinstance(lengths, list) \
+        if ref is None:  # not stored here: an empty block at its offsets
+            lengths = [0] * len(offsets) if isinstance(offsets, list) else None
+        elif ref.shape is not None:
+            lengths = list(ref.shape)
+        else:
+            entry = tensors.get(ref.tensor) if isinstance(tensors, dict) else None
+            lengths = entry.get("shape") if isinstance(entry, dict) else None
+        if ref is not None and ref.shape is None and ref.dims and isinstance(lengths, list) \
                 and len(lengths) == len(ref.dims):  # stored in memory order: the logical shape
             logical = [0] * len(lengths)
             for i, d in enumerate(ref.dims):

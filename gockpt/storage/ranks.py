@@ -69,25 +69,36 @@ class Ranks:
 
     def share(self, plan: Plan, replicated, global_slices=None) -> Plan:
         """``plan`` with its slots marked (:func:`~gockpt.core.plan.mark_parallel`:
-        ``Config.replicated`` / ``global_slices``) and, when the ranks are replicas of some of
-        it, narrowed to this rank's share of that (:meth:`Plan.take_share`): each copies,
-        replays and writes 1/N of it, and all of its own. Every rank must have planned the
-        same replicated tensors (ConfigError otherwise: the shares would not fit together).
-        Training thread, on every rank."""
+        ``Config.replicated`` / ``global_slices``, DTensors' placements) and, when ranks are
+        replicas of some of it, narrowed to this rank's share of that (:meth:`Plan.take_share`):
+        each of N replicas copies, replays and writes 1/N of what they hold alike, and all of
+        its own. The replicas of each tensor must have planned the same replicated state
+        (ConfigError on every rank otherwise: the shares would not fit together). Training
+        thread, on every rank."""
         shared = mark_parallel(plan, replicated, global_slices)
         if not (self.several and shared):
             return plan
-        signature = repr([(s.name, tuple(s.local.shape), str(s.local.dtype), s.opt_index,
-                           s.dims, s.global_slice) for s in plan.slots if s.replicated]
-                         + [plan.block_elems,
-                            sum(plan.slots[b.slot].replicated for b in plan.blocks)])
-        if not self.same(zlib.crc32(signature.encode())):
+        # one signature per set of replicas (None: every rank), compared among its members
+        mine = {}
+        for key in dict.fromkeys(s.replicas for s in plan.slots if s.replicated):
+            text = repr([(s.name, tuple(s.local.shape), str(s.local.dtype), s.opt_index,
+                          s.dims, s.global_slice) for s in plan.slots
+                         if s.replicated and s.replicas == key]
+                        + [plan.block_elems,
+                           sum(plan.slots[b.slot].replicas == key and plan.slots[b.slot].replicated
+                               for b in plan.blocks)])
+            mine[key] = zlib.crc32(text.encode())
+        everyone = [None] * self.world_size
+        torch.distributed.all_gather_object(everyone, mine, group=self._train_group)
+        alike = all(everyone[r].get(key) == crc for key, crc in mine.items()
+                    for r in (range(self.world_size) if key is None else key))
+        if not self.agree_all(alike):
             raise ConfigError(
-                "Config.replicated but the ranks do not plan the same replicated state "
-                "(parameter names, shapes, dtypes or optimizer order, or block_bytes / "
-                "overlap_steps differ): replicas split their state into shares only if it is "
-                "one state cut alike; pass the same options on every rank, or "
-                "replicated=False for per-rank state")
+                "the ranks do not plan the same replicated state (parameter names, shapes, "
+                "dtypes or optimizer order, or block_bytes / overlap_steps differ between "
+                "replicas, Config.replicated or the DTensors' replicate dimension): replicas "
+                "split their state into shares only if it is one state cut alike; pass the "
+                "same options on every rank, or replicated=False for per-rank state")
         plan.take_share(self.rank, self.world_size)
         # the ranks' own slots may differ: a K that every rank's blocks can fill
         plan.k_cap = -self.agree_max(-plan.k_cap)

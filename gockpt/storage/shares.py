@@ -1,8 +1,12 @@
-"""Reading a checkpoint whose replicas split one state into shares (``"shares": true`` in its
-top-level manifest): every part holds, of each tensor, a contiguous run of its elements in
-memory order (its reference's ``extent``, :mod:`.refs`). Reading it means reading every part
-and putting each tensor together, with the parts covering each element exactly once -- a gap
-or an overlap is a damaged checkpoint, never zeros or a guess.
+"""Reading a checkpoint whose replicas split their state into shares (``"shares": true`` in
+its top-level manifest): every part holds, of each tensor the ranks hold alike, a contiguous
+run of its elements in memory order (its reference's ``extent``, :mod:`.refs`) -- a
+replicated tensor (DDP, ZeRO's module weights), or a block of a global tensor that several
+ranks hold (HSDP's replicas of a shard) -- and each rank's own blocks whole (ZeRO
+partitions, FSDP2 shards). Reading it means reading, of every part, what a rank holds, and
+putting each tensor together, the pieces at one place (stored name and block offsets)
+covering each element exactly once -- a gap or an overlap is a damaged checkpoint, never
+zeros or a guess.
 """
 
 from __future__ import annotations
@@ -18,84 +22,95 @@ from ..core.errors import CorruptCheckpointError
 from .format import CODE_TO_DTYPE, DTYPE_TO_CODE
 from .manifest import parse, parts_of
 from .reader import read_manifest, read_tensors
+from .index import cover_problem
 from .refs import TensorRef, permuted
 from .schema import Manifest, ModelSection, OptimizerSection, is_small_tensor
 
 
 class _Whole:
-    """One tensor being put together: its flat buffer in memory order and the element runs
-    the parts gave."""
+    """One tensor being put together from the pieces the parts hold of it: a replicated
+    tensor, or a slice of a global one held by one rank or split among its replicas."""
 
-    def __init__(self, what: str, key: tuple, dtype: torch.dtype, shape: Tuple[int, ...],
-                 dims: Tuple[int, ...]):
-        self.what, self.key, self.dtype, self.shape, self.dims = what, key, dtype, shape, dims
-        self.flat = torch.empty(math.prod(shape), dtype=dtype)
-        self.runs: List[Tuple[int, int, str]] = []
+    def __init__(self, what: str, key: tuple, param: Optional[str], place, dtype: torch.dtype,
+                 shape: Tuple[int, ...], dims: Tuple[int, ...]):
+        self.what, self.key, self.param, self.place = what, key, param, place
+        self.dtype, self.shape, self.dims = dtype, shape, dims
+        self.runs: List[Tuple[int, int, str]] = []  # (first, end, part) of every piece
+        self.flat: Optional[torch.Tensor] = None  # the elements in memory order
+        self.only: Optional[torch.Tensor] = None  # a part's whole piece, kept as read
 
     def put(self, part: str, lo: int, piece: torch.Tensor) -> None:
-        self.flat[lo:lo + piece.numel()].copy_(piece.reshape(-1))
+        """A part's run of elements from ``lo``, flat in memory order: a whole piece as the
+        first is kept as it is (nothing copied), the pieces of shares copied into place (as
+        they are read: a part's buffer is freed before the next part is read)."""
         self.runs.append((lo, lo + piece.numel(), part))
+        if len(self.runs) == 1 and piece.numel() == math.prod(self.shape):
+            self.only = piece
+            return
+        if self.flat is None:
+            self.flat = torch.empty(math.prod(self.shape), dtype=self.dtype)
+            if self.only is not None:
+                self.flat.copy_(self.only)
+                self.only = None
+        self.flat[lo:lo + piece.numel()].copy_(piece)
 
     def check(self, path: str) -> None:
-        """CorruptCheckpointError unless the runs cover every element exactly once."""
-        problem = cover_problem(self.what, self.runs, self.flat.numel())
+        """CorruptCheckpointError unless the pieces cover every element exactly once."""
+        problem = cover_problem(self.what, self.runs, math.prod(self.shape))
         if problem:
             raise CorruptCheckpointError(f"checkpoint {path!r}: {problem}")
 
     def stored(self) -> torch.Tensor:
         """The tensor as a whole-tensor reference with ``dims`` reads it (memory order)."""
-        return self.flat.view(permuted(self.shape, self.dims) if self.dims else self.shape)
+        memory = permuted(self.shape, self.dims) if self.dims else self.shape
+        return (self.only if self.only is not None else self.flat).view(memory)
 
 
-def cover_problem(what: str, runs: List[Tuple[int, int, str]], numel: int) -> Optional[str]:
-    """What is wrong with the element runs (lo, hi, part) the parts hold of ``what``, a tensor
-    of ``numel`` elements: None when they cover each element exactly once."""
-    at = 0
-    for lo, hi, part in sorted(r for r in runs if r[1] > r[0]):
-        if lo < at:
-            return (f"the parts hold {what} twice at elements {lo}..{min(hi, at)} ({part} and "
-                    "another part)")
-        if lo > at:
-            break
-        at = hi
-    if at != numel:
-        gap = min([lo for lo, hi, _ in runs if lo > at] + [numel])
-        return (f"the parts hold {what} nowhere at elements {at}..{gap} (of {numel}): a "
-                "replicated share is missing or damaged")
-    return None
+def places(m: Manifest) -> Callable[[tuple], Tuple[Optional[str], Optional[tuple]]]:
+    """For a :meth:`Manifest.stored_refs` key of part ``m``: (the parameter it belongs to,
+    the offsets of that parameter's block in its global tensor -- ``model.slices``: a DTensor
+    shard, a ZeRO partition -- or None when it is no slice). The parts' pieces of one stored
+    name at one place are one tensor: a replicated one, or one block held by one rank or
+    split among the replicas of that block (HSDP)."""
+    slices = m.model.slices
+    params = m.optimizer.params if m.optimizer is not None else {}
+
+    def place(key: tuple) -> Tuple[Optional[str], Optional[tuple]]:
+        param = key[1] if key[0] is None else params.get(key[0])
+        s = slices.get(param)
+        return param, (tuple(s["offsets"]) if s is not None else None)
+    return place
 
 
 def own_state(m: Manifest) -> Callable[[tuple], bool]:
-    """Whether a :meth:`Manifest.stored_refs` key of part ``m`` is this part's own state -- a
-    parameter that is its rank's slice of a global tensor (``model.slices``: a DTensor shard,
-    a ZeRO partition) or such a parameter's optimizer state -- which no share of another part
-    completes: it is never put together, and only its rank reads it."""
-    params = set(m.model.slices)
-    states = {i for i, n in (m.optimizer.params if m.optimizer is not None else {}).items()
-              if n in params}
-    return lambda key: key[1] in params if key[0] is None else key[0] in states
+    """Whether a :meth:`Manifest.stored_refs` key of part ``m`` is state of a parameter that
+    is its rank's slice of a global tensor (a DTensor shard, a ZeRO partition), not a
+    replicated tensor every rank holds."""
+    place = places(m)
+    return lambda key: place(key)[1] is not None
 
 
 def coverage_problems(parts: List[Manifest]) -> List[str]:
-    """From the manifests of a checkpoint's parts alone (nothing read): every replicated
-    tensor whose shares do not cover it exactly once, or whose parts disagree on its shape
-    (each part's own state is checked by the global index: :mod:`.index`)."""
-    runs: Dict[str, list] = {}
-    shapes: Dict[str, Tuple[int, ...]] = {}
+    """From the manifests of a checkpoint's parts alone (nothing read): every tensor whose
+    pieces do not cover it exactly once -- a replicated one's shares, or a block of a global
+    tensor held by one part or split among its replicas -- or whose parts disagree on its
+    shape (where each block lies in its global tensor is checked by the index: :mod:`.index`)."""
+    runs: Dict[tuple, list] = {}
+    shapes: Dict[tuple, Tuple[int, ...]] = {}
     problems = []
     for m in parts:
-        own = own_state(m)
+        place = places(m)
         for name, what, ref, key in m.stored_refs():
-            if own(key):
-                continue
+            at = (name, place(key)[1])
             shape = tuple(m.logical_shape(ref))
-            if shapes.setdefault(name, shape) != shape:
+            if shapes.setdefault(at, shape) != shape:
                 problems.append(f"part {m.rank} stores {what} as {list(shape)}, another "
-                                f"part as {list(shapes[name])}")
+                                f"part as {list(shapes[at])}")
             lo, hi = ref.extent if ref.extent is not None else (0, math.prod(shape))
-            runs.setdefault(name, []).append((lo, hi, f"part {m.rank}"))
-    for name, taken in runs.items():
-        problem = cover_problem(name, taken, math.prod(shapes[name]))
+            runs.setdefault(at, []).append((lo, hi, f"part {m.rank}"))
+    for (name, offsets), taken in runs.items():
+        what = name if offsets is None else f"{name} (the block at {list(offsets)})"
+        problem = cover_problem(what, taken, math.prod(shapes[(name, offsets)]))
         if problem:
             problems.append(problem)
     return problems
@@ -105,13 +120,14 @@ def gather(path: str, own: Manifest, *, verify: bool,
            check: Callable[[str, Manifest, dict], None]) -> Optional[Tuple[Manifest, dict]]:
     """A checkpoint at ``path`` (its top-level directory) written in shares, put together for
     the rank of part ``own`` (whose small state that rank restores): ``own`` with every
-    replicated parameter and aligned optimizer state tensor referenced whole, its own state
-    (:func:`own_state`) as it stored it, and the tensors it names (stored name -> tensor: its
-    small state too). None for a checkpoint not written in shares.
+    parameter and aligned optimizer state tensor of that rank referenced whole -- the
+    replicated ones, and its blocks of global tensors, split among its replicas or not --
+    and the tensors it names (stored name -> tensor: its small state too). None for a
+    checkpoint not written in shares.
 
-    Every part's shares are read (checksums unless ``verify=False``), and only ``own``'s own
-    state; each part is handed to ``check(part path, its manifest, its tensors)`` as read --
-    the digests of the live state at F were taken per share -- before its pieces are put in
+    Of every part only what this rank holds is read (checksums unless ``verify=False``);
+    each part is handed to ``check(part path, its manifest, its tensors)`` as read -- the
+    digests of the live state at F were taken per share -- before its pieces are put in
     place. CorruptCheckpointError naming the tensor when the parts do not cover it exactly
     once, or disagree on its shape or dtype."""
     together = read_together(path, verify=verify, check=check, rank=own.rank)
@@ -121,16 +137,14 @@ def gather(path: str, own: Manifest, *, verify: bool,
 def read_together(path: str, *, verify: bool, check: Callable[[str, Manifest, dict], None],
                   rank: Optional[int] = None) -> Optional[Dict[int, Tuple[Manifest, dict]]]:
     """:func:`gather` for the rank ``rank`` (None: every rank, each part read once): rank ->
-    (its part's manifest with the replicated tensors referenced whole, the tensors it names
-    -- the replicated ones shared by every rank, its own state and its small state read from
-    its part). None for a checkpoint not written in shares."""
+    (its part's manifest with its tensors referenced whole, the tensors it names -- what it
+    holds alike with other ranks shared between their views -- and its small state read
+    from its part). None for a checkpoint not written in shares."""
     data = read_manifest(path)
     if data.get("shares") is not True:
         return None
-    wholes: Dict[str, _Whole] = {}
-    manifests: Dict[int, Manifest] = {}
-    owned: Dict[int, Tuple[list, dict]] = {}  # rank -> (its own refs, the tensors they read)
     names = parts_of(path, data)
+    manifests: List[Manifest] = []
     for r, part in enumerate(names):
         ppath = os.path.join(path, part)
         m = parse(ppath, read_manifest(ppath))
@@ -139,65 +153,70 @@ def read_together(path: str, *, verify: bool, check: Callable[[str, Manifest, di
                 f"checkpoint {path!r}: {part} is rank {m.rank} of {m.world_size} at step "
                 f"{m.step}, listed as rank {r} of {len(names)} at step {data.get('step')}: "
                 "its share belongs to another checkpoint")
-        is_own = own_state(m)
-        mine = rank is None or r == rank
-        refs = [x for x in m.stored_refs() if mine or not is_own(x[3])]
-        small = [n for n in m.tensors if is_small_tensor(n)] if mine else []
+        manifests.append(m)
+    ranks = range(len(names)) if rank is None else [rank]
+    # each rank's place of each parameter: what it needs of every part
+    wants = {r: {p: (tuple(s["offsets"]) if s is not None else None)
+                 for p, s in manifests[r].model.slices.items()} for r in ranks}
+    wholes: Dict[tuple, _Whole] = {}
+    smalls: Dict[int, dict] = {}
+    for r, (part, m) in enumerate(zip(names, manifests)):
+        ppath = os.path.join(path, part)
+        place = places(m)
+        refs = [(name, what, ref, key, *place(key)) for name, what, ref, key in m.stored_refs()]
+        refs = [x for x in refs if any(w.get(x[4]) == x[5] for w in wants.values())]
+        small = [n for n in m.tensors if is_small_tensor(n)] if r in wants else []
         tensors = read_tensors(ppath, m, sorted({x[2].tensor for x in refs} | set(small)),
                                verify=verify)
         if verify:
             check(ppath, m, tensors)  # (the digests of the tensors read)
-        if mine:  # its own state and its small state: only its rank's view holds them
-            manifests[r] = m
-            owned[r] = ([x for x in refs if is_own(x[3])], {n: tensors[n] for n in small})
-        for name, what, ref, key in refs:
-            if is_own(key):
-                owned[r][1][ref.tensor] = tensors[ref.tensor]
-                continue
+        smalls[r] = {n: tensors[n] for n in small}
+        for name, what, ref, key, param, offsets in refs:
             dtype = CODE_TO_DTYPE[m.tensors[ref.tensor]["dtype"]]
             shape = tuple(m.logical_shape(ref))
-            whole = wholes.get(name)
+            whole = wholes.get((name, offsets))
             if whole is None:
-                whole = wholes[name] = _Whole(what, key, dtype, shape, ref.dims)
+                whole = wholes[(name, offsets)] = _Whole(what, key, param, offsets, dtype,
+                                                         shape, ref.dims)
             elif (whole.dtype, whole.shape, whole.dims) != (dtype, shape, ref.dims):
                 raise CorruptCheckpointError(
                     f"checkpoint {path!r}: {part} stores {what} as {dtype} {list(shape)}, "
                     f"another part as {whole.dtype} {list(whole.shape)} (or in another "
                     "memory order)")
             piece = ref.resolve(tensors)
-            if ref.extent is None:  # stored whole here (e.g. an empty tensor)
+            if ref.extent is None:  # stored whole here: flat in memory order
                 piece = piece.permute(ref.dims) if ref.dims else piece
-                whole.put(part, 0, piece.contiguous())
+                whole.put(part, 0, piece.contiguous().view(-1))
             else:
-                whole.put(part, ref.extent[0], piece)
+                whole.put(part, ref.extent[0], piece.reshape(-1))
         del tensors
-    stored: Dict[str, torch.Tensor] = {}
-    params: Dict[str, TensorRef] = {}
-    aligned: Dict[int, Dict[str, TensorRef]] = {}
-    table = {}
-    for name, whole in wholes.items():
+    stored: Dict[tuple, torch.Tensor] = {}
+    for at, whole in wholes.items():
         whole.check(path)
-        stored[name] = whole.stored()
-        whole_ref = TensorRef(name, dims=whole.dims)
-        if whole.key[0] is None:
-            params[whole.key[1]] = whole_ref
-        else:
-            aligned.setdefault(whole.key[0], {})[whole.key[1]] = whole_ref
-        table[name] = {"dtype": DTYPE_TO_CODE[whole.dtype], "shape": list(stored[name].shape)}
+        stored[at] = whole.stored()
     out = {}
-    for r, m in manifests.items():
-        refs, tensors = owned[r]
-        own_params, own_aligned = dict(params), {i: dict(by) for i, by in aligned.items()}
-        for _, _, ref, (idx, key) in refs:
-            if idx is None:
-                own_params[key] = ref
+    for r in ranks:
+        m = manifests[r]
+        params: Dict[str, TensorRef] = {}
+        aligned: Dict[int, Dict[str, TensorRef]] = {}
+        owners = dict(m.optimizer.params) if m.optimizer is not None else {}
+        tensors = dict(smalls[r])
+        table = {n: m.tensors[n] for n in tensors}
+        for (name, offsets), whole in wholes.items():
+            if wants[r].get(whole.param) != offsets:
+                continue  # another rank's block
+            ref = TensorRef(name, dims=whole.dims)
+            if whole.key[0] is None:
+                params[whole.key[1]] = ref
             else:
-                own_aligned.setdefault(idx, {})[key] = ref
-        own_table = dict(table)
-        own_table.update({n: m.tensors[n] for n in tensors})  # its own and its small state
+                aligned.setdefault(whole.key[0], {})[whole.key[1]] = ref
+                if whole.param is not None:
+                    owners[whole.key[0]] = whole.param
+            tensors[name] = stored[(name, offsets)]
+            table[name] = {"dtype": DTYPE_TO_CODE[whole.dtype],
+                           "shape": list(tensors[name].shape)}
         optimizer = None if m.optimizer is None else \
-            OptimizerSection(m.optimizer.cls, own_aligned, params=dict(m.optimizer.params))
-        model = ModelSection(own_params, dict(m.model.aliases), slices=dict(m.model.slices))
-        out[r] = (replace(m, model=model, optimizer=optimizer, tensors=own_table),
-                  {**stored, **tensors})
+            OptimizerSection(m.optimizer.cls, aligned, params=owners)
+        model = ModelSection(params, dict(m.model.aliases), slices=dict(m.model.slices))
+        out[r] = (replace(m, model=model, optimizer=optimizer, tensors=table), tensors)
     return out

@@ -18,6 +18,8 @@ fp32 partition its own slice of a global tensor):
             write (SIGKILL: no handler, no vote); the parent then stops the others
     reload  after ``kill``: the first checkpoint loads, a new Checkpointer clears leftovers
     resharded  FSDP2 sharded by columns refuses the checkpoint sharded by rows (LoadError)
+    mismatch   one replica (rank world - 2) cuts its blocks otherwise: a ConfigError on every
+            rank, the replicas that agree included
 """
 
 import sys
@@ -266,8 +268,20 @@ def resharded(directory: str, rank: int, mode: str, kind: str) -> None:
     assert same_model is None, same_model
 
 
+def mismatch(directory: str, rank: int, mode: str, kind: str) -> None:
+    model, opt, sched = model_and_optimizer(kind)
+    odd = rank == dist.get_world_size() - 2
+    try:
+        gockpt.Checkpointer(model, opt, directory, mode=mode, scheduler=sched,
+                            block_bytes=8192 if odd else 4096, **options(model))
+    except gockpt.ConfigError as exc:
+        assert "do not plan the same replicated state" in str(exc), str(exc)
+    else:
+        raise AssertionError("replicas that cut their state otherwise built a Checkpointer")
+
+
 SCENARIOS = {"train": train, "resume": resume, "kill": kill, "reload": reload,
-             "resharded": resharded}
+             "resharded": resharded, "mismatch": mismatch}
 
 
 def main():

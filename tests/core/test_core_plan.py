@@ -47,16 +47,24 @@ def _block_bytes(plan, b):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_shares_split_every_block_once_in_order_by_bytes(n):
-    """The replicas' shares: disjoint, covering every block (static ones too) in storage
-    order, each within one block of S/n bytes, the same in another process's plan."""
+    """The replicas' shares: disjoint, covering every block (static ones too), each in
+    storage order; of the blocks replayed and of those copied at F each share takes a
+    contiguous run within one block of 1/n of their bytes (the replay's work balanced too);
+    the same in another process's plan."""
     model, opt, _ = H.build()
     plan = build_plan(model, opt, block_bytes=256)
     shares = plan.shares(n)
-    assert len(shares) == n and [b for s in shares for b in s] == plan.blocks
-    total = sum(_block_bytes(plan, b) for b in plan.blocks)
-    biggest = max(_block_bytes(plan, b) for b in plan.blocks)
-    for share in shares:
-        assert abs(sum(_block_bytes(plan, b) for b in share) - total / n) <= biggest
+    order = {id(b): i for i, b in enumerate(plan.blocks)}
+    assert len(shares) == n and sorted(order[id(b)] for s in shares for b in s) == \
+        list(range(len(plan.blocks)))
+    for at_f in (False, True):
+        kind = [b for b in plan.blocks if plan.slots[b.slot].at_f == at_f]
+        runs = [[b for b in share if plan.slots[b.slot].at_f == at_f] for share in shares]
+        assert [b for run in runs for b in run] == kind  # contiguous runs, in order
+        total = sum(_block_bytes(plan, b) for b in kind)
+        biggest = max(_block_bytes(plan, b) for b in kind)
+        for run in runs:
+            assert abs(sum(_block_bytes(plan, b) for b in run) - total / n) <= biggest
     model2, opt2, _ = H.build()  # another replica: the same split, no collective
     assert build_plan(model2, opt2, block_bytes=256).shares(n) == shares
 
@@ -65,7 +73,9 @@ def test_more_replicas_than_blocks_leave_shares_empty_and_bad_counts_are_refused
     model, opt, _ = H.build()
     plan = build_plan(model, opt, block_bytes=1 << 20)  # a block per parameter
     shares = plan.shares(len(plan.blocks) + 3)
-    assert [b for s in shares for b in s] == plan.blocks and sum(not s for s in shares) >= 3
+    assert sorted((b.slot, b.start) for s in shares for b in s) == \
+        sorted((b.slot, b.start) for b in plan.blocks)
+    assert sum(not s for s in shares) >= 3
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="number of shares"):
             plan.shares(bad)
@@ -147,6 +157,35 @@ def test_every_replica_caps_k_alike_by_the_smallest_share():
     assert whole.k_cap == 0  # unshared: no cap
 
 
+def test_each_set_of_replicas_splits_what_it_holds_alike_among_itself():
+    """HSDP's layout on 4 ranks: ranks 0 and 2 hold one shard alike, ranks 1 and 3 another
+    (Slot.replicas, set here as a DTensor's placements would); each rank takes its place's
+    share among its own replicas -- the split and the extents of a 2-way split -- and a rank
+    outside a slot's replicas is refused."""
+    model, opt, _ = H.build()
+    whole = build_plan(model, opt, block_bytes=256)
+    for s in whole.slots:
+        s.replicas = (0, 2)
+    shares = whole.shares(2, (0, 2))
+    assert sorted((b.slot, b.start) for share in shares for b in share) == \
+        sorted((b.slot, b.start) for b in whole.blocks)
+    assert whole.shares(2) == [[], []]  # none is held by every rank
+    for rank, place in ((0, 0), (2, 1)):
+        model2, opt2, _ = H.build()
+        plan = build_plan(model2, opt2, block_bytes=256)
+        for s in plan.slots:
+            s.replicas = (0, 2)
+        plan.take_share(rank, 4)
+        assert plan.blocks == shares[place] and plan.share == (rank, 4)
+        assert plan.k_cap == min(sum(not whole.slots[b.slot].at_f for b in share)
+                                 for share in shares)
+    with pytest.raises(ConfigError, match=r"rank 1 is not among the replicas \[0, 2\]"):
+        plan = build_plan(*H.build()[:2], block_bytes=256)
+        for s in plan.slots:
+            s.replicas = (0, 2)
+        plan.take_share(1, 4)
+
+
 def _zero_like():
     """A ZeRO-1/2-like state: replicated module weights (frozen for the optimizer) and one
     flat fp32 partition per rank, which the optimizer updates."""
@@ -182,7 +221,7 @@ def test_mark_parallel_says_what_is_replicated_and_where_a_partition_lies():
     assert not mark_parallel(plan, False, None) and not any(s.replicated for s in plan.slots)
     for replicated, slices, match in (
             (["nope"], {"master": ((80,), (0,))}, "names 'nope', which is not a parameter"),
-            (["module.weight", "module.bias"], {}, "'master' is neither in Config.replicated"),
+            (["module.weight", "module.bias"], {}, "'master' is neither replicated nor a slice"),
             (["module.weight", "module.bias", "master"], {"master": ((80,), (0,))},
              "'master' is named in Config.replicated but is a slice"),
             (["module.weight", "module.bias"], {"master": ((80,), (50,))}, "does not fit"),
@@ -190,3 +229,19 @@ def test_mark_parallel_says_what_is_replicated_and_where_a_partition_lies():
             (True, {"master": ((80,), (0,))}, "replicated=True\\) with global_slices")):
         with pytest.raises(ConfigError, match=match):
             mark_parallel(build_plan(*_zero_like(), block_bytes=64), replicated, slices)
+
+
+@pytest.mark.parametrize("numel,k,ranks", [(2940, 3, 4), (1001, 2, 3), (40, 3, 8)])
+def test_blocks_are_cut_so_that_every_replicas_share_can_fill_k_groups(numel, k, ranks):
+    """An explicit K on N replicas: the plan cuts blocks small enough that each of the N
+    shares gets K blocks to replay (as far as there are elements): one flat fp32 group of
+    DeepSpeed ZeRO 0 on 4 ranks with K=3 is not capped to K=2 by a ragged last block."""
+    flat = torch.nn.Parameter(torch.zeros(numel))
+    model = torch.nn.Module()
+    model.flat = flat
+    plan = build_plan(model, torch.optim.AdamW([flat]), block_bytes=1 << 20, min_blocks=k,
+                      ranks=ranks)
+    fewest = min(len(share) for share in plan.shares(ranks))
+    assert fewest >= min(k, numel // ranks), [len(s) for s in plan.shares(ranks)]
+    plan.take_share(0, ranks)
+    assert plan.k_cap == fewest

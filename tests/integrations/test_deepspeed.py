@@ -1,7 +1,7 @@
 """gockpt.integrations.deepspeed: engine.save_checkpoint / load_checkpoint through gockpt.
 
 Each case trains a tiny model with DeepSpeed's CPU accelerator in fresh processes (1 or 2 gloo
-ranks, tests/_support/deepspeed_worker.py): uninterrupted, patched with checkpoints at steps 6,
+ranks, 4 for ZeRO 0 and 1 in gockpt-o; tests/_support/deepspeed_worker.py): uninterrupted, patched with checkpoints at steps 6,
 12, 18 (the last one expected from their spacing), and resumed from 18.  Step 18 is chosen on
 purpose: from t = 19 DeepSpeed's CPU Adam running
 product beta2^t differs from pow(beta2, t), so a resume that does not rebuild the op's state
@@ -46,6 +46,8 @@ GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # wind
     (0, 2, {"options": GOCKPT_O}),                  # replicas: everything in shares
     (1, 2, {"options": GOCKPT_O}),                  # module weights in shares, fp32 partitions
     (2, 2, {"options": GOCKPT_O}),
+    (0, 4, {"options": GOCKPT_O}),                  # ... on 4 ranks
+    (1, 4, {"options": GOCKPT_O}),
     (2, 1, {"options": GOCKPT_O, "gas": 2}),
     (1, 1, {"options": GOCKPT_O, "two_groups": True}),  # the base optimizer steps per group
     (1, 2, {"options": {**GOCKPT_O, "emulate_link_gbps": 1.0}}),  # across a link: bf16

@@ -17,7 +17,7 @@ def _rows(n_ranks: int, rows: int, cols: int):
     for r in range(n_ranks):
         lo = min(rows, r * chunk)
         hi = min(rows, lo + chunk)
-        out.append({"w": [[rows, cols], "F32", ["slice", [lo, 0], [hi - lo, cols]]]})
+        out.append({"w": [[rows, cols], "F32", ["slice", [lo, 0], [hi - lo, cols], None, []]]})
     return out
 
 
@@ -55,6 +55,25 @@ def test_replicated_blocks_count_once():
     assert slice_problem("w", {"shape": [4, 4], "slices": cols}) is None
 
 
+def test_replicas_that_split_a_block_into_shares_must_cover_it_once():
+    """HSDP: ranks 0 and 2 hold the rows 0..1 alike, ranks 1 and 3 the rows 2..3; each pair
+    split their block (8 elements) into shares, recorded as a fourth item [lo, hi]."""
+    index = merge([{"w": [[4, 4], "F32", ["slice", [0, 0], [2, 4], [0, 5], [1, 0]]]},
+                   {"w": [[4, 4], "F32", ["slice", [2, 0], [2, 4], None, []]]},
+                   {"w": [[4, 4], "F32", ["slice", [0, 0], [2, 4], [5, 8], [1, 0]]]},
+                   {}])  # rank 3 holds none of its block: rank 1 holds all of it
+    assert index["w"]["slices"] == [[0, [0, 0], [2, 4], [0, 5]], [1, [2, 0], [2, 4]],
+                                    [2, [0, 0], [2, 4], [5, 8]]]
+    assert index["w"]["dims"] == [1, 0] and slice_problem("w", index["w"]) is None
+    for bad, why in (([5, 7], "nowhere at elements 7..8"), ([4, 8], "twice at elements 4..5"),
+                     ([5, 9], "malformed")):
+        index["w"]["slices"][2][3] = bad
+        problem = slice_problem("w", index["w"])
+        assert problem is not None and why in problem, problem
+    index["w"]["slices"][2] = [2, [0, 0], [2, 4]]  # a whole copy beside a share
+    assert "twice" in slice_problem("w", index["w"])
+
+
 def _part(rank: int, offsets, shape=(2, 4)):
     data = {"step": 1, "start_step": 1, "mode": "sync", "overlap_steps": 1, "rank": rank,
             "world_size": 2,
@@ -70,8 +89,8 @@ def _part(rank: int, offsets, shape=(2, 4)):
 def test_a_part_that_disagrees_with_the_index_is_found():
     parts = [manifest_mod.parse("p0", _part(0, [0, 0])),
              manifest_mod.parse("p1", _part(1, [2, 0]))]
-    index = merge([{"w": [[4, 4], "F32", ["slice", [0, 0], [2, 4]]]},
-                   {"w": [[4, 4], "F32", ["slice", [2, 0], [2, 4]]]}])
+    index = merge([{"w": [[4, 4], "F32", ["slice", [0, 0], [2, 4], None, []]]},
+                   {"w": [[4, 4], "F32", ["slice", [2, 0], [2, 4], None, []]]}])
     assert index_problems(index, parts) == []
     index["w"]["slices"][1][1] = [0, 0]  # rank 1 listed where rank 0 is (a copy): a gap
     assert "do not cover" in index_problems(index, parts)[0]
@@ -83,7 +102,8 @@ def test_a_part_that_disagrees_with_the_index_is_found():
 @pytest.mark.parametrize("slices", [
     {"w": {"shape": [4, 4], "offsets": [3, 0]}},          # 2 rows at row 3: beyond 4
     {"w": {"shape": [4], "offsets": [0]}},                # another number of dimensions
-    {"v": {"shape": [4, 4], "offsets": [0, 0]}},          # names no parameter
+    {"v": {"shape": [4], "offsets": [5]}},                # not stored here, beyond its shape
+    {"v": {"shape": [4], "offsets": [0, 0]}},             # not stored here, malformed
     {"w": {"shape": [4, 4]}},                             # no offsets
     [1, 2]])
 def test_a_part_manifest_with_slices_that_do_not_fit_is_refused(slices):
