@@ -18,6 +18,8 @@ fp32 partition its own slice of a global tensor):
             write (SIGKILL: no handler, no vote); the parent then stops the others
     reload  after ``kill``: the first checkpoint loads, a new Checkpointer clears leftovers
     resharded  FSDP2 sharded by columns refuses the checkpoint sharded by rows (LoadError)
+    dcp     after ``train`` on other ranks: torch.distributed.checkpoint.load through
+            gockpt.storage.dcp.GockptReader into FSDP2 here == the state gathered at F
     mismatch   one replica (rank world - 2) cuts its blocks otherwise: a ConfigError on every
             rank, the replicas that agree included
 """
@@ -203,6 +205,10 @@ def train(directory: str, rank: int, mode: str, kind: str) -> None:
         handles += [h] if h is not None else []
         if step + 1 in SAVE_AT:
             at_f[step + 1] = snapshot(model, opt, sched)
+            if step + 1 == SAVE_AT[-1] and kind in ("fsdp2", "hsdp"):
+                full = global_state(model, opt)  # (a collective: on every rank)
+                if rank == 0:
+                    torch.save(full, f"{directory}.global.pt")
     ck.close()
     assert [h.error for h in handles] == [None] * len(SAVE_AT), [h.error for h in handles]
     same(snapshot(twin, twin_opt, twin_sched), snapshot(model, opt, sched),
@@ -280,7 +286,38 @@ def mismatch(directory: str, rank: int, mode: str, kind: str) -> None:
         raise AssertionError("replicas that cut their state otherwise built a Checkpointer")
 
 
-SCENARIOS = {"train": train, "resume": resume, "kill": kill, "reload": reload,
+def global_state(model, opt) -> dict:
+    """The whole model and optimizer state, gathered (DCP's state-dict API: full tensors)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                   cpu_offload=True))
+    return {"model": msd, "optimizer": osd.get("state", {})}  # (empty off rank 0)
+
+
+def dcp_load(directory: str, rank: int, mode: str, kind: str) -> None:
+    """The latest checkpoint (saved by ``train`` on another number of ranks) loaded with
+    ``torch.distributed.checkpoint.load`` through gockpt's StorageReader into an FSDP2 model
+    on this number of ranks: the gathered state equals the one the saving run gathered at F,
+    bit for bit, and training goes on; prints the bytes this rank read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from gockpt.storage.dcp import GockptReader
+    model, opt, sched = model_and_optimizer(kind)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optimizer": osd}
+    reader = GockptReader(storage.resolve(directory))
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    full = global_state(model, opt)
+    if rank == 0:
+        saved = torch.load(f"{directory}.global.pt", weights_only=True)
+        why = gockpt.testing.first_difference(saved, full, "dcp.load vs the state at F")
+        assert why is None, why
+    one_step(model, opt, sched, batch(rank, SAVE_AT[-1]))  # training goes on
+    print(f"rank {rank}: read {reader.read_bytes} bytes", flush=True)
+
+
+SCENARIOS = {"dcp": dcp_load, "train": train, "resume": resume, "kill": kill, "reload": reload,
              "resharded": resharded, "mismatch": mismatch}
 
 

@@ -1,0 +1,307 @@
+"""A gockpt checkpoint as torch.distributed.checkpoint (DCP) reads one: :class:`GockptReader`,
+a ``StorageReader`` whose metadata is built from gockpt's JSON manifests and global index
+(never from a pickle) and whose reads verify gockpt's checksums. ``dcp.load(state_dict,
+storage_reader=GockptReader(path))`` then loads a checkpoint written by N ranks into any
+sharding DCP plans -- plain tensors, DTensors on M ranks -- with DCP's own planner.
+
+What a checkpoint offers, by DCP's flattened names (``dcp.load`` flattens nested dicts with
+dots):
+
+- the model's parameters and buffers: ``<name>`` (torchtitan's flat model state) and
+  ``model.<name>`` (``{"model": model_sd, ...}``), tied names included;
+- the optimizer's per-element state: ``optimizer.state.<param name>.<key>`` (what
+  ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives, flattened or not), with
+  its other tensor state (``step``) at the same names; its hyperparameters as
+  ``optimizer.param_groups.<param name>.<key>`` (flattened optimizer state dicts).
+
+Each stored piece of a parameter or state tensor is one or more DCP chunks at its place in
+the global tensor: a rank's block (``model.slices``), a whole replicated tensor, or a share
+(a flat run of elements, cut into the few boxes that are contiguous in it). A rank reads only
+the stored tensors its requests overlap, every one checked against its crc32c.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+
+from ..core.errors import CorruptCheckpointError, LoadError
+from .format import CODE_TO_DTYPE, MANIFEST_FILE
+from .index import cover_problem
+from .manifest import parse, parts_of
+from .reader import read_manifest, read_tensors
+from .refs import TensorRef
+from .schema import Manifest, is_small_tensor
+from .statedict import optimizer_state_dict
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one DCP chunk lies: in stored tensor ``ref`` of the part at ``part`` (relative to
+    the checkpoint), the elements from ``start`` (of the reference's flat elements when it is
+    a share) in memory shape ``memory`` and order ``dims`` -- or, for the small state, the
+    ``value`` itself."""
+
+    part: str = ""
+    ref: Optional[TensorRef] = None
+    start: int = 0
+    memory: Tuple[int, ...] = ()
+    dims: Tuple[int, ...] = ()
+    value: object = None
+
+
+def flat_boxes(shape: Tuple[int, ...], lo: int, hi: int) -> List[Tuple[int, tuple, tuple]]:
+    """The elements [lo, hi) of a row-major tensor of ``shape`` as boxes (flat start,
+    offsets, sizes), each contiguous in memory, in order: at most two per dimension."""
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    out, at = [], lo
+    while at < hi:
+        for d, unit in enumerate(strides):  # the outermost dimension ``at`` is aligned to
+            if at % unit == 0 and at + unit <= hi:
+                before = (at // unit) % shape[d]
+                count = min((hi - at) // unit, shape[d] - before)
+                offsets = tuple((at // s) % n for s, n in zip(strides, shape))
+                out.append((at, offsets, (1,) * d + (count,) + tuple(shape[d + 1:])))
+                at += count * unit
+                break
+    return out
+
+
+class GockptReader(StorageReader):
+    """``torch.distributed.checkpoint.StorageReader`` over the gockpt checkpoint at ``path``
+    (a checkpoint directory; ``gockpt.storage.resolve(run_dir)`` gives the latest).
+    ``verify=False`` skips the crc32c check of what is read."""
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True):
+        super().__init__()
+        self.path, self.verify = str(path), verify
+        self.storage_data: Dict[MetadataIndex, Piece] = {}
+        self.read_bytes = 0  # bytes of stored tensors this reader has read (this rank)
+
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id is not None:
+            self.path = str(checkpoint_id)
+        self.read_bytes = 0
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return os.path.isfile(os.path.join(str(checkpoint_id), MANIFEST_FILE))
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        state, storage = _Metadata(self.path, self.verify).build()
+        return Metadata(state_dict_metadata=state, storage_data=storage)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args,
+                              **kwargs) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        wanted: Dict[str, set] = {}  # part -> the stored tensors this rank's requests touch
+        for item in plan.items:
+            piece = self.storage_data[item.storage_index]
+            if piece.ref is not None:
+                wanted.setdefault(piece.part, set()).add(piece.ref.tensor)
+        read: Dict[str, dict] = {}
+        for part, names in wanted.items():
+            ppath = os.path.join(self.path, part) if part else self.path
+            m = read_manifest(ppath)
+            read[part] = read_tensors(ppath, m, sorted(names), verify=self.verify)
+            self.read_bytes += sum(t.numel() * t.element_size() for t in read[part].values())
+        for item in plan.items:
+            piece = self.storage_data[item.storage_index]
+            if item.type == LoadItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save(piece.value, buf)
+                buf.seek(0)
+                planner.load_bytes(item, buf)
+                continue
+            chunk = piece.value if piece.ref is None else _chunk(piece, read[piece.part])
+            for d, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
+                chunk = chunk.narrow(d, o, n)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(chunk)
+            planner.commit_tensor(item, target)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+
+def _chunk(piece: Piece, tensors: dict) -> torch.Tensor:
+    """The chunk ``piece`` names, in its logical order, from its part's tensors as read."""
+    t = piece.ref.resolve(tensors)
+    if piece.ref.extent is None:
+        return t  # the whole local tensor, logical
+    t = t.reshape(-1)[piece.start - piece.ref.extent[0]:][:math.prod(piece.memory)]
+    t = t.view(piece.memory)
+    if piece.dims:
+        inverse = [0] * len(piece.dims)
+        for i, d in enumerate(piece.dims):
+            inverse[d] = i
+        t = t.permute(inverse)
+    return t
+
+
+class _Metadata:
+    """DCP's metadata of one gockpt checkpoint, from its manifests."""
+
+    def __init__(self, path: str, verify: bool):
+        self.path, self.verify = path, verify
+        self.state: Dict[str, object] = {}
+        self.storage: Dict[MetadataIndex, Piece] = {}
+        self.chunks: Dict[str, List[Tuple[tuple, tuple, str]]] = {}
+
+    def build(self):
+        data = read_manifest(self.path)
+        names = parts_of(self.path, data)
+        if names is None:
+            parts = [("", parse(self.path, data))]
+        else:
+            parts = [(n, parse(os.path.join(self.path, n), read_manifest(
+                os.path.join(self.path, n)))) for n in names]
+            if data.get("replicated") is True and data.get("shares") is not True:
+                parts = parts[:1]  # every part holds the whole state
+            elif data.get("shares") is not True:
+                for n, m in parts:
+                    alone = sorted(set(m.model.params) - set(m.model.slices))
+                    if alone:
+                        raise LoadError(
+                            f"{self.path}: rank {m.rank}'s part holds {alone[0]!r} as its own "
+                            "state, no slice of a global tensor (Config.replicated=False on "
+                            f"{len(parts)} ranks): it loads only on as many ranks, each its "
+                            "own part")
+        for part, m in parts:
+            self._add_part(part, m)
+        self._check_cover()
+        first_part, first = parts[0]
+        self._add_small(first_part, first, {k: v for _, m in parts
+                                            for k, v in (m.optimizer.params.items()
+                                                         if m.optimizer else ())})
+        return self.state, self.storage
+
+    def _add_part(self, part: str, m: Manifest) -> None:
+        owners = m.optimizer.params if m.optimizer is not None else {}
+        for _, what, ref, (idx, key) in m.stored_refs():
+            param = key if idx is None else owners.get(idx)
+            if param is None:
+                raise CorruptCheckpointError(
+                    f"{os.path.join(self.path, part)}: {what} names no parameter "
+                    "(a checkpoint written before gockpt recorded optimizer.params)")
+            names = _model_names(param, m) if idx is None else [f"optimizer.state.{param}.{key}"]
+            local = tuple(m.logical_shape(ref))
+            s = m.model.slices.get(param)
+            shape = tuple(s["shape"]) if s else local
+            at = tuple(s["offsets"]) if s else (0,) * len(local)
+            dtype = CODE_TO_DTYPE[m.tensors[ref.tensor]["dtype"]]
+            if ref.extent is None:
+                boxes = [(0, (0,) * len(local), local)]
+                memory = dims = ()
+            else:
+                dims = tuple(ref.dims)
+                memory = tuple(local[d] for d in dims) if dims else local
+                boxes = flat_boxes(memory, *ref.extent)
+            for start, off, size in boxes:
+                if ref.extent is not None and dims:  # memory order -> logical
+                    off = tuple(off[dims.index(d)] for d in range(len(dims)))
+                    size_l = tuple(size[dims.index(d)] for d in range(len(dims)))
+                else:
+                    size_l = size
+                offsets = tuple(a + o for a, o in zip(at, off))
+                piece = Piece(part, ref, start, tuple(size), dims)
+                self._add_chunk(names, dtype, shape, offsets, size_l, piece, what)
+
+    def _add_chunk(self, names, dtype, shape, offsets, sizes, piece, what) -> None:
+        for name in names:
+            md = self.state.get(name)
+            if md is None:
+                md = self.state[name] = TensorStorageMetadata(
+                    TensorProperties(dtype=dtype), torch.Size(shape), [])
+            elif md.properties.dtype != dtype or tuple(md.size) != tuple(shape):
+                raise CorruptCheckpointError(
+                    f"{self.path}: the parts store {what} as {dtype} of {list(shape)} and as "
+                    f"{md.properties.dtype} of {list(md.size)}")
+            index = MetadataIndex(name, torch.Size(offsets))
+            if index in self.storage:
+                continue  # a copy of a block another part holds too (replicas)
+            md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            self.storage[index] = piece
+            self.chunks.setdefault(name, []).append((offsets, sizes, what))
+
+    def _check_cover(self) -> None:
+        """Every tensor covered by its chunks exactly once (a gap or an overlap: a damaged
+        checkpoint, named)."""
+        for name, chunks in self.chunks.items():
+            shape = tuple(self.state[name].size)
+            total = sum(math.prod(s) for _, s, _ in chunks)
+            for i, (oa, sa, _) in enumerate(chunks):
+                for ob, sb, _ in chunks[i + 1:]:
+                    if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)) \
+                            and math.prod(sa) and math.prod(sb):
+                        raise CorruptCheckpointError(
+                            f"{self.path}: the parts hold {name!r} twice at {list(oa)} and "
+                            f"{list(ob)}")
+            if total != math.prod(shape):
+                problem = cover_problem(name, [(0, total, "the parts")], math.prod(shape))
+                raise CorruptCheckpointError(f"{self.path}: {problem or name + ' is not covered'}")
+
+    def _add_small(self, part: str, m: Manifest, owners: Dict[int, str]) -> None:
+        """Buffers, the optimizer's step counters and hyperparameters, from the small state of
+        one part (what every rank holds alike)."""
+        ppath = os.path.join(self.path, part) if part else self.path
+        tensors = read_tensors(ppath, m, [n for n in m.tensors if is_small_tensor(n)],
+                               verify=self.verify)
+        for name, value in m.small.decode("model", tensors).items():
+            if isinstance(value, torch.Tensor):
+                self._add_value([name, f"model.{name}"], value)
+        if m.optimizer is None:
+            return
+        sd = optimizer_state_dict(m, ppath, tensors, aligned=False)
+        for idx, values in sd["state"].items():
+            param = owners.get(idx)
+            for key, value in values.items():
+                if param is not None and isinstance(value, torch.Tensor):
+                    self._add_value([f"optimizer.state.{param}.{key}"], value)
+        for gi, group in enumerate(sd["param_groups"]):
+            for key, value in group.items():  # get_state_dict's: a list of groups
+                if key == "params":
+                    value = [owners.get(i, str(i)) for i in value]
+                self._add_bytes(f"optimizer.param_groups.{gi}.{key}", value)
+            for idx in group["params"]:  # flatten_optimizer_state_dict's: per parameter
+                if idx in owners:
+                    for key, value in group.items():
+                        if key != "params":
+                            self._add_bytes(f"optimizer.param_groups.{owners[idx]}.{key}",
+                                            value)
+
+    def _add_bytes(self, name: str, value) -> None:
+        self.state[name] = BytesStorageMetadata()
+        self.storage[MetadataIndex(name)] = Piece(value=value)
+
+    def _add_value(self, names, value: torch.Tensor) -> None:
+        for name in names:
+            zeros = torch.Size((0,) * value.dim())
+            self.state[name] = TensorStorageMetadata(
+                TensorProperties(dtype=value.dtype), value.shape,
+                [ChunkStorageMetadata(zeros, value.shape)])
+            self.storage[MetadataIndex(name, zeros)] = Piece(value=value.clone())
+
+
+def _model_names(param: str, m: Manifest) -> List[str]:
+    """DCP's names of a parameter: its own and its tied aliases, flat and under ``model.``."""
+    names = [param] + [a for a, c in m.model.aliases.items() if c == param]
+    return names + [f"model.{n}" for n in names]
