@@ -31,7 +31,7 @@ __all__ = ["snapshot", "first_difference", "assert_same"]
 def snapshot(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
              scheduler=None) -> dict:
     """Deep-copied CPU state of a training run: ``{"model", "optimizer", "scheduler", "rng"}``
-(of a DTensor -- FSDP2 -- this rank's local shard).
+    (of a DTensor -- FSDP2 -- this rank's local shard).
 
     ``optimizer`` and ``scheduler`` are None when not given; ``rng`` holds ``torch``,
     ``numpy`` (``[name, keys as an int64 tensor, pos, has_gauss, cached_gaussian]``),

@@ -140,15 +140,15 @@ class Config:
     ``None``: detected when the Checkpointer is built -- true for a ``DistributedDataParallel``
     or ``DataParallel`` model (compiled or not). ``True``: all of it (such a checkpoint may be
     loaded on another number of ranks). ``False``: each rank its own state, loaded only on the
-    number of ranks that wrote it. Unless ``False``, a DTensor parameter (FSDP2, tensor
-    parallelism) is replicated as its placements say: the ranks along its mesh's
-    ``Replicate()`` dimensions (HSDP's replicate dimension) hold the same local shard and split
-    it, with its optimizer state, into shares. A collection of parameter names (``state_dict`` names as
+    number of ranks that wrote it. A collection of parameter names (``state_dict`` names as
     the checkpoint stores them, without wrapper prefixes): those parameters and their
     optimizer state are replicated and split; every other parameter must be this rank's block
     of a global tensor -- a DTensor, or named in ``global_slices`` -- as DeepSpeed ZeRO 1/2's
     module weights (replicated) and fp32 master partitions (one per rank). Kept as a
-    ``frozenset``."""
+    ``frozenset``. Unless ``False``, a DTensor parameter (FSDP2, tensor parallelism) is
+    replicated as its placements say: the ranks along its mesh's ``Replicate()`` dimensions
+    (HSDP's replicate dimension) hold the same local shard and split it, with its optimizer
+    state, into shares."""
 
     global_slices: Optional[Mapping[str, Tuple[Sequence[int], Sequence[int]]]] = None
     """Parameters that are this rank's block of a larger tensor partitioned across the ranks by

@@ -276,17 +276,26 @@ class Plan:
         be empty (more replicas than blocks)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"the number of shares must be an int >= 1, got {n!r}")
+        alike = set(self.held_alike(replicas))
         out: List[List[Block]] = [[] for _ in range(n)]
         for at_f in (False, True):
-            blocks = [b for b in self.blocks if self.slots[b.slot].replicated
-                      and self.slots[b.slot].replicas == replicas
-                      and self.slots[b.slot].at_f == at_f]
+            blocks = [b for b in self.blocks
+                      if b.slot in alike and self.slots[b.slot].at_f == at_f]
             weights = [b.numel * (self.slots[b.slot].local.element_size()
                                   + (0 if self.slots[b.slot].static else 8)) for b in blocks]
             for share, run in zip(out, split_by_weight(blocks, weights, n)):
                 share += run
         order = {id(b): i for i, b in enumerate(self.blocks)}
         return [sorted(share, key=lambda b: order[id(b)]) for share in out]
+
+    def replica_sets(self) -> List[Optional[Tuple[int, ...]]]:
+        """The distinct :attr:`Slot.replicas` of the replicated slots, in slot order."""
+        return list(dict.fromkeys(s.replicas for s in self.slots if s.replicated))
+
+    def held_alike(self, replicas: Optional[Tuple[int, ...]]) -> List[int]:
+        """The replicated slots (indices) that the set ``replicas`` holds alike."""
+        return [si for si, s in enumerate(self.slots)
+                if s.replicated and s.replicas == replicas]
 
     def take_share(self, rank: int, n: int) -> None:
         """Hold only this rank's share of the replicated slots from now on -- for each set of
@@ -303,7 +312,7 @@ class Plan:
         picked, extents = set(), {}
         replays = sum(not self.slots[b.slot].at_f for b in self.blocks
                       if not self.slots[b.slot].replicated)
-        for replicas in dict.fromkeys(s.replicas for s in self.slots if s.replicated):
+        for replicas in self.replica_sets():
             members = tuple(range(n)) if replicas is None else replicas
             if rank not in members:
                 raise ConfigError(f"rank {rank} is not among the replicas {list(members)} of "
@@ -439,13 +448,12 @@ def mark_parallel(plan: Plan, replicated, global_slices) -> bool:
                 raise ConfigError(f"parameter {s.name!r} is named in Config.replicated but is "
                                   "a slice of a global tensor (a DTensor or in global_slices)")
     for s in plan.slots:
-        s.replicas = replicas_of(s.param) if s.name in dtensors and replicated is not False \
-            else None
-        if s.replicas is not None:  # a DTensor: replicated where its placements say
-            s.replicated = len(s.replicas) > 1
-            s.replicas = s.replicas if s.replicated else None
+        if s.name in dtensors:  # replicated where its placements say (unless told not to)
+            holders = replicas_of(s.param) if replicated is not False else None
+            s.replicated = holders is not None and len(holders) > 1
+            s.replicas = holders if s.replicated else None
         else:
-            s.replicated = s.name in named or (replicated is True and s.name not in dtensors)
+            s.replicated, s.replicas = s.name in named or replicated is True, None
     if any(s.replicated for s in plan.slots):
         for s in plan.slots:
             if not s.replicated and s.global_slice is None:

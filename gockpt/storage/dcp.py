@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..core.errors import CorruptCheckpointError, LoadError
 from .format import CODE_TO_DTYPE, MANIFEST_FILE
-from .index import cover_problem
+from .index import boxes_problem
 from .manifest import parse, parts_of
 from .reader import read_manifest, read_tensors
-from .refs import TensorRef
+from .refs import TensorRef, inverse, permuted
 from .schema import Manifest, is_small_tensor
 from .statedict import optimizer_state_dict
 
@@ -149,12 +149,7 @@ def _chunk(piece: Piece, tensors: dict) -> torch.Tensor:
         return t  # the whole local tensor, logical
     t = t.reshape(-1)[piece.start - piece.ref.extent[0]:][:math.prod(piece.memory)]
     t = t.view(piece.memory)
-    if piece.dims:
-        inverse = [0] * len(piece.dims)
-        for i, d in enumerate(piece.dims):
-            inverse[d] = i
-        t = t.permute(inverse)
-    return t
+    return t.permute(inverse(piece.dims)) if piece.dims else t
 
 
 class _Metadata:
@@ -164,7 +159,6 @@ class _Metadata:
         self.path, self.verify = path, verify
         self.state: Dict[str, object] = {}
         self.storage: Dict[MetadataIndex, Piece] = {}
-        self.chunks: Dict[str, List[Tuple[tuple, tuple, str]]] = {}
 
     def build(self):
         data = read_manifest(self.path)
@@ -213,17 +207,14 @@ class _Metadata:
                 memory = dims = ()
             else:
                 dims = tuple(ref.dims)
-                memory = tuple(local[d] for d in dims) if dims else local
+                memory = permuted(local, dims) if dims else local
                 boxes = flat_boxes(memory, *ref.extent)
             for start, off, size in boxes:
-                if ref.extent is not None and dims:  # memory order -> logical
-                    off = tuple(off[dims.index(d)] for d in range(len(dims)))
-                    size_l = tuple(size[dims.index(d)] for d in range(len(dims)))
-                else:
-                    size_l = size
-                offsets = tuple(a + o for a, o in zip(at, off))
                 piece = Piece(part, ref, start, tuple(size), dims)
-                self._add_chunk(names, dtype, shape, offsets, size_l, piece, what)
+                if dims:  # a box in memory order -> in the tensor's own order
+                    off, size = permuted(off, inverse(dims)), permuted(size, inverse(dims))
+                self._add_chunk(names, dtype, shape, tuple(a + o for a, o in zip(at, off)),
+                                size, piece, what)
 
     def _add_chunk(self, names, dtype, shape, offsets, sizes, piece, what) -> None:
         for name in names:
@@ -240,24 +231,15 @@ class _Metadata:
                 continue  # a copy of a block another part holds too (replicas)
             md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
             self.storage[index] = piece
-            self.chunks.setdefault(name, []).append((offsets, sizes, what))
 
     def _check_cover(self) -> None:
         """Every tensor covered by its chunks exactly once (a gap or an overlap: a damaged
         checkpoint, named)."""
-        for name, chunks in self.chunks.items():
-            shape = tuple(self.state[name].size)
-            total = sum(math.prod(s) for _, s, _ in chunks)
-            for i, (oa, sa, _) in enumerate(chunks):
-                for ob, sb, _ in chunks[i + 1:]:
-                    if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)) \
-                            and math.prod(sa) and math.prod(sb):
-                        raise CorruptCheckpointError(
-                            f"{self.path}: the parts hold {name!r} twice at {list(oa)} and "
-                            f"{list(ob)}")
-            if total != math.prod(shape):
-                problem = cover_problem(name, [(0, total, "the parts")], math.prod(shape))
-                raise CorruptCheckpointError(f"{self.path}: {problem or name + ' is not covered'}")
+        for name, md in self.state.items():
+            problem = boxes_problem(name, tuple(md.size), [(tuple(c.offsets), tuple(c.sizes))
+                                                           for c in md.chunks])
+            if problem:
+                raise CorruptCheckpointError(f"{self.path}: {problem}")
 
     def _add_small(self, part: str, m: Manifest, owners: Dict[int, str]) -> None:
         """Buffers, the optimizer's step counters and hyperparameters, from the small state of

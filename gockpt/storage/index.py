@@ -109,12 +109,7 @@ def slice_problem(name: str, entry) -> Optional[str]:
     for s in slices:
         if all(s[2]):
             held.setdefault((tuple(s[1]), tuple(s[2])), []).append(s)
-    blocks = sorted(held)
-    for offsets, lengths in blocks:
-        if any(o + n > d for o, n, d in zip(offsets, lengths, shape)):
-            return f"a slice of {name!r} at {list(offsets)} of {list(lengths)} exceeds its " \
-                   f"shape {shape}"
-        rows = held[(offsets, lengths)]
+    for (offsets, lengths), rows in held.items():
         if any(len(s) == 4 for s in rows):  # replicas that split the block into shares
             problem = cover_problem(f"the block of {name!r} at {list(offsets)}",
                                     [(*(s[3] if len(s) == 4 else (0, _numel(lengths))),
@@ -122,12 +117,24 @@ def slice_problem(name: str, entry) -> Optional[str]:
             if problem:
                 return problem
         # else ranks holding the same block (a Replicate placement) hold one copy each
-    for i, (oa, na) in enumerate(blocks):
-        for ob, nb in blocks[i + 1:]:
+    return boxes_problem(name, shape, sorted(held))
+
+
+def boxes_problem(name: str, shape, boxes) -> Optional[str]:
+    """Why the distinct blocks ``boxes`` ((offsets, lengths) per dimension) of tensor ``name``
+    of ``shape`` do not cover it exactly once -- one beyond the shape, two overlapping, or
+    elements none holds -- or None when they do."""
+    boxes = [(o, n) for o, n in boxes if all(n)]  # an empty block holds nothing
+    for offsets, lengths in boxes:
+        if any(o + n > d for o, n, d in zip(offsets, lengths, shape)):
+            return f"a slice of {name!r} at {list(offsets)} of {list(lengths)} exceeds its " \
+                   f"shape {list(shape)}"
+    for i, (oa, na) in enumerate(boxes):
+        for ob, nb in boxes[i + 1:]:
             if all(a < b + m and b < a + n for a, n, b, m in zip(oa, na, ob, nb)):
                 return f"the slices of {name!r} at {list(oa)} and {list(ob)} overlap"
     # disjoint blocks inside the shape cover it iff their sizes add up
-    if sum(_numel(n) for _, n in blocks) != _numel(shape):
+    if sum(_numel(n) for _, n in boxes) != _numel(shape):
         return f"the slices of {name!r} do not cover all {_numel(shape)} of its elements"
     return None
 

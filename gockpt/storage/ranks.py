@@ -80,19 +80,18 @@ class Ranks:
             return plan
         # one signature per set of replicas (None: every rank), compared among its members
         mine = {}
-        for key in dict.fromkeys(s.replicas for s in plan.slots if s.replicated):
+        for key in plan.replica_sets():
+            alike = set(plan.held_alike(key))
             text = repr([(s.name, tuple(s.local.shape), str(s.local.dtype), s.opt_index,
-                          s.dims, s.global_slice) for s in plan.slots
-                         if s.replicated and s.replicas == key]
-                        + [plan.block_elems,
-                           sum(plan.slots[b.slot].replicas == key and plan.slots[b.slot].replicated
-                               for b in plan.blocks)])
+                          s.dims, s.global_slice) for si, s in enumerate(plan.slots)
+                         if si in alike]
+                        + [plan.block_elems, sum(b.slot in alike for b in plan.blocks)])
             mine[key] = zlib.crc32(text.encode())
         everyone = [None] * self.world_size
         torch.distributed.all_gather_object(everyone, mine, group=self._train_group)
-        alike = all(everyone[r].get(key) == crc for key, crc in mine.items()
-                    for r in (range(self.world_size) if key is None else key))
-        if not self.agree_all(alike):
+        agreed = all(everyone[r].get(key) == crc for key, crc in mine.items()
+                     for r in (range(self.world_size) if key is None else key))
+        if not self.agree_all(agreed):
             raise ConfigError(
                 "the ranks do not plan the same replicated state (parameter names, shapes, "
                 "dtypes or optimizer order, or block_bytes / overlap_steps differ between "

@@ -31,9 +31,9 @@ class _Whole:
     """One tensor being put together from the pieces the parts hold of it: a replicated
     tensor, or a slice of a global one held by one rank or split among its replicas."""
 
-    def __init__(self, what: str, key: tuple, param: Optional[str], place, dtype: torch.dtype,
+    def __init__(self, what: str, key: tuple, param: Optional[str], dtype: torch.dtype,
                  shape: Tuple[int, ...], dims: Tuple[int, ...]):
-        self.what, self.key, self.param, self.place = what, key, param, place
+        self.what, self.key, self.param = what, key, param
         self.dtype, self.shape, self.dims = dtype, shape, dims
         self.runs: List[Tuple[int, int, str]] = []  # (first, end, part) of every piece
         self.flat: Optional[torch.Tensor] = None  # the elements in memory order
@@ -156,8 +156,8 @@ def read_together(path: str, *, verify: bool, check: Callable[[str, Manifest, di
         manifests.append(m)
     ranks = range(len(names)) if rank is None else [rank]
     # each rank's place of each parameter: what it needs of every part
-    wants = {r: {p: (tuple(s["offsets"]) if s is not None else None)
-                 for p, s in manifests[r].model.slices.items()} for r in ranks}
+    wants = {r: {p: tuple(s["offsets"]) for p, s in manifests[r].model.slices.items()}
+             for r in ranks}
     wholes: Dict[tuple, _Whole] = {}
     smalls: Dict[int, dict] = {}
     for r, (part, m) in enumerate(zip(names, manifests)):
@@ -176,8 +176,8 @@ def read_together(path: str, *, verify: bool, check: Callable[[str, Manifest, di
             shape = tuple(m.logical_shape(ref))
             whole = wholes.get((name, offsets))
             if whole is None:
-                whole = wholes[(name, offsets)] = _Whole(what, key, param, offsets, dtype,
-                                                         shape, ref.dims)
+                whole = wholes[(name, offsets)] = _Whole(what, key, param, dtype, shape,
+                                                         ref.dims)
             elif (whole.dtype, whole.shape, whole.dims) != (dtype, shape, ref.dims):
                 raise CorruptCheckpointError(
                     f"checkpoint {path!r}: {part} stores {what} as {dtype} {list(shape)}, "

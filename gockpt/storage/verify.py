@@ -333,17 +333,15 @@ def _verify_parts(path: str, data: dict, report: CheckpointReport) -> None:
         report.bytes += sub.bytes
         row.ok, row.tensors, row.bytes = sub.ok and not part.problems, sub.tensors, sub.bytes
         row.bad, row.problems = len(sub.bad), len(problems)
-    if "index" in data and all(p.data is not None for p in parts):
-        try:  # the global index: each tensor's slices cover it once, as the parts hold them
-            report.problems += index_problems(data["index"], [parse_manifest(p.path, p.data)
-                                                              for p in parts])
+    if ("index" in data or data.get("shares") is True) \
+            and all(p.data is not None for p in parts):
+        try:  # (a part's own problems are reported above)
+            manifests = [parse_manifest(p.path, p.data) for p in parts]
+            if "index" in data:  # the global index: each tensor's slices cover it once
+                report.problems += index_problems(data["index"], manifests)
+            if data.get("shares") is True:  # the shares: each element of each tensor once
+                report.problems += coverage_problems(manifests)
         except CorruptCheckpointError as exc:
-            report.problems.append(_one_line(exc))
-    if data.get("shares") is True and all(p.data is not None for p in parts):
-        try:  # the replicas' shares: together, each element of each tensor once
-            report.problems += coverage_problems([parse_manifest(p.path, p.data)
-                                                  for p in parts])
-        except CorruptCheckpointError as exc:  # (a part's own problems are reported above)
             report.problems.append(_one_line(exc))
 
 
