@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+import warnings
+from typing import Optional
 
 import torch
 
@@ -13,26 +13,13 @@ from .replay.adapters import state_keys_of
 from .core.names import Names, is_replicated
 from .core.memory import global_slice, like, local, memory_order
 from .storage import manifest as manifest_mod, shares
-from .capture import smallstate
 from .core.errors import CorruptCheckpointError, GockptError, LoadError
+from .resharding import load_resharded, needs_resharding, written_by
+from .restored import Restored, apply_rest, decode_rest
 from .core.paths import directory_to_read
 from .storage.format import MANIFEST_FILE
 from .storage.schema import Manifest, is_small_tensor
 from .storage.statedict import optimizer_state_dict
-
-
-@dataclass
-class Restored:
-    """What :func:`load` restored."""
-
-    step: int
-    """The user's step number at version F (what was passed to ``save_checkpoint``)."""
-    extra_state: Any
-    """The ``extra_state`` given at F, decoded (tensors come back as CPU tensors)."""
-    path: str
-    """The checkpoint directory that was loaded."""
-    manifest: Manifest
-    """The validated manifest (mode, K, metrics, ...)."""
 
 
 def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -40,12 +27,20 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
          verify: bool = True, map_location=None, rank: Optional[int] = None) -> Restored:
     """Load the latest committed checkpoint in ``directory`` (or the one named ``tag``) into
     ``model``, ``optimizer`` and ``scheduler``, and restore RNG states unless
-    ``restore_rng=False``. A checkpoint written by several ranks is loaded from this rank's
-    part (``rank``, default: the torch.distributed rank); on another number of ranks only
-    when its state is replicated (``Config.replicated``, e.g. DDP), else a LoadError. When
-    the replicas wrote their state in shares, every part is read and each tensor put
-    together (its small state -- RNG, scheduler, extra -- from this rank's part). Parameters and optimizer state land on the device of the
-    model's parameters; ``map_location`` (a device) moves the tensors of ``extra_state``.
+    ``restore_rng=False``. Parameters and optimizer state land on the device of the model's
+    parameters; ``map_location`` (a device) moves the tensors of ``extra_state``.
+
+    On the shape that saved it (as many ranks, each parameter the same block on each), a
+    rank loads its own part -- or, where the ranks wrote replicated state in shares (DDP),
+    every part's share of it -- and checks what it read against the digests of the live
+    state at F. On another shape -- another number of ranks, FSDP2 sharded otherwise, DDP
+    <-> FSDP2 -- it loads through torch.distributed.checkpoint's planner
+    (:mod:`gockpt.resharding`: a collective, each rank reading only the byte ranges it needs,
+    checksums checked); replicated state (DDP) loads on any number of ranks either way.
+    ``rank`` reads that rank's part on purpose (no resharding). Scheduler and
+    ``extra_state`` come from this rank's part (rank 0's on another number of ranks); RNG
+    states only on as many ranks as saved them (else a warning, and
+    ``Restored.rng_restored`` is False).
 
     Names, shapes and dtypes are checked against the targets before any byte is read;
     checksums are verified unless ``verify=False``. Never unpickles.
@@ -56,11 +51,17 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         LoadError: the checkpoint does not fit ``model`` / ``optimizer``.
     """
     top = storage.resolve(directory_to_read(directory), tag)  # the kernel's rule: gockpt.core.paths
+    if rank is None and needs_resharding(top, model):
+        return load_resharded(top, model, optimizer, scheduler=scheduler,
+                              restore_rng=restore_rng, verify=verify, map_location=map_location)
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
     path, manifest = manifest_mod.read(
-        top, rank, live_world=dist.get_world_size() if distributed else 1,
-        live_rank=dist.get_rank() if distributed else 0, target_replicated=is_replicated(model))
+        top, rank, live_world=world, live_rank=dist.get_rank() if distributed else 0,
+        target_replicated=is_replicated(model))
+    # a rank's RNG states mean something only on as many ranks (or where one was asked for)
+    with_rng = restore_rng and (rank is not None or written_by(top) == world)
     tensors = None
     if path != top:  # replicas that wrote one state in shares: every part's, put together
         shared = shares.gather(top, manifest, verify=verify, check=check_digests)
@@ -81,7 +82,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
                                        [n for n in manifest.tensors if is_small_tensor(n)],
                                        verify=verify)
     small = _check_small(path, manifest, tensors, target, expected, optimizer, scheduler,
-                         restore_rng)
+                         with_rng)
     _read_params(path, manifest, tensors, target, verify)
     if verify:
         check_digests(path, manifest, tensors)
@@ -93,19 +94,18 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         if optimizer is not None:
             optimizer.load_state_dict(_placed_like_params(
                 optimizer_state_dict(manifest, path, tensors, optimizer), optimizer))
-        if scheduler is not None:
-            scheduler.load_state_dict(small["scheduler"])
-        if restore_rng:
-            smallstate.restore_rng(small["rng"])
-        extra = small["extra_state"]
-        if map_location is not None:
-            extra = _to_device(extra, torch.device(map_location))
+        extra = apply_rest(small, scheduler, map_location)
     except GockptError:
         raise
     except Exception as exc:  # a state the objects refuse (or the decoders find malformed)
         raise LoadError(f"{path}: cannot restore this checkpoint into the given objects: "
                         f"{type(exc).__name__}: {exc}") from exc
-    return Restored(step=manifest.step, extra_state=extra, path=path, manifest=manifest)
+    if restore_rng and not with_rng:
+        warnings.warn(f"gockpt: {top} was saved by {written_by(top)} rank(s), loaded on "
+                      f"{world}: RNG states are per rank and were not restored (seed them "
+                      "yourself; restore_rng=False says so without this warning)", stacklevel=2)
+    return Restored(step=manifest.step, extra_state=extra, path=path, manifest=manifest,
+                    rng_restored=with_rng)
 
 
 def _check_small(path, manifest, tensors, target, expected, optimizer, scheduler,
@@ -126,21 +126,12 @@ def _check_small(path, manifest, tensors, target, expected, optimizer, scheduler
         if optimizer is not None:
             sd = optimizer_state_dict(manifest, path, tensors, optimizer, aligned=False)
             _check_optimizer_state(path, manifest, sd, optimizer, target)
-        if scheduler is not None:
-            out["scheduler"] = manifest.small.decode("scheduler", tensors)
-            if out["scheduler"] is None:
-                raise LoadError(f"{path} holds no scheduler state; pass scheduler=None")
-            if not isinstance(out["scheduler"], dict):
-                raise ValueError("the scheduler state is not a dict")
-        if with_rng:
-            out["rng"] = manifest.small.decode("rng", tensors)
-            smallstate.check_rng(out["rng"])
-        out["extra_state"] = manifest.small.decode("extra_state", tensors)
     except GockptError:
         raise
     except Exception as exc:  # malformed values a writer of gockpt's never produces
         raise CorruptCheckpointError(f"{path}: {MANIFEST_FILE}: the small state does not "
                                      f"decode: {type(exc).__name__}: {exc}") from exc
+    out.update(decode_rest(path, manifest, tensors, scheduler, with_rng))
     return out
 
 
@@ -274,7 +265,7 @@ def _check_params(path, target, expected, manifest) -> None:
                 f"(of {shape}) of the global {list(stored[0])}, but this rank holds the block "
                 f"at {list(live[1])} (of {list(want.shape)}) of {list(live[0])}: the model is "
                 "sharded otherwise than when it was saved (FSDP2 / DTensor placements, mesh "
-                "or number of ranks); load it with the parallelism that saved it")
+                "or number of ranks); gockpt.load without rank= reshards it")
         if list(want.shape) != shape:
             raise LoadError(f"{path}: parameter {name!r} has shape {shape} in the checkpoint "
                             f"but {list(want.shape)} in the model")
@@ -291,13 +282,3 @@ def _check_shape(path, name, want, got) -> None:
         if want.dtype != got.dtype:  # load_state_dict would cast it without a word
             raise LoadError(f"{path}: buffer {name!r} is {got.dtype} in the checkpoint but "
                             f"{want.dtype} in the model")
-
-
-def _to_device(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj

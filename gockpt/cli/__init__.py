@@ -4,7 +4,7 @@ Subcommands::
 
     gockpt inspect PATH [--rank R] [--json]   step, mode, tensors, sizes, ranks, timings
     gockpt verify  PATH [--all] [--json]      every checksum; names each bad file and tensor
-    gockpt export  PATH --to {safetensors,torch,fp32} OUT [--rank R] [--force]
+    gockpt export  PATH --to {safetensors,torch,fp32} OUT [--rank R] [--shard-size BYTES] [--force]
     gockpt export  PATH --to deepspeed OUT_DIR [--ds-config CONFIG] [--force]
     gockpt list    DIR  [--json]              checkpoints, which is latest, ranks, leftovers
     gockpt clean   DIR                        remove leftovers of processes that died
@@ -87,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
                         "of a DeepSpeed without gockpt loads (with the DeepSpeed config the "
                         "checkpoint recorded, or --ds-config's)")
     s.add_argument("out", metavar="OUT")
+    s.add_argument("--shard-size", type=int, metavar="BYTES",
+                   help="--to safetensors: split the tensors in files of at most BYTES each "
+                        "(Hugging Face style: OUT is the index, "
+                        "<stem>.safetensors.index.json; the files <stem>-0000i-of-0000n."
+                        "safetensors beside it)")
     s.add_argument("--force", action="store_true",
                    help="overwrite OUT if it exists (--to deepspeed: write into a non-empty "
                         "OUT, replacing its global_step<N>/ and latest)")

@@ -43,14 +43,19 @@ def cmd_export(args) -> int:
                              "(pip install safetensors)") from None
     if args.to == "fp32":
         return _export_fp32(args)
+    shard_size = getattr(args, "shard_size", None)
+    if shard_size is not None and (args.to != "safetensors" or shard_size <= 0):
+        raise UsageError("--shard-size is a positive number of bytes, for --to safetensors")
     path, data, part = _source(args)
     m = parse_manifest(path, data)
-    if m.model.slices:  # one rank's shards are no model: never written as if they were
-        raise UsageError(
-            f"{path}: its parameters are DTensor shards (FSDP2 / tensor parallel: "
-            f"{len(m.model.slices)} of them in slices of their global tensors, listed in the "
-            "checkpoint's index); exporting them put together is not supported yet -- load "
-            "the checkpoint with gockpt.load on the ranks that saved it")
+    if m.model.slices:  # one rank's shards are no model: every rank's, put together
+        if args.to != "safetensors":
+            raise UsageError(f"{path}: its parameters are slices of global tensors (FSDP2, "
+                             "tensor parallel); --to safetensors writes them put together")
+        if args.rank is not None:
+            raise UsageError(f"{path}: its parameters are slices of global tensors; --to "
+                             "safetensors writes every rank's put together, --rank does not apply")
+        return _export_whole(args.out, os.path.dirname(path), shard_size)
     # replicas that wrote one state in shares: every part's, put together (this part's small
     # state); a part of per-rank state is that rank's
     shared = shares.gather(os.path.dirname(path), m, verify=True, check=check_digests) \
@@ -68,7 +73,7 @@ def cmd_export(args) -> int:
                 "gockpt_source": os.path.abspath(path)}
         if part:
             meta.update(gockpt_rank=str(part[0]), gockpt_world_size=str(part[1]))
-        written, what, notes = _save_safetensors(args.out, sd, aliases, meta)
+        written, what, notes = _save_safetensors(args.out, sd, aliases, meta, shard_size)
     else:
         obj = {"model": sd, "step": m.step}
         if part:
@@ -77,6 +82,32 @@ def cmd_export(args) -> int:
     nbytes = sum(t.numel() * t.element_size() for t in written.values())
     print(f"wrote {args.out}: {what} of step {m.step} from {os.path.abspath(path)}{source} "
           f"({len(written)} model tensors, {human(nbytes)})")
+    for n in notes:
+        print(f"note: {n}")
+    return 0
+
+
+def _export_whole(out: str, top: str, shard_size) -> int:
+    """A checkpoint whose parameters are slices of global tensors (FSDP2's shards, HSDP's
+    shares of them), every tensor put together through the DCP reader: each stored slice read
+    once, every chunk's checksum checked."""
+    from ..storage import dcp
+    from ..storage.manifest import read as read_part
+    _, m = read_part(top, 0)
+    reader = dcp.GockptReader(top)
+    md = reader.read_metadata().state_dict_metadata
+    aliases = dict(m.model.aliases)
+    sd = {k[len("model."):]: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()
+          if k.startswith("model.") and hasattr(v, "size") and k[len("model."):] not in aliases}
+    dcp.load({"model": sd}, reader, alone=True)
+    sd.update({alias: sd[canon] for alias, canon in aliases.items() if canon in sd})
+    meta = {"format": "pt", "gockpt_step": str(m.step), "gockpt_mode": str(m.mode),
+            "gockpt_source": os.path.abspath(top)}
+    written, what, notes = _save_safetensors(out, sd, aliases, meta, shard_size)
+    nbytes = sum(t.numel() * t.element_size() for t in written.values())
+    print(f"wrote {out}: {what} of step {m.step} from {os.path.abspath(top)} (every rank's "
+          f"slices, put together: {reader.read_bytes} bytes read) ({len(written)} model "
+          f"tensors, {human(nbytes)})")
     for n in notes:
         print(f"note: {n}")
     return 0
@@ -145,8 +176,12 @@ def _source(args) -> tuple:
     return part.path, part.data, (rank, len(parts), part.name)
 
 
-def _save_safetensors(out: str, sd: dict, aliases: dict, meta: dict) -> tuple:
-    """Write the model's tensors; returns (tensors written, what, notes)."""
+def _save_safetensors(out: str, sd: dict, aliases: dict, meta: dict,
+                      shard_size: int | None = None) -> tuple:
+    """Write the model's tensors -- with ``shard_size``, in files of at most that many bytes
+    (a tensor larger alone in its file) and Hugging Face's index beside them: ``OUT`` names
+    ``<stem>.safetensors.index.json``, the files ``<stem>-0000i-of-0000n.safetensors``; returns
+    (tensors written, what, notes)."""
     from safetensors.torch import save_file
 
     tensors, notes = {}, []
@@ -158,8 +193,34 @@ def _save_safetensors(out: str, sd: dict, aliases: dict, meta: dict) -> tuple:
         tensors[name] = v.clone() if name in aliases else v.contiguous()
     for alias, canon in aliases.items():
         notes.append(f"tied parameter {alias!r} written as a separate copy of {canon!r}")
-    _write(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
-    return tensors, "model state_dict", notes
+    if shard_size is None:
+        _write(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        return tensors, "model state_dict", notes
+    files: list = [{}]
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        if files[-1] and sum(x.numel() * x.element_size() for x in files[-1].values()) \
+                + size > shard_size:
+            files.append({})
+        files[-1][name] = t
+    stem = os.path.basename(out)
+    stem = stem[:-len(".safetensors")] if stem.endswith(".safetensors") else stem
+    names = [f"{stem}-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    where = os.path.dirname(out)
+    for name, shard in zip(names, files):
+        _write(os.path.join(where, name), lambda tmp, shard=shard: save_file(shard, tmp,
+                                                                             metadata=meta))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                            for t in tensors.values()), **meta},
+             "weight_map": {n: name for name, shard in zip(names, files) for n in shard}}
+    _write(out, lambda tmp: _dump_json(index, tmp))
+    return tensors, f"model state_dict in {len(files)} files and their index", notes
+
+
+def _dump_json(obj, path: str) -> None:
+    import json
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
 
 
 def _save_torch(out: str, obj: dict, path: str, m: Manifest, tensors: dict) -> tuple:

@@ -16,8 +16,11 @@ dots):
 
 Each stored piece of a parameter or state tensor is one or more DCP chunks at its place in
 the global tensor: a rank's block (``model.slices``), a whole replicated tensor, or a share
-(a flat run of elements, cut into the few boxes that are contiguous in it). A rank reads only
-the stored tensors its requests overlap, every one checked against its crc32c.
+(a flat run of elements, cut into the few boxes that are contiguous in it). A rank reads of
+each stored tensor only the byte range its requests span, widened to whole checksum chunks
+(``CheckpointWriter(chunk_bytes=...)``, 4 MiB by default), each chunk checked against its
+crc32c. The digests of the live state at F, which ``gockpt.load`` compares on the same shape,
+are of whole stored tensors: this path checks the checksums only.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -39,25 +43,47 @@ from ..core.errors import CorruptCheckpointError, LoadError
 from .format import CODE_TO_DTYPE, MANIFEST_FILE
 from .index import boxes_problem
 from .manifest import parse, parts_of
-from .reader import read_manifest, read_tensors
-from .refs import TensorRef, inverse, permuted
+from .reader import read_manifest, read_spans, read_tensors
+from .refs import inverse, permuted
 from .schema import Manifest, is_small_tensor
 from .statedict import optimizer_state_dict
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Where one DCP chunk lies: in stored tensor ``ref`` of the part at ``part`` (relative to
-    the checkpoint), the elements from ``start`` (of the reference's flat elements when it is
-    a share) in memory shape ``memory`` and order ``dims`` -- or, for the small state, the
-    ``value`` itself."""
+    """Where one DCP chunk lies: in stored tensor ``tensor`` of the part at ``part`` (relative
+    to the checkpoint), its elements in memory order from the stored tensor's flat element
+    ``base`` on, in memory shape ``memory`` (the chunk's shape permuted by ``dims``: its
+    memory order) -- or, for the small state, the ``value`` itself."""
 
     part: str = ""
-    ref: Optional[TensorRef] = None
-    start: int = 0
+    tensor: Optional[str] = None
+    base: int = 0
     memory: Tuple[int, ...] = ()
     dims: Tuple[int, ...] = ()
     value: object = None
+
+    def span(self, offsets, lengths) -> Tuple[int, int, tuple, tuple]:
+        """Of the box at ``offsets`` with ``lengths`` of the chunk (its own order): the range
+        of the stored tensor's flat elements that holds it (first, end), and the box in memory
+        order (sizes, strides) from its first element."""
+        dims = self.dims or tuple(range(len(self.memory)))
+        at, sizes = permuted(offsets, dims), permuted(lengths, dims)
+        strides = [math.prod(self.memory[d + 1:]) for d in range(len(self.memory))]
+        first = self.base + sum(o * s for o, s in zip(at, strides))
+        if 0 in sizes:
+            return first, first, sizes, tuple(strides)
+        last = first + sum((n - 1) * s for n, s in zip(sizes, strides))
+        return first, last + 1, sizes, tuple(strides)
+
+
+def load(state: dict, reader: "GockptReader", *, alone: bool) -> None:
+    """``torch.distributed.checkpoint.load(state, storage_reader=reader)``; ``alone``: this
+    process loads by itself (no collective, and without DCP's warning that it does)."""
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=alone)
 
 
 def flat_boxes(shape: Tuple[int, ...], lo: int, hi: int) -> List[Tuple[int, tuple, tuple]]:
@@ -87,10 +113,11 @@ class GockptReader(StorageReader):
         self.path, self.verify = str(path), verify
         self.storage_data: Dict[MetadataIndex, Piece] = {}
         self.read_bytes = 0  # bytes of stored tensors this reader has read (this rank)
+        self._metadata: Optional[Metadata] = None  # of ``path``, once built
 
     def reset(self, checkpoint_id=None) -> None:
-        if checkpoint_id is not None:
-            self.path = str(checkpoint_id)
+        if checkpoint_id is not None and str(checkpoint_id) != self.path:
+            self.path, self._metadata = str(checkpoint_id), None
         self.read_bytes = 0
 
     @classmethod
@@ -98,8 +125,12 @@ class GockptReader(StorageReader):
         return os.path.isfile(os.path.join(str(checkpoint_id), MANIFEST_FILE))
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        state, storage = _Metadata(self.path, self.verify).build()
-        return Metadata(state_dict_metadata=state, storage_data=storage)
+        """DCP's metadata of the checkpoint (built once per path: the manifests, the global
+        index, the small state read and checked)."""
+        if self._metadata is None:
+            state, storage = _Metadata(self.path, self.verify).build()
+            self._metadata = Metadata(state_dict_metadata=state, storage_data=storage)
+        return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args,
                               **kwargs) -> None:
@@ -112,17 +143,18 @@ class GockptReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        wanted: Dict[str, set] = {}  # part -> the stored tensors this rank's requests touch
+        spans: Dict[str, Dict[str, list]] = {}  # part -> stored name -> element ranges wanted
         for item in plan.items:
             piece = self.storage_data[item.storage_index]
-            if piece.ref is not None:
-                wanted.setdefault(piece.part, set()).add(piece.ref.tensor)
-        read: Dict[str, dict] = {}
-        for part, names in wanted.items():
+            if piece.tensor is not None:
+                first, end, _, _ = piece.span(item.storage_offsets, item.lengths)
+                spans.setdefault(piece.part, {}).setdefault(piece.tensor, []).append((first, end))
+        runs: Dict[str, dict] = {}  # part -> stored name -> [(first element, elements read)]
+        for part, wanted in spans.items():
             ppath = os.path.join(self.path, part) if part else self.path
-            m = read_manifest(ppath)
-            read[part] = read_tensors(ppath, m, sorted(names), verify=self.verify)
-            self.read_bytes += sum(t.numel() * t.element_size() for t in read[part].values())
+            runs[part] = read_spans(ppath, read_manifest(ppath), wanted, verify=self.verify)
+            self.read_bytes += sum(t.numel() * t.element_size()
+                                   for got in runs[part].values() for _, t in got)
         for item in plan.items:
             piece = self.storage_data[item.storage_index]
             if item.type == LoadItemType.BYTE_IO:
@@ -131,9 +163,12 @@ class GockptReader(StorageReader):
                 buf.seek(0)
                 planner.load_bytes(item, buf)
                 continue
-            chunk = piece.value if piece.ref is None else _chunk(piece, read[piece.part])
-            for d, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
-                chunk = chunk.narrow(d, o, n)
+            if piece.tensor is None:
+                chunk = piece.value
+                for d, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    chunk = chunk.narrow(d, o, n)
+            else:
+                chunk = _box(piece, item, runs[piece.part][piece.tensor])
             target = planner.resolve_tensor(item).detach()
             target.copy_(chunk)
             planner.commit_tensor(item, target)
@@ -142,14 +177,13 @@ class GockptReader(StorageReader):
         return done
 
 
-def _chunk(piece: Piece, tensors: dict) -> torch.Tensor:
-    """The chunk ``piece`` names, in its logical order, from its part's tensors as read."""
-    t = piece.ref.resolve(tensors)
-    if piece.ref.extent is None:
-        return t  # the whole local tensor, logical
-    t = t.reshape(-1)[piece.start - piece.ref.extent[0]:][:math.prod(piece.memory)]
-    t = t.view(piece.memory)
-    return t.permute(inverse(piece.dims)) if piece.dims else t
+def _box(piece: Piece, item, runs: list) -> torch.Tensor:
+    """The box ``item`` asks of ``piece``, in the chunk's own order: a view of the run read
+    that holds it."""
+    first, end, sizes, strides = piece.span(item.storage_offsets, item.lengths)
+    lo, run = next((lo, t) for lo, t in runs if lo <= first and end <= lo + t.numel())
+    box = run.as_strided(sizes, strides, run.storage_offset() + first - lo)
+    return box.permute(inverse(piece.dims)) if piece.dims else box
 
 
 class _Metadata:
@@ -202,15 +236,15 @@ class _Metadata:
             shape = tuple(s["shape"]) if s else local
             at = tuple(s["offsets"]) if s else (0,) * len(local)
             dtype = CODE_TO_DTYPE[m.tensors[ref.tensor]["dtype"]]
-            if ref.extent is None:
-                boxes = [(0, (0,) * len(local), local)]
-                memory = dims = ()
-            else:
-                dims = tuple(ref.dims)
-                memory = permuted(local, dims) if dims else local
+            dims = tuple(ref.dims)
+            memory = permuted(local, dims) if dims else local
+            if ref.extent is None:  # whole (a pack's from its offset on)
+                boxes = [(0, (0,) * len(local), memory)]
+            else:  # a share: its elements from extent[0] lie at ref.offset
                 boxes = flat_boxes(memory, *ref.extent)
             for start, off, size in boxes:
-                piece = Piece(part, ref, start, tuple(size), dims)
+                base = ref.offset + start - (ref.extent[0] if ref.extent is not None else 0)
+                piece = Piece(part, ref.tensor, base, tuple(size), dims)
                 if dims:  # a box in memory order -> in the tensor's own order
                     off, size = permuted(off, inverse(dims)), permuted(size, inverse(dims))
                 self._add_chunk(names, dtype, shape, tuple(a + o for a, o in zip(at, off)),

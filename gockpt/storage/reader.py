@@ -17,7 +17,7 @@ import torch
 
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, LoadError
 from . import io as _io
-from .format import (ALIGN, CHUNK_BYTES, CHUNK_BYTES_KEY, CODE_TO_DTYPE, FORMAT, FORMAT_VERSION,
+from .format import (ALIGN, CHUNK_BYTES, CHUNK_BYTES_KEY, CODE_TO_DTYPE, FORMAT, FORMAT_VERSION, ITEMSIZE,
                      MANIFEST_FILE, MANIFEST_MAX_BYTES, check_tensor_entry, is_plain_int, manifest_seal,
                      round_up)
 from .pagecache import split_by_residency
@@ -209,14 +209,23 @@ class _FileReads:
     names: list  # the file's tensors, in file order
     items: list = field(default_factory=list)  # (offset, nbytes, address, chunk_bytes, crcs)
     item_names: list = field(default_factory=list)
+    first_chunks: list = field(default_factory=list)  # of each item: its first chunk's number
     result: dict = field(default_factory=dict)  # name -> the tensor returned
     copy_back: list = field(default_factory=list)  # (out tensor, contiguous tensor read into)
 
+    def add(self, name: str, offset: int, nbytes: int, address: int, chunk: int, crcs: list,
+            first_chunk: int = 0) -> None:
+        """One read: ``nbytes`` of tensor ``name`` from file ``offset`` to ``address``,
+        from the tensor's chunk ``first_chunk`` on (a part of the tensor: :func:`read_spans`)."""
+        self.items.append((offset, nbytes, address, chunk, crcs))
+        self.item_names.append(name)
+        self.first_chunks.append(first_chunk)
 
-def _plan_file(path: str, file: str, entries: dict, out: dict, verify: bool) -> _FileReads:
-    """Validate the ``entries`` (name -> manifest entry) stored in ``file`` against the file as
-    it is now (the manifest may not have been validated: nothing is allocated before), then
-    find or allocate each tensor's destination."""
+
+def _checked_file(path: str, file: str, entries: dict, verify: bool) -> _FileReads:
+    """The reads of ``file`` (none planned yet), once the ``entries`` (name -> manifest entry)
+    stored in it are validated against the file as it is now (the manifest may not have been
+    validated: nothing is allocated before)."""
     fpath = os.path.join(path, file)
     try:
         size = os.stat(fpath).st_size
@@ -230,16 +239,73 @@ def _plan_file(path: str, file: str, entries: dict, out: dict, verify: bool) -> 
         if problem:
             raise CorruptCheckpointError(f"{where}: tensor {name!r}: {problem}")
     # In file order, so the reads are roughly sequential.
-    reads = _FileReads(where, fpath, sorted(entries, key=lambda n: entries[n]["offset"]))
+    return _FileReads(where, fpath, sorted(entries, key=lambda n: entries[n]["offset"]))
+
+
+def _plan_file(path: str, file: str, entries: dict, out: dict, verify: bool) -> _FileReads:
+    """The reads of the whole ``entries`` stored in ``file``, each tensor's destination found
+    or allocated."""
+    reads = _checked_file(path, file, entries, verify)
     for name in reads.names:
         e = entries[name]
         target = _destination(path, name, e, out.get(name), reads)
         if e["nbytes"]:
             # Unverified, the chunk is only the unit of work: the manifest's is not trusted.
             chunk, crcs = (e[CHUNK_BYTES_KEY], list(e["crc32c"])) if verify else (CHUNK_BYTES, [])
-            reads.items.append((e["offset"], e["nbytes"], target.data_ptr(), chunk, crcs))
-            reads.item_names.append(name)
+            reads.add(name, e["offset"], e["nbytes"], target.data_ptr(), chunk, crcs)
     return reads
+
+
+def read_spans(path: str, manifest: dict, spans: dict, *, verify: bool = True,
+               threads: int | None = None, direct: bool | None = None) -> dict:
+    """Read only some elements of tensors of checkpoint ``path``: ``spans`` maps a stored name
+    to the ranges ``[(lo, hi)]`` of its flat elements wanted. Each range is widened to whole
+    checksum chunks (so that every byte read is verified: unless ``verify=False``, each
+    chunk's crc32c is checked), and ranges that then overlap or touch are read once.
+
+    Returns stored name -> ``[(first element, 1-D tensor of the elements read from it)]``, one
+    per run read, in order; every wanted range lies inside one of them. Raises as
+    :func:`read_tensors` does.
+    """
+    entries = manifest.tensors if hasattr(manifest, "tensors") else manifest["tensors"]
+    by_file: dict[str, list] = {}
+    for name in spans:
+        if name not in entries:
+            raise CorruptCheckpointError(f"checkpoint {path!r} has no tensor {name!r}")
+        by_file.setdefault(entries[name]["file"], []).append(name)
+    result: dict = {}
+    for file, file_names in by_file.items():
+        reads = _checked_file(path, file, {n: entries[n] for n in file_names}, verify)
+        for name in reads.names:
+            e = entries[name]
+            dtype, itemsize = CODE_TO_DTYPE[e["dtype"]], ITEMSIZE[e["dtype"]]
+            # the unit a run is widened to: a checksum chunk (verified); unverified, the
+            # manifest's chunk size is not trusted, and O_DIRECT needs only aligned reads
+            unit = e[CHUNK_BYTES_KEY] if verify else ALIGN
+            result[name] = runs = []
+            for lo, hi in _byte_runs(spans[name], itemsize, unit, e["nbytes"]):
+                buf = _empty_for_read([hi - lo], torch.uint8, hi - lo)
+                first = lo // unit
+                crcs = list(e["crc32c"])[first:first + -(-(hi - lo) // unit)] if verify else []
+                reads.add(name, e["offset"] + lo, hi - lo, buf.data_ptr(),
+                          unit if verify else CHUNK_BYTES, crcs, first_chunk=first)
+                runs.append((lo // itemsize, buf.view(dtype)))
+        if reads.items:
+            _raise_for(reads, _run_reads(reads, verify, threads, direct))
+    return result
+
+
+def _byte_runs(spans, itemsize: int, unit: int, nbytes: int) -> list:
+    """The element ranges ``spans`` as byte ranges widened to multiples of ``unit`` (the last
+    ending at ``nbytes``), sorted, those that overlap or touch merged; empty ones dropped."""
+    runs: list = []
+    for lo, hi in sorted((lo * itemsize // unit * unit, min(nbytes, -(-hi * itemsize // unit) * unit))
+                         for lo, hi in spans if hi > lo):
+        if runs and lo <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], hi)
+        else:
+            runs.append([lo, hi])
+    return [tuple(r) for r in runs]
 
 
 # The C++ reader takes offsets, sizes and chunk sizes as unsigned 64-bit numbers and reads at
@@ -344,9 +410,10 @@ def _raise_for(reads: _FileReads, got: _ReadOutcome) -> None:
         # release, users and tests match it.
         i, k, crc = got.mismatches[0]
         off, n, _, cb, crcs = reads.items[i]
-        lo, hi = k * cb, min(n, (k + 1) * cb)
+        lo, hi = k * cb, min(n, (k + 1) * cb)  # of the item
+        base = reads.first_chunks[i] * cb  # the item's first byte in the tensor
         more = f" ({len(got.mismatches) - 1} more damaged block(s))" if len(got.mismatches) > 1 else ""
         raise CorruptCheckpointError(
-            f"{where}: tensor {reads.item_names[i]!r}: block {k} (bytes {lo}..{hi} of the tensor, "
-            f"file offset {off + lo}): checksum mismatch (crc32c {crc:#010x}, expected "
-            f"{crcs[k]:#010x}): the data is corrupt{more}")
+            f"{where}: tensor {reads.item_names[i]!r}: block {reads.first_chunks[i] + k} (bytes "
+            f"{base + lo}..{base + hi} of the tensor, file offset {off + lo}): checksum mismatch "
+            f"(crc32c {crc:#010x}, expected {crcs[k]:#010x}): the data is corrupt{more}")

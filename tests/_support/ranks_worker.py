@@ -17,13 +17,17 @@ fp32 partition its own slice of a global tensor):
     kill    a first checkpoint commits; during the second, rank 1 is killed inside its part's
             write (SIGKILL: no handler, no vote); the parent then stops the others
     reload  after ``kill``: the first checkpoint loads, a new Checkpointer clears leftovers
-    resharded  FSDP2 sharded by columns refuses the checkpoint sharded by rows (LoadError)
+    resharded  FSDP2 sharded by columns loads the checkpoint sharded by rows (resharded)
+    reshard after ``train`` on other ranks or another kind: gockpt.load into ``kind`` here ==
+            the state gathered at F; RNG states only on as many ranks; training goes on
+            (``reshard:<mode>:<kind>:<arch>``: the layers of kind ``arch``, that saved it)
     dcp     after ``train`` on other ranks: torch.distributed.checkpoint.load through
             gockpt.storage.dcp.GockptReader into FSDP2 here == the state gathered at F
     mismatch   one replica (rank world - 2) cuts its blocks otherwise: a ConfigError on every
             rank, the replicas that agree included
 """
 
+import functools
 import sys
 
 import torch
@@ -33,6 +37,7 @@ from torch import nn
 import gockpt
 import gockpt.testing
 from gockpt import storage
+from gockpt.resharding import written_by
 from tests._support.faulty_storage import killing_writer
 
 STEPS, SAVE_AT = 8, (4, 7)
@@ -135,8 +140,9 @@ def options(model) -> dict:
     return model.options() if isinstance(model, ZeroLike) else {}
 
 
-def model_and_optimizer(kind: str = "ddp"):
-    model = layers(kind)
+def model_and_optimizer(kind: str = "ddp", arch: str = ""):
+    """``layers(arch or kind)`` parallelised as ``kind``, its AdamW and scheduler."""
+    model = layers(arch or kind)
     if kind == "zero":
         wrapped = ZeroLike(model)
         opt = torch.optim.AdamW([wrapped.master], lr=1e-3, weight_decay=0.1)
@@ -186,6 +192,9 @@ def same(a, b, what):
 
 
 KilledInWrite = killing_writer()  # rank 1's storage plugin in ``kill``
+# checksums per 8 KiB, not 4 MiB: this model's tensors span several chunks, as a large model's
+# do, so that a load on another number of ranks can read a part of a stored tensor
+SmallChunks = functools.partial(storage.CheckpointWriter, chunk_bytes=8192)
 
 
 def train(directory: str, rank: int, mode: str, kind: str) -> None:
@@ -193,7 +202,8 @@ def train(directory: str, rank: int, mode: str, kind: str) -> None:
     twin, twin_opt, twin_sched = model_and_optimizer(kind)  # trained without gockpt
     ck = gockpt.Checkpointer(model, opt, directory, mode=mode, scheduler=sched,
                              overlap_steps=2 if mode.startswith("gockpt") else None,
-                             block_bytes=4096, self_check=1.0, **options(model))
+                             block_bytes=4096, self_check=1.0, storage_writer=SmallChunks,
+                             **options(model))
     for step in SAVE_AT:  # announced: the replay modes copy over the K steps up to it
         ck.plan_checkpoint(step)
     at_f, handles = {}, []
@@ -205,10 +215,11 @@ def train(directory: str, rank: int, mode: str, kind: str) -> None:
         handles += [h] if h is not None else []
         if step + 1 in SAVE_AT:
             at_f[step + 1] = snapshot(model, opt, sched)
-            if step + 1 == SAVE_AT[-1] and kind in ("fsdp2", "hsdp"):
+            if step + 1 == SAVE_AT[-1] and kind != "zero":
                 full = global_state(model, opt)  # (a collective: on every rank)
                 if rank == 0:
-                    torch.save(full, f"{directory}.global.pt")
+                    torch.save({**full, "scheduler": sched.state_dict()},
+                               f"{directory}.global.pt")
     ck.close()
     assert [h.error for h in handles] == [None] * len(SAVE_AT), [h.error for h in handles]
     same(snapshot(twin, twin_opt, twin_sched), snapshot(model, opt, sched),
@@ -258,20 +269,18 @@ def reload(directory: str, rank: int, mode: str, kind: str) -> None:
 
 
 def resharded(directory: str, rank: int, mode: str, kind: str) -> None:
-    """FSDP2 sharded along columns (Shard(1)) where the checkpoint's rows were: a LoadError
-    naming the parameter, before any byte of the model is written."""
+    """FSDP2 sharded along columns (Shard(1)) where the checkpoint's rows were: gockpt.load
+    reshards it (DCP's planner) to the state gathered at F, bit for bit."""
     from torch.distributed.tensor import Shard
     plain = fsdp2(layers("fsdp2"), lambda p: Shard(p.dim() - 1))
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1)
-    before = gockpt.testing.snapshot(plain, opt)
-    try:
-        gockpt.load(directory, plain, opt)
-    except gockpt.LoadError as exc:
-        assert "sharded otherwise than when it was saved" in str(exc), str(exc)
-    else:
-        raise AssertionError("a checkpoint sharded by rows loaded into one sharded by columns")
-    same_model = gockpt.testing.first_difference(before, gockpt.testing.snapshot(plain, opt))
-    assert same_model is None, same_model
+    assert gockpt.load(directory, plain, opt).resharded
+    full = global_state(plain, opt)
+    if rank == 0:
+        saved = torch.load(f"{directory}.global.pt", weights_only=True)
+        why = gockpt.testing.first_difference({k: saved[k] for k in full}, full,
+                                              "loaded by columns vs the state at F")
+        assert why is None, why
 
 
 def mismatch(directory: str, rank: int, mode: str, kind: str) -> None:
@@ -311,22 +320,49 @@ def dcp_load(directory: str, rank: int, mode: str, kind: str) -> None:
     full = global_state(model, opt)
     if rank == 0:
         saved = torch.load(f"{directory}.global.pt", weights_only=True)
-        why = gockpt.testing.first_difference(saved, full, "dcp.load vs the state at F")
+        why = gockpt.testing.first_difference({k: saved[k] for k in full}, full,
+                                              "dcp.load vs the state at F")
         assert why is None, why
     one_step(model, opt, sched, batch(rank, SAVE_AT[-1]))  # training goes on
     print(f"rank {rank}: read {reader.read_bytes} bytes", flush=True)
 
 
-SCENARIOS = {"dcp": dcp_load, "train": train, "resume": resume, "kill": kill, "reload": reload,
+def reshard(directory: str, rank: int, mode: str, kind: str, arch: str = "") -> None:
+    """The latest checkpoint (saved by ``train`` on another number of ranks, or by another
+    kind of model) loaded with ``gockpt.load`` into ``kind`` on this number of ranks: the
+    gathered state equals the one the saving run gathered at F bit for bit, the scheduler
+    follows, RNG states only on as many ranks; training goes on."""
+    import warnings
+    model, opt, sched = model_and_optimizer(kind, arch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored = gockpt.load(directory, model, opt, scheduler=sched)
+    saved = torch.load(f"{directory}.global.pt", weights_only=True)
+    full = global_state(model, opt)
+    if rank == 0:
+        why = gockpt.testing.first_difference({k: saved[k] for k in full}, full,
+                                              "gockpt.load on another shape vs the state at F")
+        assert why is None, why
+    assert sched.state_dict() == saved["scheduler"], (sched.state_dict(), saved["scheduler"])
+    same_ranks = written_by(storage.resolve(directory)) == dist.get_world_size()
+    assert restored.step == SAVE_AT[-1] and restored.rng_restored == same_ranks
+    assert any("RNG states are per rank" in str(w.message) for w in caught) != same_ranks
+    one_step(model, opt, sched, batch(rank, SAVE_AT[-1]))  # training goes on
+    assert all(torch.isfinite(p.detach().full_tensor() if hasattr(p, "full_tensor") else p).all()
+               for p in model.parameters())
+    print(f"rank {rank}: resharded={restored.resharded}", flush=True)
+
+
+SCENARIOS = {"reshard": reshard, "dcp": dcp_load, "train": train, "resume": resume, "kill": kill, "reload": reload,
              "resharded": resharded, "mismatch": mismatch}
 
 
 def main():
     directory, scenario = sys.argv[1], sys.argv[2]
-    what, mode, kind = (scenario + ":ddp").split(":")[:3]
+    what, mode, kind, *arch = (scenario.split(":") + ["ddp"])[:max(3, scenario.count(":") + 1)]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    SCENARIOS[what](directory, rank, mode, kind)
+    SCENARIOS[what](directory, rank, mode, kind, *arch)
     print(f"rank {rank}: ok", flush=True)
     dist.destroy_process_group()
 

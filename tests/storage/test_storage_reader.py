@@ -13,6 +13,7 @@ from gockpt.storage import (
     read_manifest,
     read_tensors,
 )
+from gockpt.storage.reader import read_spans
 from gockpt.storage.format import seal_manifest
 from tests._support.manifests import write_sealed
 from tests._support.storage_helpers import (
@@ -175,6 +176,31 @@ def test_flipped_byte_in_later_chunk_names_tensor_and_chunk(tmp_path, direct):
     assert read_tensors(path, m, ["small"])["small"].tolist() == [1.0] * 10
     got = read_tensors(path, m, ["big"], verify=False)["big"]
     assert (got != tensors["big"]).sum() == 1
+
+
+# ------------------------------------------------------------------ element ranges
+
+
+def test_spans_read_whole_verified_chunks_around_each_range_once(tmp_path):
+    """read_spans widens each element range to whole 8 KiB checksum chunks and reads runs that
+    overlap or touch once: a damaged chunk outside every run is never read, one inside is
+    named with its number in the tensor."""
+    big = torch.arange(20000, dtype=torch.float32)  # 80,000 bytes: chunks 0..9 of 8192
+    path, _ = save_with(tmp_path, "a", {"big": big, "small": torch.ones(3)}, chunk_bytes=8192)
+    m = read_manifest(path)
+    spans = {"big": [(2100, 2200), (100, 2048), (19999, 20000), (5000, 5000)], "small": [(1, 2)]}
+    got = read_spans(path, m, spans)
+    # elements 100..2200 lie in chunks 0..1 (bytes 0..16384), 19999 in chunk 9 (72 KiB..end)
+    assert [(lo, t.numel()) for lo, t in got["big"]] == [(0, 4096), (18432, 20000 - 18432)]
+    assert all(torch.equal(t, big[lo:lo + t.numel()]) for lo, t in got["big"])
+    assert [(lo, t.tolist()) for lo, t in got["small"]] == [(0, [1.0, 1.0, 1.0])]
+    e = m["tensors"]["big"]
+    flip_byte(os.path.join(path, storage.DATA_FILE), e["offset"] + 5 * 8192 + 17)  # chunk 5
+    assert torch.equal(read_spans(path, m, spans)["big"][1][1], big[18432:])
+    with pytest.raises(CorruptCheckpointError, match=r"'big': block 5 \(bytes 40960\.\.49152 of the"
+                                                     r" tensor, file offset \d+\): checksum"):
+        read_spans(path, m, {"big": [(10300, 10301)]})
+    assert read_spans(path, m, {"big": [(10300, 10301)]}, verify=False)["big"][0][0] == 10240
 
 
 def test_truncated_file(tmp_path):

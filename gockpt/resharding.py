@@ -1,0 +1,229 @@
+"""Loading a checkpoint onto another shape than the one that saved it -- another number of
+ranks, another sharding (FSDP2 on M ranks, DDP <-> FSDP2, FSDP2 sharded along another
+dimension) -- through torch.distributed.checkpoint's own planner and gockpt's StorageReader
+(:mod:`gockpt.storage.dcp`): every rank reads only the byte ranges of the stored tensors its
+shards overlap.
+
+The targets are the live tensors: the model's state dict (its parameters and buffers, loaded
+in place) and, for the optimizer, tensors placed like each parameter (a DTensor's shard) for
+its per-element state. Everything is checked against the checkpoint's metadata first -- names
+on both sides, global shapes, dtypes, the optimizer's class, groups and moments -- so a
+refusal leaves the live state untouched. The checkpoint's digests of the live state at F are
+of whole stored tensors: this path checks every chunk's crc32c, not the digests.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from . import storage
+from .core.errors import GockptError, LoadError
+from .core.memory import global_slice, local
+from .core.names import Names
+from .replay.adapters import state_keys_of
+from .restored import Restored, apply_rest, decode_rest
+from .storage import manifest as manifest_mod
+from .storage import dcp
+from .storage.dcp import GockptReader
+from .storage.manifest import parts_of
+from .storage.reader import read_manifest
+from .storage.schema import Manifest, is_small_tensor
+from .storage.statedict import optimizer_state_dict
+
+
+def _world() -> Tuple[int, int]:
+    """(this process's rank, the number of ranks) of torch.distributed (0, 1 without it)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def written_by(top: str) -> int:
+    """How many ranks wrote the checkpoint at ``top``."""
+    parts = parts_of(top, read_manifest(top))
+    return len(parts) if parts is not None else 1
+
+
+def needs_resharding(top: str, model: torch.nn.Module) -> bool:
+    """Whether the checkpoint at ``top`` (a checkpoint directory) lies otherwise on the ranks
+    than ``model`` on this job's: saved sharded (a DTensor's shards, ``model.slices``) or
+    loaded into DTensors on another number of ranks, or a parameter whose stored block is not
+    this rank's (FSDP2 placed otherwise, DDP <-> FSDP2). The same answer on every rank (one
+    all-reduce where the ranks could differ: a load that reshards is a collective)."""
+    rank, world = _world()
+    written = written_by(top)
+    _, m = manifest_mod.read(top, rank % written)
+    state = model.state_dict()
+    live = {name: state[ours] for name, ours in Names(model).clean_all(state).items()}
+    dtensors = any(global_slice(t) is not None for t in live.values())
+    if not (m.model.slices or dtensors):
+        return False  # replicated on both sides: every rank reads the whole state
+    differs = written != world or any(_elsewhere(m, name, ref, live.get(name))
+                                      for name, ref in m.model.expected().items())
+    if world > 1:  # agreed: a rank alone in a collective load would wait forever
+        dist = torch.distributed
+        device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+        flag = torch.tensor([int(differs)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        differs = bool(flag.item())
+    return differs
+
+
+def _elsewhere(m: Manifest, name: str, ref, t: Optional[torch.Tensor]) -> bool:
+    """Whether this rank's live tensor ``t`` of parameter ``name`` is another block of the
+    global tensor than the one part ``m`` stored of it."""
+    if t is None:
+        return False  # (a missing parameter is refused by the load that follows)
+    stored = m.model.slices.get(m.model.aliases.get(name, name))
+    shape = tuple(m.logical_shape(ref))
+    live = global_slice(t)
+    if live is not None:  # a DTensor: its block, against the stored one (or the whole)
+        at = (tuple(stored["shape"]), tuple(stored["offsets"])) if stored else \
+            (shape, (0,) * len(shape))
+        return (tuple(live[0]), tuple(live[1])) != at or tuple(local(t).shape) != shape
+    # a plain tensor that is the whole of what was stored as a block (FSDP2 -> DDP); one of
+    # the block's shape is the training's own partition (Config.global_slices: ZeRO)
+    return stored is not None and tuple(t.shape) == tuple(stored["shape"]) != shape
+
+
+def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, scheduler=None,
+                   restore_rng: bool = True, verify: bool = True,
+                   map_location=None) -> Restored:
+    """:func:`gockpt.load` of the checkpoint directory ``top`` onto another shape (see the
+    module's docstring); a collective on every rank. Scheduler and ``extra_state`` come from
+    this rank's part on as many ranks as saved, else from rank 0's; RNG states only on as
+    many ranks (a warning says when they are not restored)."""
+    rank, world = _world()
+    same_ranks = written_by(top) == world
+    path, manifest = manifest_mod.read(top, rank if same_ranks else 0)
+    reader = GockptReader(top, verify=verify)
+    md = reader.read_metadata().state_dict_metadata
+    live = model.state_dict()
+    own = Names(model).clean_all(live)  # stored name -> the model's own
+    targets = {name: live[ours] for name, ours in own.items()}
+    _check_model(top, md, targets)
+    small = storage.read_tensors(path, manifest, [n for n in manifest.tensors
+                                                  if is_small_tensor(n)], verify=verify)
+    state = {"model": targets}
+    if optimizer is not None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        params = {Names(model).clean(names[id(p)]) if id(p) in names else None: p
+                  for g in optimizer.param_groups for p in g["params"]}
+        if None in params:
+            raise LoadError(f"{top}: the optimizer steps a parameter that is not the model's")
+        opt_sd, opt_targets = _optimizer_targets(top, md, manifest, path, small, optimizer,
+                                                 params)
+        state["optimizer"] = {"state": opt_targets}
+    with_rng = restore_rng and same_ranks
+    rest = decode_rest(path, manifest, small, scheduler, with_rng)
+    try:
+        dcp.load(state, reader, alone=world == 1)
+        if optimizer is not None:
+            optimizer.load_state_dict(opt_sd)
+        extra = apply_rest(rest, scheduler, map_location)
+    except GockptError:
+        raise
+    except Exception as exc:  # a state the objects refuse
+        raise LoadError(f"{top}: cannot restore this checkpoint into the given objects: "
+                        f"{type(exc).__name__}: {exc}") from exc
+    if restore_rng and not same_ranks:
+        warnings.warn(f"gockpt: {top} was saved by {written_by(top)} rank(s), loaded on "
+                      f"{world}: RNG states are per rank and were not restored (seed them "
+                      "yourself; restore_rng=False says so without this warning)", stacklevel=3)
+    return Restored(step=manifest.step, extra_state=extra, path=top, manifest=manifest,
+                    rng_restored=with_rng, resharded=True)
+
+
+def _check_model(top: str, md: dict, targets: Dict[str, torch.Tensor]) -> None:
+    """The model's state dict against the checkpoint's: every name on both sides, each
+    tensor's global shape and dtype (a DTensor's are its global tensor's)."""
+    stored = {k[len("model."):] for k in md if k.startswith("model.")}
+    extra = sorted(stored - set(targets))
+    if extra:
+        raise LoadError(f"{top}: the checkpoint has parameter {extra[0]!r} that the model does "
+                        "not have; load into a model of the same architecture")
+    for name, t in targets.items():
+        entry = md.get(f"model.{name}")
+        if entry is None or not hasattr(entry, "size"):
+            raise LoadError(f"{top}: the model's {name!r} is not in the checkpoint")
+        _check_tensor(top, f"parameter {name!r}", entry, t)
+
+
+def _check_tensor(top: str, what: str, entry, t: torch.Tensor) -> None:
+    if tuple(entry.size) != tuple(t.shape):
+        raise LoadError(f"{top}: {what} has shape {list(entry.size)} in the checkpoint but "
+                        f"{list(t.shape)} in the model")
+    if entry.properties.dtype != t.dtype:
+        raise LoadError(f"{top}: {what} is {entry.properties.dtype} in the checkpoint but "
+                        f"{t.dtype} in the model")
+
+
+def _optimizer_targets(top: str, md: dict, manifest: Manifest, path: str, small: dict,
+                       optimizer, params: Dict[str, torch.Tensor]):
+    """(the optimizer's state dict to load once DCP has filled it, DCP's targets: parameter
+    name -> key -> a tensor placed like the parameter) after checking the checkpoint's
+    optimizer against ``optimizer`` (``params``: parameter name -> the parameter it steps):
+    class, groups and their parameters, every per-element state tensor's shape, both moments
+    of an Adam-like optimizer."""
+    stored: Dict[str, Dict[str, object]] = {}  # parameter -> per-element key -> its metadata
+    for key, entry in md.items():
+        if key.startswith("optimizer.state.") and hasattr(entry, "size"):
+            param, _, k = key[len("optimizer.state."):].rpartition(".")
+            stored.setdefault(param, {})[k] = entry
+    unknown = sorted(set(stored) - set(params))
+    if unknown:
+        raise LoadError(f"{top}: the checkpoint holds optimizer state of {unknown[0]!r}, which "
+                        "the optimizer does not step")
+    saved = optimizer_state_dict(manifest, path, small, optimizer, aligned=False)
+    owners = _owners(top, manifest)
+    moments = set(state_keys_of(optimizer))
+    index = {n: i for i, n in enumerate(params)}  # the live optimizer's state indices
+    state: Dict[int, dict] = {}
+    targets: Dict[str, Dict[str, torch.Tensor]] = {}
+    for idx, values in saved["state"].items():  # the small state (step counters)
+        if owners.get(idx) in index:
+            state[index[owners[idx]]] = dict(values)
+    for name, keys in stored.items():
+        p = params[name]
+        for key, entry in keys.items():
+            if key in state.get(index[name], {}):
+                continue  # a small value (a step counter), put back as saved
+            _check_tensor(top, f"optimizer state {key!r} of {name!r}", entry, p)
+            t = torch.empty_like(p, dtype=entry.properties.dtype)  # a DTensor like its param
+            targets.setdefault(name, {})[key] = t
+            state.setdefault(index[name], {})[key] = t
+    for name, i in index.items():
+        missing = moments - set(targets.get(name, {}))
+        if moments and state.get(i) and missing:
+            raise LoadError(f"{top}: the optimizer state of {name!r} lacks {sorted(missing)}")
+    groups = []
+    names = list(params)
+    at = 0
+    for g, (group, live) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
+        mine = names[at:at + len(live["params"])]
+        theirs = {owners.get(i) for i in group["params"]}
+        if theirs - {None} - set(mine):
+            raise LoadError(f"{top}: param group {g} holds other parameters in the "
+                            f"checkpoint ({sorted(theirs - {None})[:3]}...) than in the "
+                            f"optimizer ({mine[:3]}...)")
+        groups.append({**group, "params": list(range(at, at + len(mine)))})
+        at += len(mine)
+    return {"state": state, "param_groups": groups}, targets
+
+
+def _owners(top: str, manifest: Manifest) -> Dict[int, str]:
+    """The checkpoint's optimizer state index -> parameter name, from every part (each lists
+    the indices whose state it stores)."""
+    owners = dict(manifest.optimizer.params) if manifest.optimizer is not None else {}
+    parts = parts_of(top, read_manifest(top))
+    for part in parts or ():
+        ppath = os.path.join(top, part)
+        m = manifest_mod.parse(ppath, read_manifest(ppath))
+        if m.optimizer is not None:
+            owners.update(m.optimizer.params)
+    return owners
