@@ -291,6 +291,9 @@ def test_inspect_shows_the_shares_and_verify_checks_their_cover(tmp_path, capsys
     with open(os.path.join(part, storage.MANIFEST_FILE), "wb") as f:
         f.write(seal_manifest({k: v for k, v in m.items() if k != "manifest_crc32c"}))
     assert not gockpt.verify(path).ok
+    from gockpt.storage.dcp import GockptReader  # DCP's metadata has the gap too
+    with pytest.raises(gockpt.CorruptCheckpointError, match=f"slices of .{name}. do not cover"):
+        GockptReader(path).read_metadata()
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
                                          rank=0, world_size=1)
     try:
@@ -440,3 +443,21 @@ def test_export_of_a_sharded_checkpoint_writes_whole_tensors_reading_each_slice_
         assert all(torch.equal(shard[n], saved[n]) and weight_map[n] == name for n in shard)
         assert sum(t.numel() * t.element_size() for t in shard.values()) <= 100000 \
             or len(shard) == 1
+
+
+@pytest.mark.slow
+def test_per_rank_state_that_is_no_slice_is_refused_on_another_number_of_ranks(tmp_path):
+    """DDP with ``replicated=False`` on 2 ranks: each part holds the rank's state as its own,
+    no slice of a global tensor -- it loads only on 2 ranks: on one, gockpt.load and the DCP
+    reader refuse it with a LoadError saying so, the model untouched."""
+    directory = str(tmp_path / "own")
+    run_ranks(directory, "train:gockpt-o:own", world=2, worker=WORKER)
+    from gockpt.storage.dcp import GockptReader
+    with pytest.raises(gockpt.LoadError, match="as its own state, no slice of a global tensor"):
+        GockptReader(storage.resolve(directory)).read_metadata()
+    model = layers("ddp")
+    opt = torch.optim.AdamW(model.parameters())
+    before = gockpt.testing.snapshot(model, opt)
+    with pytest.raises(gockpt.LoadError, match="written by 2 ranks and holds per-rank state"):
+        gockpt.load(directory, model, opt)
+    assert gockpt.testing.first_difference(before, gockpt.testing.snapshot(model, opt)) is None

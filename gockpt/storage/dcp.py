@@ -213,17 +213,16 @@ class _Metadata:
                             "state, no slice of a global tensor (Config.replicated=False on "
                             f"{len(parts)} ranks): it loads only on as many ranks, each its "
                             "own part")
+        # each part names the parameters whose state it stores: together, every one
+        owners = {k: v for _, m in parts for k, v in (m.optimizer.params.items()
+                                                       if m.optimizer else ())}
         for part, m in parts:
-            self._add_part(part, m)
+            self._add_part(part, m, owners)
         self._check_cover()
-        first_part, first = parts[0]
-        self._add_small(first_part, first, {k: v for _, m in parts
-                                            for k, v in (m.optimizer.params.items()
-                                                         if m.optimizer else ())})
+        self._add_small(*parts[0], owners)
         return self.state, self.storage
 
-    def _add_part(self, part: str, m: Manifest) -> None:
-        owners = m.optimizer.params if m.optimizer is not None else {}
+    def _add_part(self, part: str, m: Manifest, owners: Dict[int, str]) -> None:
         for _, what, ref, (idx, key) in m.stored_refs():
             param = key if idx is None else owners.get(idx)
             if param is None:

@@ -3,7 +3,8 @@ DistributedDataParallel model whose replicas split the checkpoint into shares, o
 model (``fully_shard``: DTensor parameters, each rank its local shards; gradients clipped over
 DTensors and accumulated over two micro-batches). Exits non-zero on any mismatch.
 
-Scenarios (``SCENARIO`` is ``<what>:<mode>:<kind>``, kind ``ddp``, ``fsdp2``, ``hsdp`` (FSDP2
+Scenarios (``SCENARIO`` is ``<what>:<mode>:<kind>``, kind ``ddp``, ``own`` (DDP whose ranks each
+write all they hold: ``replicated=False``), ``fsdp2``, ``hsdp`` (FSDP2
 on a 2-D mesh: 2 replicas of the model sharded over 2 ranks each) or ``zero`` --
 ZeRO-1's state built by hand, :class:`ZeroLike`: replicated weights in shares, each rank's
 fp32 partition its own slice of a global tensor):
@@ -203,7 +204,7 @@ def train(directory: str, rank: int, mode: str, kind: str) -> None:
     ck = gockpt.Checkpointer(model, opt, directory, mode=mode, scheduler=sched,
                              overlap_steps=2 if mode.startswith("gockpt") else None,
                              block_bytes=4096, self_check=1.0, storage_writer=SmallChunks,
-                             **options(model))
+                             **options(model), **({"replicated": False} if kind == "own" else {}))
     for step in SAVE_AT:  # announced: the replay modes copy over the K steps up to it
         ck.plan_checkpoint(step)
     at_f, handles = {}, []
