@@ -92,6 +92,20 @@ def test_a_rank_killed_while_writing_its_part_leaves_the_previous_latest(tmp_pat
 
 
 @pytest.mark.slow
+def test_zero_partitions_at_another_data_parallel_degree_are_refused_naming_both(tmp_path):
+    """A ZeRO 1 checkpoint of 2 ranks resumed on 1: a LoadError from engine.load_checkpoint
+    naming both degrees and what to do, before anything is read (not a shape mismatch)."""
+    scenario = {"stage": 1, "steps": 8, "save_at": [6], "run": "save"}
+    start = start_ranks(tmp_path, json.dumps(scenario), 2, WORKER)
+    assert all(p.communicate(timeout=300) and p.returncode == 0 for p in start)
+    (proc,) = start_ranks(tmp_path, json.dumps({**scenario, "run": "resume"}), 1, WORKER)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "saved by DeepSpeed ZeRO on 2 data-parallel rank(s), loading on 1" in out + err, \
+        (out, err)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("betas,stage,world", [
     ((0.9, 0.95), 1, 2),   # the usual LLM setting, ZeRO 1 on 2 ranks
     ((0.9, 0.98), 1, 1),

@@ -20,7 +20,7 @@ import torch
 from ... import storage
 from ...checkpointer import Checkpointer
 from ...core.config import GradTransport
-from ...core.errors import CheckpointNotFoundError, ConfigError
+from ...core.errors import CheckpointNotFoundError, ConfigError, LoadError
 from ...loading import load
 from ...core.paths import real_directory
 from ...storage.commit import is_committed, read_latest
@@ -120,6 +120,7 @@ class EnginePatch:
              load_module_only):
         self.close()  # finish what is in flight: loading replaces the state under it
         engine = self.engine
+        _refuse_another_degree(os.fspath(load_dir), tag)
         state = EngineState(engine)
         with_optimizer = load_optimizer_states and not load_module_only
         restored = load(os.fspath(load_dir), state, base_optimizer(engine) if with_optimizer
@@ -147,6 +148,27 @@ class EnginePatch:
         finally:
             self.in_backward = False
             ck.close()
+
+
+def _refuse_another_degree(load_dir: str, tag) -> None:
+    """LoadError when the checkpoint holds ZeRO partitions (fp32 master slices of the flat
+    groups) saved at another data-parallel degree than this job's: their layout (padding,
+    fragment boundaries) depends on it, and re-cutting them is not done yet -- said before
+    anything is read, not as a shape mismatch deep in the load."""
+    from ...core.paths import directory_to_read
+    from ...resharding import written_by
+    from ...storage import manifest as manifest_mod
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    top = storage.resolve(directory_to_read(load_dir), None if tag is None else str(tag))
+    written = written_by(top)
+    if written != world and manifest_mod.read(top, 0)[1].model.slices:
+        raise LoadError(
+            f"{top}: saved by DeepSpeed ZeRO on {written} data-parallel rank(s), loading on "
+            f"{world}: its fp32 partitions are cut for {written} ranks, and loading them at "
+            "another degree is not supported yet; load it on "
+            f"{written} rank(s), or export it (gockpt export {top} --to deepspeed OUT) and "
+            "convert that with DeepSpeed's universal checkpoint tools")
 
 
 def zero_bf16(engine) -> bool:
