@@ -53,8 +53,8 @@ def needs_resharding(top: str, model: torch.nn.Module) -> bool:
     """Whether the checkpoint at ``top`` (a checkpoint directory) lies otherwise on the ranks
     than ``model`` on this job's: saved sharded (a DTensor's shards, ``model.slices``) or
     loaded into DTensors on another number of ranks, or a parameter whose stored block is not
-    this rank's (FSDP2 placed otherwise, DDP <-> FSDP2). The same answer on every rank (one
-    all-reduce where the ranks could differ: a load that reshards is a collective)."""
+    this rank's (FSDP2 placed otherwise, DDP <-> FSDP2). The same answer on every rank (a load
+    that reshards is a collective)."""
     rank, world = _world()
     written = written_by(top)
     _, m = manifest_mod.read(top, rank % written)
@@ -65,7 +65,10 @@ def needs_resharding(top: str, model: torch.nn.Module) -> bool:
         return False  # replicated on both sides: every rank reads the whole state
     differs = written != world or any(_elsewhere(m, name, ref, live.get(name))
                                       for name, ref in m.model.expected().items())
-    if world > 1:  # agreed: a rank alone in a collective load would wait forever
+    # DTensors: every rank is in the load (DCP's is a collective, as FSDP2 is): agreed, lest a
+    # rank whose block happens to match wait alone. Plain tensors decide alike without it
+    # (and a load on one rank alone -- an evaluation on rank 0 -- must not wait for others).
+    if world > 1 and dtensors:
         dist = torch.distributed
         device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
         flag = torch.tensor([int(differs)], device=device)
