@@ -323,6 +323,7 @@ def test_dcp_loads_an_fsdp2_checkpoint_on_another_number_of_ranks(tmp_path, save
     stored = sum(math.prod(e["shape"]) * storage.CODE_TO_DTYPE[e["dtype"]].itemsize
                  for _, m in _parts(path) for n, e in m["tensors"].items()
                  if not is_small_tensor(n))
+    print(f"{saved} -> {loaded} ranks: read {read} of {stored} stored bytes")
     assert sum(read) >= stored  # every stored parameter and moment was read
     assert all(abs(r - stored / loaded) <= 0.2 * stored / loaded for r in read), (read, stored)
     if saved % loaded == 0:  # a loading rank's block holds whole stored blocks: read once
