@@ -364,6 +364,10 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     SCENARIOS[what](directory, rank, mode, kind, *arch)
+    # every rank past its last collective before any tears its sockets down: a rank still
+    # receiving the end of an all-gather from one that already exited aborts in gloo's thread
+    # ("terminate called without an active exception", seen once under load)
+    dist.barrier()
     print(f"rank {rank}: ok", flush=True)
     dist.destroy_process_group()
 
