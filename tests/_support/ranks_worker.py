@@ -29,6 +29,7 @@ fp32 partition its own slice of a global tensor):
 """
 
 import functools
+import os
 import sys
 
 import torch
@@ -364,12 +365,15 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     SCENARIOS[what](directory, rank, mode, kind, *arch)
-    # every rank past its last collective before any tears its sockets down: a rank still
-    # receiving the end of an all-gather from one that already exited aborts in gloo's thread
-    # ("terminate called without an active exception", seen once under load)
     dist.barrier()
-    print(f"rank {rank}: ok", flush=True)
     dist.destroy_process_group()
+    print(f"rank {rank}: ok", flush=True)
+    # Everything is checked: leave without the interpreter's finalization, where gloo's worker
+    # threads can still hold work whose tensors need the GIL being torn down -- CI saw FSDP2
+    # loads abort there ("terminate called without an active exception") after "ok", barrier
+    # and destroy_process_group or not (pytorch/pytorch#179291 describes the race).
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
