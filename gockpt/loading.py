@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
@@ -15,7 +14,7 @@ from .core.memory import global_slice, like, local, memory_order
 from .storage import manifest as manifest_mod, shares
 from .core.errors import CorruptCheckpointError, GockptError, LoadError
 from .resharding import load_resharded, needs_resharding, written_by
-from .restored import Restored, apply_rest, decode_rest
+from .restored import Restored, apply_rest, decode_rest, restoring, warn_rng_not_restored
 from .core.paths import directory_to_read
 from .storage.format import MANIFEST_FILE
 from .storage.schema import Manifest, is_small_tensor
@@ -51,9 +50,11 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         LoadError: the checkpoint does not fit ``model`` / ``optimizer``.
     """
     top = storage.resolve(directory_to_read(directory), tag)  # the kernel's rule: gockpt.core.paths
-    if rank is None and needs_resharding(top, model):
+    written = written_by(top)
+    if rank is None and needs_resharding(top, model, written):
         return load_resharded(top, model, optimizer, scheduler=scheduler,
-                              restore_rng=restore_rng, verify=verify, map_location=map_location)
+                              restore_rng=restore_rng, verify=verify, map_location=map_location,
+                              written=written)
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
@@ -61,7 +62,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         top, rank, live_world=world, live_rank=dist.get_rank() if distributed else 0,
         target_replicated=is_replicated(model))
     # a rank's RNG states mean something only on as many ranks (or where one was asked for)
-    with_rng = restore_rng and (rank is not None or written_by(top) == world)
+    with_rng = restore_rng and (rank is not None or written == world)
     tensors = None
     if path != top:  # replicas that wrote one state in shares: every part's, put together
         shared = shares.gather(top, manifest, verify=verify, check=check_digests)
@@ -86,7 +87,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     _read_params(path, manifest, tensors, target, verify)
     if verify:
         check_digests(path, manifest, tensors)
-    try:
+    with restoring(path):
         # a DTensor (FSDP2) gets its local shard back as a DTensor placed like the live one
         sd = {name: like(target[name], ref.resolve(tensors)) for name, ref in expected.items()}
         sd.update(small["model"])
@@ -95,15 +96,8 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
             optimizer.load_state_dict(_placed_like_params(
                 optimizer_state_dict(manifest, path, tensors, optimizer), optimizer))
         extra = apply_rest(small, scheduler, map_location)
-    except GockptError:
-        raise
-    except Exception as exc:  # a state the objects refuse (or the decoders find malformed)
-        raise LoadError(f"{path}: cannot restore this checkpoint into the given objects: "
-                        f"{type(exc).__name__}: {exc}") from exc
     if restore_rng and not with_rng:
-        warnings.warn(f"gockpt: {top} was saved by {written_by(top)} rank(s), loaded on "
-                      f"{world}: RNG states are per rank and were not restored (seed them "
-                      "yourself; restore_rng=False says so without this warning)", stacklevel=2)
+        warn_rng_not_restored(top, written, world, stacklevel=2)
     return Restored(step=manifest.step, extra_state=extra, path=path, manifest=manifest,
                     rng_restored=with_rng)
 

@@ -14,18 +14,16 @@ of whole stored tensors: this path checks every chunk's crc32c, not the digests.
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from . import storage
-from .core.errors import GockptError, LoadError
+from .core.errors import LoadError
 from .core.memory import global_slice, local
 from .core.names import Names
 from .replay.adapters import state_keys_of
-from .restored import Restored, apply_rest, decode_rest
+from .restored import Restored, apply_rest, decode_rest, restoring, warn_rng_not_restored
 from .storage import manifest as manifest_mod
 from .storage import dcp
 from .storage.dcp import GockptReader
@@ -49,14 +47,13 @@ def written_by(top: str) -> int:
     return len(parts) if parts is not None else 1
 
 
-def needs_resharding(top: str, model: torch.nn.Module) -> bool:
+def needs_resharding(top: str, model: torch.nn.Module, written: int) -> bool:
     """Whether the checkpoint at ``top`` (a checkpoint directory) lies otherwise on the ranks
     than ``model`` on this job's: saved sharded (a DTensor's shards, ``model.slices``) or
     loaded into DTensors on another number of ranks, or a parameter whose stored block is not
     this rank's (FSDP2 placed otherwise, DDP <-> FSDP2). The same answer on every rank (a load
-    that reshards is a collective)."""
+    that reshards is a collective). ``written``: how many ranks saved it."""
     rank, world = _world()
-    written = written_by(top)
     _, m = manifest_mod.read(top, rank % written)
     state = model.state_dict()
     live = {name: state[ours] for name, ours in Names(model).clean_all(state).items()}
@@ -95,19 +92,21 @@ def _elsewhere(m: Manifest, name: str, ref, t: Optional[torch.Tensor]) -> bool:
 
 
 def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, scheduler=None,
-                   restore_rng: bool = True, verify: bool = True,
-                   map_location=None) -> Restored:
+                   restore_rng: bool = True, verify: bool = True, map_location=None,
+                   written: int) -> Restored:
     """:func:`gockpt.load` of the checkpoint directory ``top`` onto another shape (see the
     module's docstring); a collective on every rank. Scheduler and ``extra_state`` come from
     this rank's part on as many ranks as saved, else from rank 0's; RNG states only on as
-    many ranks (a warning says when they are not restored)."""
+    many ranks (a warning says when they are not restored). ``written``: how many ranks
+    saved it."""
     rank, world = _world()
-    same_ranks = written_by(top) == world
+    same_ranks = written == world
     path, manifest = manifest_mod.read(top, rank if same_ranks else 0)
     reader = GockptReader(top, verify=verify)
     md = reader.read_metadata().state_dict_metadata
     live = model.state_dict()
-    own = Names(model).clean_all(live)  # stored name -> the model's own
+    clean = Names(model)
+    own = clean.clean_all(live)  # stored name -> the model's own
     targets = {name: live[ours] for name, ours in own.items()}
     _check_model(top, md, targets)
     small = storage.read_tensors(path, manifest, [n for n in manifest.tensors
@@ -115,29 +114,22 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
     state = {"model": targets}
     if optimizer is not None:
         names = {id(p): n for n, p in model.named_parameters()}
-        params = {Names(model).clean(names[id(p)]) if id(p) in names else None: p
+        params = {clean.clean(names[id(p)]) if id(p) in names else None: p
                   for g in optimizer.param_groups for p in g["params"]}
         if None in params:
             raise LoadError(f"{top}: the optimizer steps a parameter that is not the model's")
-        opt_sd, opt_targets = _optimizer_targets(top, md, manifest, path, small, optimizer,
-                                                 params)
+        opt_sd, opt_targets = _optimizer_targets(top, md, reader.owners, manifest, path, small,
+                                                 optimizer, params)
         state["optimizer"] = {"state": opt_targets}
     with_rng = restore_rng and same_ranks
     rest = decode_rest(path, manifest, small, scheduler, with_rng)
-    try:
+    with restoring(top):
         dcp.load(state, reader, alone=world == 1)
         if optimizer is not None:
             optimizer.load_state_dict(opt_sd)
         extra = apply_rest(rest, scheduler, map_location)
-    except GockptError:
-        raise
-    except Exception as exc:  # a state the objects refuse
-        raise LoadError(f"{top}: cannot restore this checkpoint into the given objects: "
-                        f"{type(exc).__name__}: {exc}") from exc
     if restore_rng and not same_ranks:
-        warnings.warn(f"gockpt: {top} was saved by {written_by(top)} rank(s), loaded on "
-                      f"{world}: RNG states are per rank and were not restored (seed them "
-                      "yourself; restore_rng=False says so without this warning)", stacklevel=3)
+        warn_rng_not_restored(top, written, world, stacklevel=3)
     return Restored(step=manifest.step, extra_state=extra, path=top, manifest=manifest,
                     rng_restored=with_rng, resharded=True)
 
@@ -166,11 +158,12 @@ def _check_tensor(top: str, what: str, entry, t: torch.Tensor) -> None:
                         f"{t.dtype} in the model")
 
 
-def _optimizer_targets(top: str, md: dict, manifest: Manifest, path: str, small: dict,
-                       optimizer, params: Dict[str, torch.Tensor]):
+def _optimizer_targets(top: str, md: dict, owners: Dict[int, str], manifest: Manifest,
+                       path: str, small: dict, optimizer, params: Dict[str, torch.Tensor]):
     """(the optimizer's state dict to load once DCP has filled it, DCP's targets: parameter
     name -> key -> a tensor placed like the parameter) after checking the checkpoint's
-    optimizer against ``optimizer`` (``params``: parameter name -> the parameter it steps):
+    optimizer against ``optimizer`` (``owners``: the checkpoint's state index -> parameter;
+    ``params``: parameter name -> the parameter it steps):
     class, groups and their parameters, every per-element state tensor's shape, both moments
     of an Adam-like optimizer."""
     stored: Dict[str, Dict[str, object]] = {}  # parameter -> per-element key -> its metadata
@@ -183,7 +176,6 @@ def _optimizer_targets(top: str, md: dict, manifest: Manifest, path: str, small:
         raise LoadError(f"{top}: the checkpoint holds optimizer state of {unknown[0]!r}, which "
                         "the optimizer does not step")
     saved = optimizer_state_dict(manifest, path, small, optimizer, aligned=False)
-    owners = _owners(top, manifest)
     moments = set(state_keys_of(optimizer))
     index = {n: i for i, n in enumerate(params)}  # the live optimizer's state indices
     state: Dict[int, dict] = {}
@@ -217,16 +209,3 @@ def _optimizer_targets(top: str, md: dict, manifest: Manifest, path: str, small:
         groups.append({**group, "params": list(range(at, at + len(mine)))})
         at += len(mine)
     return {"state": state, "param_groups": groups}, targets
-
-
-def _owners(top: str, manifest: Manifest) -> Dict[int, str]:
-    """The checkpoint's optimizer state index -> parameter name, from every part (each lists
-    the indices whose state it stores)."""
-    owners = dict(manifest.optimizer.params) if manifest.optimizer is not None else {}
-    parts = parts_of(top, read_manifest(top))
-    for part in parts or ():
-        ppath = os.path.join(top, part)
-        m = manifest_mod.parse(ppath, read_manifest(ppath))
-        if m.optimizer is not None:
-            owners.update(m.optimizer.params)
-    return owners

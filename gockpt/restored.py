@@ -5,6 +5,8 @@ load returns (:class:`Restored`)."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +73,28 @@ def apply_rest(rest: dict, scheduler, map_location):
         smallstate.restore_rng(rest["rng"])
     extra = rest["extra_state"]
     return extra if map_location is None else to_device(extra, torch.device(map_location))
+
+
+@contextlib.contextmanager
+def restoring(path: str):
+    """Around putting a checked state into the live objects: what they refuse (or a decoder
+    finds malformed) becomes a LoadError naming the checkpoint; gockpt's own errors pass."""
+    try:
+        yield
+    except GockptError:
+        raise
+    except Exception as exc:
+        raise LoadError(f"{path}: cannot restore this checkpoint into the given objects: "
+                        f"{type(exc).__name__}: {exc}") from exc
+
+
+def warn_rng_not_restored(top: str, written: int, world: int, stacklevel: int) -> None:
+    """The warning of a load asked to restore RNG states that it leaves alone: ``written``
+    ranks saved them, ``world`` load (``stacklevel`` as the caller would pass it to
+    ``warnings.warn``: the frame of ``gockpt.load``'s caller)."""
+    warnings.warn(f"gockpt: {top} was saved by {written} rank(s), loaded on {world}: RNG "
+                  "states are per rank and were not restored (seed them yourself; "
+                  "restore_rng=False says so without this warning)", stacklevel=stacklevel + 1)
 
 
 def to_device(obj, device):

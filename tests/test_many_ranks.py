@@ -372,7 +372,8 @@ def test_gockpt_load_resumes_on_another_number_of_ranks_and_parallelism(tmp_path
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         restored = gockpt.load(directory, plain, opt)
-    assert any("RNG states are per rank" in str(w.message) for w in caught) == (saved > 1)
+    rng = [w for w in caught if "RNG states are per rank" in str(w.message)]
+    assert len(rng) == (saved > 1) and all(w.filename == __file__ for w in rng), rng
     assert restored.resharded == (kind == "fsdp2" and saved > 1)
     saved_state = torch.load(f"{directory}.global.pt", weights_only=True)
     names = [n for n, _ in plain.named_parameters()]

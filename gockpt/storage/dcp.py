@@ -114,10 +114,11 @@ class GockptReader(StorageReader):
         self.storage_data: Dict[MetadataIndex, Piece] = {}
         self.read_bytes = 0  # bytes of stored tensors this reader has read (this rank)
         self._metadata: Optional[Metadata] = None  # of ``path``, once built
+        self.owners: Dict[int, str] = {}  # optimizer state index -> parameter, once built
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id is not None and str(checkpoint_id) != self.path:
-            self.path, self._metadata = str(checkpoint_id), None
+            self.path, self._metadata, self.owners = str(checkpoint_id), None, {}
         self.read_bytes = 0
 
     @classmethod
@@ -126,9 +127,10 @@ class GockptReader(StorageReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         """DCP's metadata of the checkpoint (built once per path: the manifests, the global
-        index, the small state read and checked)."""
+        index, the small state read and checked); ``owners`` then maps each optimizer state
+        index to its parameter, as every part together says."""
         if self._metadata is None:
-            state, storage = _Metadata(self.path, self.verify).build()
+            state, storage, self.owners = _Metadata(self.path, self.verify).build()
             self._metadata = Metadata(state_dict_metadata=state, storage_data=storage)
         return self._metadata
 
@@ -220,7 +222,7 @@ class _Metadata:
             self._add_part(part, m, owners)
         self._check_cover()
         self._add_small(*parts[0], owners)
-        return self.state, self.storage
+        return self.state, self.storage, owners
 
     def _add_part(self, part: str, m: Manifest, owners: Dict[int, str]) -> None:
         for _, what, ref, (idx, key) in m.stored_refs():

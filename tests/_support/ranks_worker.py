@@ -277,12 +277,7 @@ def resharded(directory: str, rank: int, mode: str, kind: str) -> None:
     plain = fsdp2(layers("fsdp2"), lambda p: Shard(p.dim() - 1))
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1)
     assert gockpt.load(directory, plain, opt).resharded
-    full = global_state(plain, opt)
-    if rank == 0:
-        saved = torch.load(f"{directory}.global.pt", weights_only=True)
-        why = gockpt.testing.first_difference({k: saved[k] for k in full}, full,
-                                              "loaded by columns vs the state at F")
-        assert why is None, why
+    assert_state_at_f(directory, rank, plain, opt, "loaded by columns")
 
 
 def mismatch(directory: str, rank: int, mode: str, kind: str) -> None:
@@ -305,6 +300,18 @@ def global_state(model, opt) -> dict:
     return {"model": msd, "optimizer": osd.get("state", {})}  # (empty off rank 0)
 
 
+def assert_state_at_f(directory: str, rank: int, model, opt, what: str) -> dict:
+    """The whole state of ``model`` and ``opt`` (gathered: a collective) equals the one the
+    saving run gathered at F, bit for bit (checked on rank 0); returns what ``train`` saved."""
+    full = global_state(model, opt)
+    saved = torch.load(f"{directory}.global.pt", weights_only=True)
+    if rank == 0:
+        why = gockpt.testing.first_difference({k: saved[k] for k in full}, full,
+                                              f"{what} vs the state at F")
+        assert why is None, why
+    return saved
+
+
 def dcp_load(directory: str, rank: int, mode: str, kind: str) -> None:
     """The latest checkpoint (saved by ``train`` on another number of ranks) loaded with
     ``torch.distributed.checkpoint.load`` through gockpt's StorageReader into an FSDP2 model
@@ -319,12 +326,7 @@ def dcp_load(directory: str, rank: int, mode: str, kind: str) -> None:
     reader = GockptReader(storage.resolve(directory))
     dcp.load(state, storage_reader=reader)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    full = global_state(model, opt)
-    if rank == 0:
-        saved = torch.load(f"{directory}.global.pt", weights_only=True)
-        why = gockpt.testing.first_difference({k: saved[k] for k in full}, full,
-                                              "dcp.load vs the state at F")
-        assert why is None, why
+    assert_state_at_f(directory, rank, model, opt, "dcp.load")
     one_step(model, opt, sched, batch(rank, SAVE_AT[-1]))  # training goes on
     print(f"rank {rank}: read {reader.read_bytes} bytes", flush=True)
 
@@ -339,12 +341,7 @@ def reshard(directory: str, rank: int, mode: str, kind: str, arch: str = "") -> 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         restored = gockpt.load(directory, model, opt, scheduler=sched)
-    saved = torch.load(f"{directory}.global.pt", weights_only=True)
-    full = global_state(model, opt)
-    if rank == 0:
-        why = gockpt.testing.first_difference({k: saved[k] for k in full}, full,
-                                              "gockpt.load on another shape vs the state at F")
-        assert why is None, why
+    saved = assert_state_at_f(directory, rank, model, opt, "gockpt.load on another shape")
     assert sched.state_dict() == saved["scheduler"], (sched.state_dict(), saved["scheduler"])
     same_ranks = written_by(storage.resolve(directory)) == dist.get_world_size()
     assert restored.step == SAVE_AT[-1] and restored.rng_restored == same_ranks
