@@ -197,12 +197,14 @@ def _save_safetensors(out: str, sd: dict, aliases: dict, meta: dict,
         _write(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
         return tensors, "model state_dict", notes
     files: list = [{}]
+    filled = 0  # bytes in the last file
     for name, t in tensors.items():
         size = t.numel() * t.element_size()
-        if files[-1] and sum(x.numel() * x.element_size() for x in files[-1].values()) \
-                + size > shard_size:
+        if files[-1] and filled + size > shard_size:
             files.append({})
+            filled = 0
         files[-1][name] = t
+        filled += size
     stem = os.path.basename(out)
     stem = stem[:-len(".safetensors")] if stem.endswith(".safetensors") else stem
     names = [f"{stem}-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
