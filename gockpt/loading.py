@@ -14,7 +14,8 @@ from .core.memory import global_slice, like, local, memory_order
 from .storage import manifest as manifest_mod, shares
 from .core.errors import CorruptCheckpointError, GockptError, LoadError
 from .resharding import load_resharded, needs_resharding, written_by
-from .restored import Restored, apply_rest, decode_rest, restoring, warn_rng_not_restored
+from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
+                       warn_rng_not_restored)
 from .core.paths import directory_to_read
 from .storage.format import MANIFEST_FILE
 from .storage.schema import Manifest, is_small_tensor
@@ -194,9 +195,7 @@ def _read_params(path, manifest, tensors, target, verify) -> None:
             path, manifest, [n for n in manifest.tensors if n not in tensors],
             verify=verify, out=direct))
     except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(
-            f"{exc}; the model's parameters may be partly overwritten: load an intact "
-            "checkpoint (gockpt.load(..., tag=...)) before training on") from exc
+        raise partly_overwritten(exc) from exc
 
 
 def check_digests(path: str, manifest: Manifest, tensors: dict) -> None:

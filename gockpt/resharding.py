@@ -19,11 +19,12 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import storage
-from .core.errors import LoadError
+from .core.errors import CorruptCheckpointError, LoadError
 from .core.memory import global_slice, local
 from .core.names import Names
 from .replay.adapters import state_keys_of
-from .restored import Restored, apply_rest, decode_rest, restoring, warn_rng_not_restored
+from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
+                       warn_rng_not_restored)
 from .storage import manifest as manifest_mod
 from .storage import dcp
 from .storage.dcp import GockptReader
@@ -124,7 +125,10 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
     with_rng = restore_rng and same_ranks
     rest = decode_rest(path, manifest, small, scheduler, with_rng)
     with restoring(top):
-        dcp.load(state, reader, alone=world == 1)
+        try:  # (straight into the model's tensors)
+            dcp.load(state, reader, alone=world == 1)
+        except CorruptCheckpointError as exc:
+            raise partly_overwritten(exc) from exc
         if optimizer is not None:
             optimizer.load_state_dict(opt_sd)
         extra = apply_rest(rest, scheduler, map_location)

@@ -88,6 +88,13 @@ def restoring(path: str):
                         f"{type(exc).__name__}: {exc}") from exc
 
 
+def partly_overwritten(exc: CorruptCheckpointError) -> CorruptCheckpointError:
+    """``exc`` (found while reading straight into the live model) saying what it left."""
+    return CorruptCheckpointError(
+        f"{exc}; the model's parameters may be partly overwritten: load an intact "
+        "checkpoint (gockpt.load(..., tag=...)) before training on")
+
+
 def warn_rng_not_restored(top: str, written: int, world: int, stacklevel: int) -> None:
     """The warning of a load asked to restore RNG states that it leaves alone: ``written``
     ranks saved them, ``world`` load (``stacklevel`` as the caller would pass it to

@@ -386,7 +386,8 @@ def test_gockpt_load_resumes_on_another_number_of_ranks_and_parallelism(tmp_path
 def test_what_cannot_be_resharded_is_refused_naming_the_tensor_before_any_change(tmp_path):
     """An FSDP2 checkpoint of 2 ranks loaded in one process into models it does not fit: a
     parameter on one side only, another shape, another dtype, an optimizer that steps other
-    parameters -- a LoadError naming the tensor, the model and the optimizer untouched."""
+    parameters -- a LoadError naming the tensor, the model and the optimizer untouched; a
+    flipped byte is the checksum error naming it."""
     directory = str(tmp_path / "fsdp2")
     run_ranks(directory, "train:gockpt-o:fsdp2", world=2, worker=WORKER)
 
@@ -412,6 +413,13 @@ def test_what_cannot_be_resharded_is_refused_naming_the_tensor_before_any_change
     model = layers("fsdp2")
     refused(model, torch.optim.AdamW(list(model.parameters())[:-2]),
             r"optimizer state of '6\.(weight|bias)', which the optimizer does not step")
+    # a damaged byte met while reading: the checksum error itself, naming file and tensor
+    part, m = _parts(storage.resolve(directory))[1]
+    name = next(n for n in m["tensors"] if n.startswith("model/"))
+    flip_byte(part, name)
+    with pytest.raises(gockpt.CorruptCheckpointError,
+                       match=rf"'{name}'.*checksum mismatch.*partly overwritten"):
+        gockpt.load(directory, model, torch.optim.AdamW(model.parameters()), restore_rng=False)
 
 
 def test_export_of_a_sharded_checkpoint_writes_whole_tensors_reading_each_slice_once(tmp_path,

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
-from ..core.errors import CorruptCheckpointError, LoadError
+from ..core.errors import CorruptCheckpointError, GockptError, LoadError
 from .format import CODE_TO_DTYPE, MANIFEST_FILE
 from .index import boxes_problem
 from .manifest import parse, parts_of
@@ -79,11 +79,25 @@ class Piece:
 
 def load(state: dict, reader: "GockptReader", *, alone: bool) -> None:
     """``torch.distributed.checkpoint.load(state, storage_reader=reader)``; ``alone``: this
-    process loads by itself (no collective, and without DCP's warning that it does)."""
+    process loads by itself (no collective, and without DCP's warning that it does).
+
+    DCP gathers every rank's failure into one ``CheckpointException`` (a BaseException, raised
+    on every rank): the first rank's gockpt error (a checksum mismatch naming the file and
+    tensor) is raised as itself, anything else as a LoadError saying what failed where."""
     import torch.distributed.checkpoint as dcp
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=alone)
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, no_dist=alone)
+    except CheckpointException as exc:
+        failures = [(rank, exc.failures[rank][0]) for rank in sorted(exc.failures)]
+        ours = [e for _, e in failures if isinstance(e, GockptError)]
+        if ours:
+            raise ours[0] from exc
+        rank, first = failures[0] if failures else (None, exc)
+        raise LoadError(f"{reader.path}: torch.distributed.checkpoint could not load it (rank "
+                        f"{rank}): {type(first).__name__}: {first}") from exc
 
 
 def flat_boxes(shape: Tuple[int, ...], lo: int, hi: int) -> List[Tuple[int, tuple, tuple]]:
