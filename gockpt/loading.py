@@ -98,7 +98,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
                 optimizer_state_dict(manifest, path, tensors, optimizer), optimizer))
         extra = apply_rest(small, scheduler, map_location)
     if restore_rng and not with_rng:
-        warn_rng_not_restored(top, written, world, stacklevel=2)
+        warn_rng_not_restored(top, written, world)
     return Restored(step=manifest.step, extra_state=extra, path=path, manifest=manifest,
                     rng_restored=with_rng)
 

@@ -133,7 +133,7 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
             optimizer.load_state_dict(opt_sd)
         extra = apply_rest(rest, scheduler, map_location)
     if restore_rng and not same_ranks:
-        warn_rng_not_restored(top, written, world, stacklevel=3)
+        warn_rng_not_restored(top, written, world)
     return Restored(step=manifest.step, extra_state=extra, path=top, manifest=manifest,
                     rng_restored=with_rng, resharded=True)
 

@@ -6,6 +6,8 @@ load returns (:class:`Restored`)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -95,13 +97,25 @@ def partly_overwritten(exc: CorruptCheckpointError) -> CorruptCheckpointError:
         "checkpoint (gockpt.load(..., tag=...)) before training on")
 
 
-def warn_rng_not_restored(top: str, written: int, world: int, stacklevel: int) -> None:
+def warn_rng_not_restored(top: str, written: int, world: int) -> None:
     """The warning of a load asked to restore RNG states that it leaves alone: ``written``
-    ranks saved them, ``world`` load (``stacklevel`` as the caller would pass it to
-    ``warnings.warn``: the frame of ``gockpt.load``'s caller)."""
+    ranks saved them, ``world`` load. It names the user's line that asked for the load (the
+    first frame outside gockpt: ``gockpt.load``'s caller, or the one of a patched DeepSpeed
+    engine's ``load_checkpoint``)."""
     warnings.warn(f"gockpt: {top} was saved by {written} rank(s), loaded on {world}: RNG "
                   "states are per rank and were not restored (seed them yourself; "
-                  "restore_rng=False says so without this warning)", stacklevel=stacklevel + 1)
+                  "restore_rng=False says so without this warning)",
+                  stacklevel=_frames_inside_gockpt() + 1)
+
+
+def _frames_inside_gockpt() -> int:
+    """How many frames from the caller's on lie in gockpt's package (warnings' stacklevel of
+    the first one outside it, counted from the caller)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, n = sys._getframe(1), 0
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, n = frame.f_back, n + 1
+    return n
 
 
 def to_device(obj, device):

@@ -4,7 +4,8 @@ tests/_support/dist_ranks.py): trains a tiny model with a DeepSpeed engine on it
 the run: "stage", "steps", "save_at" (a step or a list of steps), "gas", "clip", "options",
 "gockpt_section", "fp32_accumulation", "two_groups", "torch_adam" (torch's AdamW as base
 optimizer), "betas" (AdamW's), "fp16" (with dynamic loss scaling), "inf_at" (a step whose loss
-is multiplied by inf: an overflow step under fp16).
+is multiplied by inf: an overflow step under fp16), "width" (of the hidden layer, 48 by
+default), "chunk_bytes" (of the checkpoint's checksum chunks).
 
     python -m tests._support.deepspeed_worker OUT SCENARIO
                                             SCENARIO: JSON {"run": ..., "stage": ..., ...}
@@ -13,7 +14,8 @@ runs: "plain" (no gockpt), "patched" (gockpt, no checkpoint), "save" (gockpt, a 
 at each step of "save_at", client_state given as a dict of values as DeepSpeed users do; the
 live state at the last one is dumped), "resume" (a fresh engine loads the checkpoint in
 "load_dir" and trains on, saving again at the steps of "resave_at" into "resave_dir"),
-"native-save" / "native-load" (DeepSpeed's own checkpoints, loaded through the patched
+"refused" (a fresh engine's load_checkpoint of "load_dir" must fail: the error and whether the
+engine's state stayed as it was are dumped), "native-save" / "native-load" (DeepSpeed's own checkpoints, loaded through the patched
 engine), "plain-load" (DeepSpeed alone -- gockpt not installed, and not even importable until
 the load is done -- loads the DeepSpeed checkpoint in "load_dir", e.g. one written by
 `gockpt export --to deepspeed`, and trains on).  Each rank writes OUT/<run>-rank<r>.pt: losses
@@ -36,8 +38,9 @@ os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
 def build(sc):
     import deepspeed
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.GELU(),
-                                torch.nn.Linear(48, 40), torch.nn.GELU(), torch.nn.Linear(40, 4))
+    width = sc.get("width", 48)
+    model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.GELU(),
+                                torch.nn.Linear(width, 40), torch.nn.GELU(), torch.nn.Linear(40, 4))
     cfg = {"train_micro_batch_size_per_gpu": 4,
            "gradient_accumulation_steps": sc.get("gas", 1),
            "gradient_clipping": sc.get("clip", 0.05),
@@ -88,13 +91,26 @@ def train(engine, sc, first, last, out, at=None):
 
 
 def live_state(engine):
-    from gockpt.integrations.deepspeed.state import EngineState, base_optimizer
+    from gockpt.integrations.deepspeed.state import EngineState, base_optimizer, fp32_layout
     base = base_optimizer(engine)
     opt = {f"{i}/{k}": (v.clone() if torch.is_tensor(v) else torch.tensor(float(v)))
            for i, st in enumerate(base.state.values()) for k, v in st.items()}
     return {"tensors": {k: v.clone() for k, v in EngineState(engine).state_dict().items()},
             "optimizer": opt, "counters": [engine.global_steps, engine.global_samples,
-                                           engine.skipped_steps]}
+                                           engine.skipped_steps],
+            # where this rank's fp32 partition holds each parameter, and the scheduler: what
+            # a load at another data-parallel degree is compared by
+            "layout": fp32_layout(engine), "scheduler": engine.lr_scheduler.state_dict()}
+
+
+def states_equal(a, b) -> bool:
+    """Whether two live_state snapshots hold the same bits."""
+    same = all(x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8),
+                                                  y.view(-1).view(torch.uint8))
+               for part in ("tensors", "optimizer") for x, y in zip(a[part].values(),
+                                                                    b[part].values()))
+    return same and all(a[k] == b[k] for k in ("counters", "scheduler")) and \
+        all(a[p].keys() == b[p].keys() for p in ("tensors", "optimizer"))
 
 
 class NoGockpt:
@@ -118,12 +134,23 @@ def main():
     if run == "kill":
         from tests._support.faulty_storage import killing_writer
         writer = killing_writer()
-    if run in ("patched", "save", "resume", "native-load", "kill"):
+    elif sc.get("chunk_bytes"):  # checksum chunks this small: a partial read reads less
+        import functools
+        from gockpt import storage
+        writer = functools.partial(storage.CheckpointWriter, chunk_bytes=sc["chunk_bytes"])
+    if run in ("patched", "save", "resume", "native-load", "kill", "refused"):
         gockpt_ds.install(**sc.get("options", {}),
                           **({"storage_writer": writer} if writer else {}))
     engine = build(sc)
     out = {"losses": []}
-    if run in ("resume", "native-load", "plain-load"):
+    if run == "refused":
+        before = live_state(engine)
+        try:
+            engine.load_checkpoint(os.path.join(out_dir, sc.get("load_dir", "ckpt")))
+        except Exception as exc:  # noqa: BLE001 -- the test reads which, and its message
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["unchanged"] = states_equal(before, live_state(engine))
+    elif run in ("resume", "native-load", "plain-load"):
         # "load_dir": where to load from (default the "save" run's); "resave_at": steps the
         # resumed run saves again (into "resave_dir"), the live state at the last one dumped
         path, client = engine.load_checkpoint(os.path.join(out_dir, sc.get("load_dir", "ckpt")))
@@ -132,6 +159,9 @@ def main():
             sys.meta_path[:] = [h for h in sys.meta_path if not isinstance(h, NoGockpt)]
         out["client"] = client
         out["loaded"] = live_state(engine)
+        if run == "resume":  # which way it loaded, and what it read at another degree
+            ours = gockpt_ds._patches[engine]
+            out["resharded"], out["read_bytes"] = ours.restored.resharded, ours.read_bytes
         resaves = sc.get("resave_at", [])
         resave_dir = os.path.join(out_dir, sc.get("resave_dir", "ckpt2"))
 

@@ -20,10 +20,12 @@ import torch
 from ... import storage
 from ...checkpointer import Checkpointer
 from ...core.config import GradTransport
-from ...core.errors import CheckpointNotFoundError, ConfigError, LoadError
+from ...core.errors import CheckpointNotFoundError, ConfigError
 from ...loading import load
-from ...core.paths import real_directory
+from ...core.paths import directory_to_read, real_directory
+from ...resharding import written_by
 from ...storage.commit import is_committed, read_latest
+from .reshard import load_at_another_degree, needs_resharding
 from .state import (EngineState, base_optimizer, engine_record, fp32_layout,
                     parallel_options, restore_engine, warm_cpu_adam)
 
@@ -42,6 +44,8 @@ class EnginePatch:
         self.pending = False        # a step ended; its boundary is not recorded yet
         self.in_backward = False    # backward_begin called for the step under way
         self.warned_latest = False
+        self.restored = None  # what the last load_checkpoint restored (gockpt.Restored)
+        self.read_bytes: Optional[dict] = None  # what a load at another degree read
         # How to read what DeepSpeed last multiplied the gradients by (bf16 transport): set
         # by each unscale, called only when a checkpoint records that step's gradients.
         self.multiplier: Optional[Callable[[], torch.Tensor]] = None
@@ -120,13 +124,20 @@ class EnginePatch:
              load_module_only):
         self.close()  # finish what is in flight: loading replaces the state under it
         engine = self.engine
-        _refuse_another_degree(os.fspath(load_dir), tag)
-        state = EngineState(engine)
         with_optimizer = load_optimizer_states and not load_module_only
-        restored = load(os.fspath(load_dir), state, base_optimizer(engine) if with_optimizer
-                        else None, tag=tag,
-                        scheduler=engine.lr_scheduler if load_lr_scheduler_states
-                        and not load_module_only else None)
+        scheduler = engine.lr_scheduler if load_lr_scheduler_states and not load_module_only \
+            else None
+        top = storage.resolve(directory_to_read(os.fspath(load_dir)),
+                              None if tag is None else str(tag))
+        written, world = written_by(top), _world_size()
+        if needs_resharding(top, engine, written, world):
+            restored, self.read_bytes = load_at_another_degree(
+                top, engine, with_optimizer=with_optimizer, scheduler=scheduler,
+                written=written)
+        else:
+            restored = load(os.fspath(load_dir), EngineState(engine),
+                            base_optimizer(engine) if with_optimizer else None, tag=tag,
+                            scheduler=scheduler)
         if not with_optimizer and hasattr(engine.optimizer, "refresh_fp32_params"):
             engine.optimizer.refresh_fp32_params()  # DeepSpeed's semantics: fp32 from weights
         record = restored.extra_state
@@ -134,6 +145,7 @@ class EnginePatch:
             restore_engine(engine, record)
         if with_optimizer:
             warm_cpu_adam(base_optimizer(engine))
+        self.restored = restored
         return restored.path, record["client_state"]
 
     def close(self) -> None:
@@ -150,25 +162,9 @@ class EnginePatch:
             ck.close()
 
 
-def _refuse_another_degree(load_dir: str, tag) -> None:
-    """LoadError when the checkpoint holds ZeRO partitions (fp32 master slices of the flat
-    groups) saved at another data-parallel degree than this job's: their layout (padding,
-    fragment boundaries) depends on it, and re-cutting them is not done yet -- said before
-    anything is read, not as a shape mismatch deep in the load."""
-    from ...core.paths import directory_to_read
-    from ...resharding import written_by
-    from ...storage import manifest as manifest_mod
+def _world_size() -> int:
     dist = torch.distributed
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    top = storage.resolve(directory_to_read(load_dir), None if tag is None else str(tag))
-    written = written_by(top)
-    if written != world and manifest_mod.read(top, 0)[1].model.slices:
-        raise LoadError(
-            f"{top}: saved by DeepSpeed ZeRO on {written} data-parallel rank(s), loading on "
-            f"{world}: its fp32 partitions are cut for {written} ranks, and loading them at "
-            "another degree is not supported yet; load it on "
-            f"{written} rank(s), or export it (gockpt export {top} --to deepspeed OUT) and "
-            "convert that with DeepSpeed's universal checkpoint tools")
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def zero_bf16(engine) -> bool:
