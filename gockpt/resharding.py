@@ -66,13 +66,19 @@ def needs_resharding(top: str, model: torch.nn.Module, written: int) -> bool:
     # DTensors: every rank is in the load (DCP's is a collective, as FSDP2 is): agreed, lest a
     # rank whose block happens to match wait alone. Plain tensors decide alike without it
     # (and a load on one rank alone -- an evaluation on rank 0 -- must not wait for others).
-    if world > 1 and dtensors:
-        dist = torch.distributed
-        device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
-        flag = torch.tensor([int(differs)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        differs = bool(flag.item())
-    return differs
+    return any_rank(differs) if world > 1 and dtensors else differs
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (a collective: every rank calls it; ``flag`` itself
+    without torch.distributed)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _elsewhere(m: Manifest, name: str, ref, t: Optional[torch.Tensor]) -> bool:

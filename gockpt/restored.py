@@ -113,7 +113,8 @@ def _frames_inside_gockpt() -> int:
     the first one outside it, counted from the caller)."""
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     frame, n = sys._getframe(1), 0
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame is not None and not frame.f_code.co_filename.startswith("<") and \
+            os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, n = frame.f_back, n + 1
     return n
 

@@ -32,7 +32,7 @@ pytest.importorskip("deepspeed")  # installed by the README's setup: this never 
 
 from gockpt.integrations import deepspeed as gockpt_ds  # noqa: E402
 from gockpt.integrations.deepspeed.patch import holds_gockpt_checkpoint, watch_unscale  # noqa: E402
-from gockpt.integrations.deepspeed.state import _numbers_of, restore_engine  # noqa: E402
+from gockpt.integrations.deepspeed.state import _numbers_of, check_record, restore_engine  # noqa: E402
 
 GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # window 16..18
 
@@ -97,15 +97,17 @@ RESHARD = {"steps": STEPS, "save_at": SAVES, "width": 1024, "chunk_bytes": 4096}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved,loaded", [
-    pytest.param((1, 2), (1, 1), id="zero1-2to1"),
-    pytest.param((1, 1), (1, 2), id="zero1-1to2"),
-    pytest.param((1, 2), (1, 4), id="zero1-2to4"),
-    pytest.param((1, 4), (1, 2), id="zero1-4to2"),
-    pytest.param((1, 2), (2, 1), id="zero1-2-to-zero2-1"),
-    pytest.param((2, 1), (1, 2), id="zero2-1-to-zero1-2"),
+@pytest.mark.parametrize("saved,loaded,extra", [
+    pytest.param((1, 2), (1, 1), {}, id="zero1-2to1"),
+    pytest.param((1, 1), (1, 2), {}, id="zero1-1to2"),
+    pytest.param((1, 2), (1, 4), {}, id="zero1-2to4"),
+    pytest.param((1, 4), (1, 2), {}, id="zero1-4to2"),
+    pytest.param((1, 2), (2, 1), {}, id="zero1-2-to-zero2-1"),
+    pytest.param((2, 1), (1, 2), {}, id="zero2-1-to-zero1-2"),
+    pytest.param((1, 2), (1, 4), {"two_groups": True}, id="zero1-2to4-two-groups"),
 ])
-def test_zero_checkpoint_resumes_at_another_data_parallel_degree(tmp_path, saved, loaded):
+def test_zero_checkpoint_resumes_at_another_data_parallel_degree(tmp_path, saved, loaded,
+                                                                 extra):
     """A ZeRO checkpoint of N ranks (stage, N) = ``saved`` loaded by engine.load_checkpoint on
     M ranks (stage, M) = ``loaded``: the fp32 masters and both moments, put together from
     every rank's partition, equal the saving run's at F bit for bit, as do the module's
@@ -113,8 +115,8 @@ def test_zero_checkpoint_resumes_at_another_data_parallel_degree(tmp_path, saved
     client_state (rank 0's); each rank reads about 1/M of the stored fp32 state (within 20%);
     then training goes on."""
     (stage, n), (new_stage, m) = saved, loaded
-    live = [r["live"] for r in runs(tmp_path, n, stage=stage, **RESHARD)("save")]
-    resumed = runs(tmp_path, m, stage=new_stage, **RESHARD)("resume")
+    live = [r["live"] for r in runs(tmp_path, n, stage=stage, **RESHARD, **extra)("save")]
+    resumed = runs(tmp_path, m, stage=new_stage, **RESHARD, **extra)("resume")
     loaded_states = [r["loaded"] for r in resumed]
     want, got = _whole_fp32(live), _whole_fp32(loaded_states)
     assert want.keys() == got.keys()
@@ -152,10 +154,13 @@ def _whole_fp32(states):
     out, filled = {}, {}
     for st in states:
         masters = {k: v for k, v in st["tensors"].items() if k.startswith("master_")}
-        moments = {k.split("/", 1)[1]: v for k, v in st["optimizer"].items()
-                   if not k.endswith("/step")}  # (one param group: state 0)
+        moments = {}  # group -> key -> its flat moment (DeepSpeed's state i is group i's)
+        for k, v in st["optimizer"].items():
+            i, key = k.split("/", 1)
+            if key != "step":
+                moments.setdefault(int(i), {})[key] = v
         for param, (gi, start, first, numel, shape) in st["layout"].items():
-            for what, flat in [("fp32", masters[f"master_g{gi}_p0"]), *moments.items()]:
+            for what, flat in [("fp32", masters[f"master_g{gi}_p0"]), *moments[gi].items()]:
                 whole = out.setdefault((param, what), torch.zeros(math.prod(shape)))
                 seen = filled.setdefault((param, what), torch.zeros(math.prod(shape), dtype=torch.int8))
                 whole[first:first + numel] = flat[start:start + numel]
@@ -176,6 +181,28 @@ def test_a_zero_checkpoint_of_another_model_is_refused_at_another_degree_before_
         and "'0.weight' has shape [48, 16] in the checkpoint but [32, 16]" in res["error"], \
         res["error"]
     assert res["unchanged"]
+
+
+@pytest.mark.slow
+def test_a_damaged_piece_read_by_one_rank_fails_the_load_on_every_rank(tmp_path):
+    """ZeRO 1 saved on 1 rank, loaded on 2: a byte flipped in the fp32 master where only rank
+    1's partition reads it. Rank 1 names the damage; rank 0, which read its own pieces
+    intact, fails too instead of training on into a collective that never completes."""
+    from gockpt.storage import manifest as manifest_mod
+    scenario = {"stage": 1, "steps": 8, "save_at": [6], "width": 1024, "chunk_bytes": 4096}
+    runs(tmp_path, 1, **scenario)("save")
+    path, m = manifest_mod.read(storage.resolve(str(tmp_path / "ckpt")), 0)
+    entry = m.tensors[m.model.params["master_g0_p0"].tensor]
+    with open(os.path.join(path, entry["file"]), "r+b") as f:
+        f.seek(entry["offset"] + entry["nbytes"] * 3 // 4)  # in rank 1's half, no padding
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    errors = [r["error"] for r in runs(tmp_path, 2, **scenario)("refused")]
+    assert errors[1].startswith("CorruptCheckpointError: ") and "partly overwritten" in \
+        errors[1], errors
+    assert errors[0].startswith("LoadError: ") and "another rank could not read" in \
+        errors[0], errors
 
 
 @pytest.mark.slow
@@ -329,8 +356,16 @@ def test_loss_scaler_numbers_round_trip():
     restore_engine(engine, {"counters": {"global_steps": 9},
                             "scalers": {"loss_scaler": {"cur_scale": 8.0, "cur_iter": 7}}})
     assert engine.global_steps == 9 and target.cur_scale == 8.0 and target.cur_iter == 7
-    with pytest.raises(ValueError, match="loss_scale_config"):
-        restore_engine(engine, {"counters": {}, "scalers": {"loss_scale_config": {}}})
+    # a scaler the engine's optimizer lacks: refused for fp16 (before anything is loaded),
+    # left out for bf16 (nothing is scaled; BF16_Optimizer keeps no loss scaler)
+    record = {"counters": {}, "scalers": {"loss_scale_config": {"cur_scale": 4.0}}}
+    engine.bfloat16_enabled = lambda: False
+    with pytest.raises(gockpt.LoadError, match="CKPT: .*loss_scale_config"):
+        check_record(engine, record, "CKPT")
+    engine.bfloat16_enabled = lambda: True
+    check_record(engine, record, "CKPT")
+    restore_engine(engine, record)
+    assert not hasattr(engine.optimizer, "loss_scale_config") and target.cur_scale == 8.0
 
 
 def test_holds_gockpt_checkpoint_reads_latest_or_the_tag(tmp_path):

@@ -26,8 +26,8 @@ from ...core.paths import directory_to_read, real_directory
 from ...resharding import written_by
 from ...storage.commit import is_committed, read_latest
 from .reshard import load_at_another_degree, needs_resharding
-from .state import (EngineState, base_optimizer, engine_record, fp32_layout,
-                    parallel_options, restore_engine, warm_cpu_adam)
+from .state import (EngineState, base_optimizer, check_record, engine_record, fp32_layout,
+                    parallel_options, relink, restore_engine, warm_cpu_adam)
 
 
 class EnginePatch:
@@ -130,14 +130,18 @@ class EnginePatch:
         top = storage.resolve(directory_to_read(os.fspath(load_dir)),
                               None if tag is None else str(tag))
         written, world = written_by(top), _world_size()
+        self.read_bytes = None
         if needs_resharding(top, engine, written, world):
             restored, self.read_bytes = load_at_another_degree(
                 top, engine, with_optimizer=with_optimizer, scheduler=scheduler,
-                written=written)
-        else:
-            restored = load(os.fspath(load_dir), EngineState(engine),
-                            base_optimizer(engine) if with_optimizer else None, tag=tag,
-                            scheduler=scheduler)
+                written=written, check=lambda record: check_record(engine, record, top))
+        else:  # (the checkpoint resolved above, by its own directory and name)
+            restored = load(os.path.dirname(top), EngineState(engine),
+                            base_optimizer(engine) if with_optimizer else None,
+                            tag=os.path.basename(top), scheduler=scheduler)
+            check_record(engine, restored.extra_state, top)
+        if with_optimizer:
+            relink(engine)
         if not with_optimizer and hasattr(engine.optimizer, "refresh_fp32_params"):
             engine.optimizer.refresh_fp32_params()  # DeepSpeed's semantics: fp32 from weights
         record = restored.extra_state

@@ -1,5 +1,6 @@
-"""Loading a DeepSpeed ZeRO 1/2 checkpoint at another data-parallel degree -- or from one stage
-to the other on another degree -- through the patched ``engine.load_checkpoint``.
+"""Loading a DeepSpeed ZeRO 1/2 checkpoint at another data-parallel degree -- with the same
+stage or the other one -- through the patched ``engine.load_checkpoint``. (At the same
+degree, stages 1 and 2 cut their partitions alike: the ordinary load takes them.)
 
 ZeRO keeps each parameter group's fp32 master (and the base optimizer's moments, shaped like
 it) as one flat tensor cut into one partition per rank, padded for the degree: saved on N
@@ -16,16 +17,17 @@ live partition and moments: about 1/M of the stored fp32 state per rank. The mod
 (every rank's alike, stored in shares) are read whole.
 
 Everything is checked first -- the same parameters in the same groups with the same shapes,
-each saved parameter's fragments covering it once and in one run, the optimizer's moments --
-so a refusal leaves the engine untouched. Step counters, hyperparameters, engine counters,
-loss scaling, the scheduler and ``client_state`` come from rank 0's part; RNG states are per
-rank and not restored (a warning says so).
+each saved parameter's fragments covering it once and in one run, the optimizer's moments,
+the loss scaling -- so a refusal leaves the engine untouched; a piece that does not read back
+intact on one rank fails the load on every rank (the ranks agree by one all-reduce). Step
+counters, hyperparameters, engine counters, loss scaling, the scheduler and ``client_state``
+come from rank 0's part; RNG states are per rank and not restored (a warning says so).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -35,6 +37,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from ... import storage
 from ...core.errors import CorruptCheckpointError, LoadError
 from ...replay.adapters import state_keys_of
+from ...resharding import any_rank
 from ...restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
                          warn_rng_not_restored)
 from ...storage import manifest as manifest_mod
@@ -76,9 +79,12 @@ class _Into:
 
 
 def load_at_another_degree(top: str, engine, *, with_optimizer: bool, scheduler,
-                           written: int, verify: bool = True) -> Tuple[Restored, dict]:
+                           written: int, check: Callable[[dict], None],
+                           verify: bool = True) -> Tuple[Restored, dict]:
     """Load the checkpoint directory ``top`` (saved by ZeRO on ``written`` ranks) into
-    ``engine`` on this job's ranks (see the module's docstring). Returns what was restored
+    ``engine`` on this job's ranks (see the module's docstring); ``check(record)`` raises if
+    the engine cannot take rank 0's engine record (called before anything changes). A
+    collective: every rank calls it. Returns what was restored
     (``extra_state``: rank 0's engine record, not yet put into the engine) and how many bytes
     this rank read: ``{"fp32": of the masters and moments, "fp32_stored": all ranks' stored,
     "module": of the module's weights}``."""
@@ -88,6 +94,7 @@ def load_at_another_degree(top: str, engine, *, with_optimizer: bool, scheduler,
     small = storage.read_tensors(path, m0, [n for n in m0.tensors if is_small_tensor(n)],
                                  verify=verify)
     rest = decode_rest(path, m0, small, scheduler, with_rng=False)
+    check(rest["extra_state"])
     records = [rest["extra_state"]] + [_record(top, s, verify) for s in range(1, written)]
     reader = GockptReader(top, verify=verify)
     md = reader.read_metadata().state_dict_metadata
@@ -136,6 +143,8 @@ def load_at_another_degree(top: str, engine, *, with_optimizer: bool, scheduler,
                                 f"{saved[param][0]} in the checkpoint, in group "
                                 f"{stepped[param]} in the engine")
         for param, (gi, start, first, numel, shape) in fp32_layout(engine).items():
+            if numel == 0:
+                continue  # (DeepSpeed maps no empty fragment; nothing to read for one)
             _, at, saved_shape = saved[param]
             if list(saved_shape) != list(shape):
                 raise LoadError(f"{top}: parameter {param!r} has shape {list(saved_shape)} in "
@@ -149,20 +158,8 @@ def load_at_another_degree(top: str, engine, *, with_optimizer: bool, scheduler,
                     (chunk, t.narrow(0, start, numel)))
         opt_sd = _optimizer_state(top, path, m0, small, base, reader.owners, moments)
 
-    into = _Into({fqn: [t for _, t in wanted] for fqn, wanted in asked.items()})
-    read = {"module": 0, "fp32": 0}  # bytes read, of each kind (the reader's count)
+    read = _read_on_every_rank(top, reader, md, asked)
     with restoring(top):
-        try:
-            for kind in read:
-                items = [item for fqn, wanted in asked.items()
-                         if fqn.startswith("model.module.") == (kind == "module")
-                         for item in create_read_items_for_chunk_list(
-                             fqn, md[fqn], [c for c, _ in wanted])]
-                before = reader.read_bytes
-                reader.read_data(LoadPlan(items), into).wait()
-                read[kind] = reader.read_bytes - before
-        except CorruptCheckpointError as exc:
-            raise partly_overwritten(exc) from exc
         if opt_sd is not None:
             base_optimizer(engine).load_state_dict(opt_sd)
         extra_state = apply_rest(rest, scheduler, None)
@@ -174,6 +171,38 @@ def load_at_another_degree(top: str, engine, *, with_optimizer: bool, scheduler,
              read["fp32_stored"])
     return Restored(step=m0.step, extra_state=extra_state, path=top, manifest=m0,
                     rng_restored=False, resharded=True), read
+
+
+def _read_on_every_rank(top: str, reader: GockptReader, md: dict, asked: dict) -> dict:
+    """Read what this rank asked (``asked``: fqn -> [(chunk in the saved tensor, the live
+    view it goes to)]) in place; returns the bytes read of each kind (``module``, ``fp32``).
+    Every rank reads its own pieces, and one rank's failure (a checksum, a file) fails the
+    load on every rank: the others would train on and wait for it in their first collective."""
+    into = _Into({fqn: [t for _, t in wanted] for fqn, wanted in asked.items()})
+    read = {"module": 0, "fp32": 0}  # (the reader's count)
+    failure = None
+    try:
+        for kind in read:
+            items = [item for fqn, wanted in asked.items()
+                     if fqn.startswith("model.module.") == (kind == "module")
+                     for item in create_read_items_for_chunk_list(
+                         fqn, md[fqn], [c for c, _ in wanted])]
+            before = reader.read_bytes
+            reader.read_data(LoadPlan(items), into).wait()
+            read[kind] = reader.read_bytes - before
+    except Exception as exc:  # noqa: BLE001 -- raised below, once every rank knows
+        failure = exc
+    if any_rank(failure is not None):
+        if isinstance(failure, CorruptCheckpointError):
+            raise partly_overwritten(failure) from failure
+        if failure is None:
+            raise LoadError(f"{top}: another rank could not read its pieces of the checkpoint "
+                            "(its error says why); this engine's weights and fp32 state may be "
+                            "partly overwritten: load an intact checkpoint before training on")
+        raise LoadError(f"{top}: cannot read this rank's pieces of the checkpoint: "
+                        f"{type(failure).__name__}: {failure}; this engine's weights and fp32 "
+                        "state may be partly overwritten") from failure
+    return read
 
 
 def _groups_of(engine) -> Dict[str, int]:

@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from ...core.errors import LoadError
 from ...storage import tree
 from .adapter import run_cpu_adam_op
 
@@ -229,16 +230,35 @@ def _warn_dropped(engine, dropped: list) -> None:
 
 def restore_engine(engine, record: dict) -> None:
     """Put back what :func:`engine_record` took (not the DeepSpeed config: the engine has its
-    own; a record of an older gockpt has none)."""
+    own; a record of an older gockpt has none). Check it first with :func:`check_record`."""
     for name, value in record["counters"].items():
         setattr(engine, name, value)
     for name, values in record["scalers"].items():
         scaler = getattr(engine.optimizer, name, None)
         if scaler is None:
-            raise ValueError(f"the checkpoint holds {name} but the engine's optimizer "
-                             f"{type(engine.optimizer).__name__} has none")
+            continue  # (bf16: check_record let it go)
         for key, value in values.items():
             setattr(scaler, key, value)
+
+
+def check_record(engine, record: dict, where: str) -> None:
+    """LoadError (naming ``where``) when the engine cannot take the record's loss scaling: the
+    checkpoint scaled its loss (fp16) and this engine's optimizer has no such scaler. A bf16
+    engine scales nothing, so a bf16 record's scaler (ZeRO 1/2 keep one at 1) may go to an
+    optimizer without one (BF16_Optimizer) and is left out."""
+    for name in record["scalers"]:
+        if getattr(engine.optimizer, name, None) is None and not engine.bfloat16_enabled():
+            raise LoadError(f"{where}: the checkpoint holds the loss scaler {name} but the "
+                            f"engine's optimizer {type(engine.optimizer).__name__} has none")
+
+
+def relink(engine) -> None:
+    """After the base optimizer's state was replaced: DeepSpeed's fragment mappings
+    (``param._hp_mapping``, read by ``safe_get_full_optimizer_state`` and the like) point at
+    the moments again, as DeepSpeed's own load does it."""
+    link = getattr(engine.optimizer, "_link_all_hp_params", None)
+    if link is not None:
+        link()
 
 
 def _numbers_of(obj) -> dict:
