@@ -106,8 +106,8 @@ RESHARD = {"steps": STEPS, "save_at": SAVES, "width": 1024, "chunk_bytes": 4096}
     pytest.param((2, 1), (1, 2), {}, id="zero2-1-to-zero1-2"),
     pytest.param((1, 2), (1, 4), {"two_groups": True}, id="zero1-2to4-two-groups"),
 ])
-def test_zero_checkpoint_resumes_at_another_data_parallel_degree(tmp_path, saved, loaded,
-                                                                 extra):
+def test_zero_checkpoint_resumes_at_another_data_parallel_degree(tmp_path, tmp_path_factory,
+                                                                 saved, loaded, extra):
     """A ZeRO checkpoint of N ranks (stage, N) = ``saved`` loaded by engine.load_checkpoint on
     M ranks (stage, M) = ``loaded``: the fp32 masters and both moments, put together from
     every rank's partition, equal the saving run's at F bit for bit, as do the module's
@@ -115,8 +115,8 @@ def test_zero_checkpoint_resumes_at_another_data_parallel_degree(tmp_path, saved
     client_state (rank 0's); each rank reads about 1/M of the stored fp32 state (within 20%);
     then training goes on."""
     (stage, n), (new_stage, m) = saved, loaded
-    live = [r["live"] for r in runs(tmp_path, n, stage=stage, **RESHARD, **extra)("save")]
-    resumed = runs(tmp_path, m, stage=new_stage, **RESHARD, **extra)("resume")
+    ckpt, live = _saved_once(tmp_path_factory, stage, n, extra)
+    resumed = runs(tmp_path, m, stage=new_stage, **RESHARD, **extra, load_dir=ckpt)("resume")
     loaded_states = [r["loaded"] for r in resumed]
     want, got = _whole_fp32(live), _whole_fp32(loaded_states)
     assert want.keys() == got.keys()
@@ -145,6 +145,20 @@ def test_zero_checkpoint_resumes_at_another_data_parallel_degree(tmp_path, saved
                    for k, v in res["final"]["tensors"].items() if k.startswith("module."))
     final = _whole_fp32([r["final"] for r in resumed])
     assert any(not torch.equal(t, final[key]) for key, t in got.items() if key[1] == "fp32")
+
+
+_saves = {}  # (stage, ranks, extra) -> (its checkpoint directory, the live states at F)
+
+
+def _saved_once(tmp_path_factory, stage, n, extra):
+    """The saving run of (stage, n ranks, ``extra``), run once per session: several cases
+    load the same checkpoint (it is only read)."""
+    key = json.dumps([stage, n, extra], sort_keys=True)
+    if key not in _saves:
+        directory = tmp_path_factory.mktemp("zero-save")
+        states = runs(directory, n, stage=stage, **RESHARD, **extra)("save")
+        _saves[key] = (str(directory / "ckpt"), [r["live"] for r in states])
+    return _saves[key]
 
 
 def _whole_fp32(states):
