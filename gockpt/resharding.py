@@ -34,7 +34,7 @@ from .storage.schema import Manifest, is_small_tensor
 from .storage.statedict import optimizer_state_dict
 
 
-def _world() -> Tuple[int, int]:
+def rank_and_world() -> Tuple[int, int]:
     """(this process's rank, the number of ranks) of torch.distributed (0, 1 without it)."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -54,7 +54,7 @@ def needs_resharding(top: str, model: torch.nn.Module, written: int) -> bool:
     loaded into DTensors on another number of ranks, or a parameter whose stored block is not
     this rank's (FSDP2 placed otherwise, DDP <-> FSDP2). The same answer on every rank (a load
     that reshards is a collective). ``written``: how many ranks saved it."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     _, m = manifest_mod.read(top, rank % written)
     state = model.state_dict()
     live = {name: state[ours] for name, ours in Names(model).clean_all(state).items()}
@@ -106,7 +106,7 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
     this rank's part on as many ranks as saved, else from rank 0's; RNG states only on as
     many ranks (a warning says when they are not restored). ``written``: how many ranks
     saved it."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     same_ranks = written == world
     path, manifest = manifest_mod.read(top, rank if same_ranks else 0)
     reader = GockptReader(top, verify=verify)
@@ -115,7 +115,7 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
     clean = Names(model)
     own = clean.clean_all(live)  # stored name -> the model's own
     targets = {name: live[ours] for name, ours in own.items()}
-    _check_model(top, md, targets)
+    check_model(top, md, targets)
     small = storage.read_tensors(path, manifest, [n for n in manifest.tensors
                                                   if is_small_tensor(n)], verify=verify)
     state = {"model": targets}
@@ -144,16 +144,19 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
                     rng_restored=with_rng, resharded=True)
 
 
-def _check_model(top: str, md: dict, targets: Dict[str, torch.Tensor]) -> None:
+def check_model(top: str, md: dict, targets: Dict[str, torch.Tensor],
+                 prefix: str = "model.") -> None:
     """The model's state dict against the checkpoint's: every name on both sides, each
-    tensor's global shape and dtype (a DTensor's are its global tensor's)."""
-    stored = {k[len("model."):] for k in md if k.startswith("model.")}
+    tensor's global shape and dtype (a DTensor's are its global tensor's). ``prefix``: DCP's
+    name of a target is ``prefix`` + its name (and the checkpoint's names under it are the
+    model's)."""
+    stored = {k[len(prefix):] for k in md if k.startswith(prefix)}
     extra = sorted(stored - set(targets))
     if extra:
         raise LoadError(f"{top}: the checkpoint has parameter {extra[0]!r} that the model does "
                         "not have; load into a model of the same architecture")
     for name, t in targets.items():
-        entry = md.get(f"model.{name}")
+        entry = md.get(prefix + name)
         if entry is None or not hasattr(entry, "size"):
             raise LoadError(f"{top}: the model's {name!r} is not in the checkpoint")
         _check_tensor(top, f"parameter {name!r}", entry, t)

@@ -23,7 +23,7 @@ from ...core.config import GradTransport
 from ...core.errors import CheckpointNotFoundError, ConfigError
 from ...loading import load
 from ...core.paths import directory_to_read, real_directory
-from ...resharding import written_by
+from ...resharding import rank_and_world, written_by
 from ...storage.commit import is_committed, read_latest
 from .reshard import load_at_another_degree, needs_resharding
 from .state import (EngineState, base_optimizer, check_record, engine_record, fp32_layout,
@@ -129,12 +129,12 @@ class EnginePatch:
             else None
         top = storage.resolve(directory_to_read(os.fspath(load_dir)),
                               None if tag is None else str(tag))
-        written, world = written_by(top), _world_size()
+        written, world = written_by(top), rank_and_world()[1]
         self.read_bytes = None
         if needs_resharding(top, engine, written, world):
             restored, self.read_bytes = load_at_another_degree(
                 top, engine, with_optimizer=with_optimizer, scheduler=scheduler,
-                written=written, check=lambda record: check_record(engine, record, top))
+                written=written, world=world, check=lambda record: check_record(engine, record, top))
         else:  # (the checkpoint resolved above, by its own directory and name)
             restored = load(os.path.dirname(top), EngineState(engine),
                             base_optimizer(engine) if with_optimizer else None,
@@ -164,11 +164,6 @@ class EnginePatch:
         finally:
             self.in_backward = False
             ck.close()
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def zero_bf16(engine) -> bool:

@@ -27,6 +27,7 @@ come from rank 0's part; RNG states are per rank and not restored (a warning say
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -37,14 +38,15 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from ... import storage
 from ...core.errors import CorruptCheckpointError, LoadError
 from ...replay.adapters import state_keys_of
-from ...resharding import any_rank
+from ...resharding import any_rank, check_model
 from ...restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
                          warn_rng_not_restored)
 from ...storage import manifest as manifest_mod
 from ...storage.dcp import GockptReader
 from ...storage.schema import Manifest, is_small_tensor
 from ...storage.statedict import optimizer_state_dict
-from .state import EngineState, base_optimizer, fp32_layout, parallel_options
+from .state import (EngineState, base_optimizer, fp32_layout, parallel_options,
+                    partitioned_groups)
 
 log = logging.getLogger("gockpt")
 
@@ -79,17 +81,15 @@ class _Into:
 
 
 def load_at_another_degree(top: str, engine, *, with_optimizer: bool, scheduler,
-                           written: int, check: Callable[[dict], None],
+                           written: int, world: int, check: Callable[[dict], None],
                            verify: bool = True) -> Tuple[Restored, dict]:
     """Load the checkpoint directory ``top`` (saved by ZeRO on ``written`` ranks) into
-    ``engine`` on this job's ranks (see the module's docstring); ``check(record)`` raises if
-    the engine cannot take rank 0's engine record (called before anything changes). A
-    collective: every rank calls it. Returns what was restored
+    ``engine`` on this job's ``world`` ranks (see the module's docstring); ``check(record)``
+    raises if the engine cannot take rank 0's engine record (called before anything changes).
+    A collective: every rank calls it. Returns what was restored
     (``extra_state``: rank 0's engine record, not yet put into the engine) and how many bytes
     this rank read: ``{"fp32": of the masters and moments, "fp32_stored": all ranks' stored,
     "module": of the module's weights}``."""
-    dist = torch.distributed
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     path, m0 = manifest_mod.read(top, 0)
     small = storage.read_tensors(path, m0, [n for n in m0.tensors if is_small_tensor(n)],
                                  verify=verify)
@@ -101,21 +101,11 @@ def load_at_another_degree(top: str, engine, *, with_optimizer: bool, scheduler,
     reader.set_up_storage_reader(reader.read_metadata(), is_coordinator=False)
 
     state = EngineState(engine)
-    asked: Dict[str, List[Tuple[ChunkStorageMetadata, torch.Tensor]]] = {}
-    for name, t in state.state_dict().items():  # the module's weights and buffers, whole
-        if name.startswith("module."):
-            entry = md.get(f"model.{name}")
-            if entry is None or not hasattr(entry, "size"):
-                raise LoadError(f"{top}: the model's {name[len('module.'):]!r} is not in the "
-                                "checkpoint")
-            _check(top, f"parameter {name[len('module.'):]!r}", tuple(entry.size),
-                   entry.properties.dtype, tuple(t.shape), t.dtype)
-            asked[f"model.{name}"] = [(_whole(t), t)]
-    extra = sorted(k[len("model.module."):] for k in md
-                   if k.startswith("model.module.") and f"model.{k[len('model.'):]}" not in asked)
-    if extra:
-        raise LoadError(f"{top}: the checkpoint has parameter {extra[0]!r} that the model does "
-                        "not have; load into a model of the same architecture")
+    module = {name[len("module."):]: t for name, t in state.state_dict().items()
+              if name.startswith("module.")}  # the module's weights and buffers, whole
+    check_model(top, md, module, prefix="model.module.")
+    asked: Dict[str, List[Tuple[ChunkStorageMetadata, torch.Tensor]]] = {
+        f"model.module.{name}": [(_whole(t), t)] for name, t in module.items()}
     opt_sd = None
     if with_optimizer:
         base = base_optimizer(engine)
@@ -208,11 +198,10 @@ def _read_on_every_rank(top: str, reader: GockptReader, md: dict, asked: dict) -
 def _groups_of(engine) -> Dict[str, int]:
     """parameter name -> the group of the base optimizer that steps its fp32 master, for
     every parameter ZeRO partitions (on whichever rank its fragments lie)."""
-    wrapper = engine.optimizer
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    groups = getattr(wrapper, "bit16_groups", None) or getattr(wrapper, "bf16_groups", None)
+    groups = partitioned_groups(engine)
     if groups is None:  # (not ZeRO 1/2: every parameter's whole master is this rank's)
         return {param: where[0] for param, where in fp32_layout(engine).items()}
+    names = {id(p): n for n, p in engine.module.named_parameters()}
     return {names[id(p)]: gi for gi, group in enumerate(groups) for p in group}
 
 
@@ -230,7 +219,7 @@ def _saved_runs(top: str, m0: Manifest, md: dict, records: List[dict]) -> Dict[s
     lie in one run at one offset of the flat group and cover it exactly once."""
     # rank s's partition of a cut group starts at s x its size (DeepSpeed pads the groups so
     # that every rank's is as large); an uncut one (ZeRO 0, one rank) is whole in each part
-    sizes = {int(name[len("master_g"):-len("_p0")]): _numel(m0.logical_shape(ref))
+    sizes = {int(name[len("master_g"):-len("_p0")]): math.prod(m0.logical_shape(ref))
              for name, ref in m0.model.params.items()
              if name.startswith("master_g") and name.endswith("_p0")}
     cut = any(name.startswith("master_") for name in m0.model.slices)
@@ -245,7 +234,7 @@ def _saved_runs(top: str, m0: Manifest, md: dict, records: List[dict]) -> Dict[s
             at = s * sizes.get(gi, 0) + start - first
             flat = md.get(f"model.master_g{gi}_p0")
             if gi not in sizes or flat is None or start + numel > sizes[gi] or at < 0 or \
-                    at + _numel(shape) > flat.size.numel() or \
+                    at + math.prod(shape) > flat.size.numel() or \
                     runs.setdefault(param, (gi, at, tuple(shape))) != (gi, at, tuple(shape)):
                 raise CorruptCheckpointError(f"{top}: the fp32 fragments of {param!r} do not "
                                              "lie in one run of its flat group")
@@ -256,17 +245,10 @@ def _saved_runs(top: str, m0: Manifest, md: dict, records: List[dict]) -> Dict[s
             if first != end:
                 break
             end += numel
-        if end != _numel(shape) or sum(n for _, n in pieces[param]) != end:
+        if end != math.prod(shape) or sum(n for _, n in pieces[param]) != end:
             raise CorruptCheckpointError(f"{top}: the saved fp32 fragments of {param!r} do "
-                                         f"not cover its {_numel(shape)} elements once")
+                                         f"not cover its {math.prod(shape)} elements once")
     return runs
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _moment_targets(top: str, md: dict, name: str, master: torch.Tensor, base) -> dict:
@@ -307,12 +289,3 @@ def _optimizer_state(top: str, path: str, m0: Manifest, small: dict, base, owner
 
 def _whole(t: torch.Tensor) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(torch.Size([0] * t.dim()), t.shape)
-
-
-def _check(top, what, saved_shape, saved_dtype, shape, dtype) -> None:
-    if saved_shape != shape:
-        raise LoadError(f"{top}: {what} has shape {list(saved_shape)} in the checkpoint but "
-                        f"{list(shape)} in the model")
-    if saved_dtype != dtype:
-        raise LoadError(f"{top}: {what} is {saved_dtype} in the checkpoint but {dtype} in the "
-                        "model")

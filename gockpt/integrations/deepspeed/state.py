@@ -83,7 +83,7 @@ def fp32_layout(engine) -> dict:
     (one fragment per rank under ZeRO; what ``gockpt export --to fp32`` reassembles)."""
     wrapper, names = engine.optimizer, {id(p): n for n, p in engine.module.named_parameters()}
     out = {}
-    groups = getattr(wrapper, "bit16_groups", None) or getattr(wrapper, "bf16_groups", None)
+    groups = partitioned_groups(engine)
     if groups is not None:  # ZeRO 1/2, BF16_Optimizer: DeepSpeed's own fragment mapping
         for gi, group in enumerate(groups):
             for p in group:
@@ -99,6 +99,14 @@ def fp32_layout(engine) -> dict:
             out[names[id(p)]] = [gi, offset, 0, p.numel(), list(p.shape)]
             offset += p.numel()
     return out
+
+
+def partitioned_groups(engine):
+    """The module's parameters in the flat groups whose fp32 masters the ranks partition
+    (ZeRO 1/2's ``bit16_groups``, BF16_Optimizer's ``bf16_groups``), as lists of parameters
+    per group of the base optimizer; None for an optimizer that keeps whole masters."""
+    wrapper = engine.optimizer
+    return getattr(wrapper, "bit16_groups", None) or getattr(wrapper, "bf16_groups", None)
 
 
 def engine_record(engine, client_state, layout: dict) -> dict:
