@@ -22,8 +22,7 @@ import torch
 
 import gockpt
 from gockpt import storage
-from tests._support.deepspeed_cases import (SAVE_AT, SAVES, STEPS, WORKER,
-                                            assert_states_equal, check_checkpoint_and_resume,
+from tests._support.deepspeed_cases import (WORKER, assert_states_equal, check_checkpoint_and_resume,
                                             runs)
 from tests._support.dist_ranks import start_ranks
 from gockpt.core.errors import ConfigError
@@ -93,7 +92,10 @@ def test_a_rank_killed_while_writing_its_part_leaves_the_previous_latest(tmp_pat
         assert_states_equal(resumed[r]["final"], plain[r]["final"], f"rank {r}: resumed vs plain")
 
 
-RESHARD = {"steps": STEPS, "save_at": SAVES, "width": 1024, "chunk_bytes": 4096}
+# One checkpoint at step 6 of 9 (the replay windows are the other tests' matter): loaded at
+# another degree, then three more steps
+RESHARD_AT, RESHARD_STEPS = 6, 9
+RESHARD = {"steps": RESHARD_STEPS, "save_at": [RESHARD_AT], "width": 1024, "chunk_bytes": 4096}
 
 
 @pytest.mark.slow
@@ -134,13 +136,14 @@ def test_zero_checkpoint_resumes_at_another_data_parallel_degree(tmp_path, tmp_p
         assert steps and steps == {k: v for k, v in live[0]["optimizer"].items()
                                    if k.endswith("/step")}, f"rank {r}: step counters"
         assert st["counters"] == live[0]["counters"] and st["scheduler"] == live[0]["scheduler"]
-        assert res["client"] == {"data_pos": SAVE_AT, "rank": 0}
+        assert res["client"] == {"data_pos": RESHARD_AT, "rank": 0}
         assert res["resharded"] is True
         read = res["read_bytes"]
         assert abs(read["fp32"] - read["fp32_stored"] / m) <= 0.2 * read["fp32_stored"] / m, \
             f"rank {r} read {read['fp32']} of {read['fp32_stored']} stored fp32 bytes on {m}"
         # training goes on: the steps after F run, and the replicas' weights stay alike
-        assert len(res["losses"]) == STEPS - SAVE_AT and all(map(math.isfinite, res["losses"]))
+        assert len(res["losses"]) == RESHARD_STEPS - RESHARD_AT and \
+            all(map(math.isfinite, res["losses"]))
         assert all(torch.equal(v, resumed[0]["final"]["tensors"][k])
                    for k, v in res["final"]["tensors"].items() if k.startswith("module."))
     final = _whole_fp32([r["final"] for r in resumed])
