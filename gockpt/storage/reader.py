@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, LoadError
+from ..core.paths import is_remote
 from . import io as _io
+from . import remote
 from .format import (ALIGN, CHUNK_BYTES, CHUNK_BYTES_KEY, CODE_TO_DTYPE, FORMAT, FORMAT_VERSION, ITEMSIZE,
                      MANIFEST_FILE, MANIFEST_MAX_BYTES, check_tensor_entry, is_plain_int, manifest_seal,
                      round_up)
@@ -30,6 +32,8 @@ def read_small_file(path: str, limit: int, what: str) -> bytes:
     refused (opened non-blocking, checked by fstat), and so is a file over ``limit``.
     Raises FileNotFoundError if it does not exist, ``ValueError`` saying what is wrong with
     it (``what`` names it), OSError otherwise."""
+    if is_remote(path):
+        return remote.read_small(path, limit, what)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
@@ -64,7 +68,8 @@ def read_manifest(path: str) -> dict:
     not a directory and ``CorruptCheckpointError`` naming the checkpoint, file and tensor
     otherwise.
     """
-    if not os.path.isdir(path):
+    in_store = is_remote(path)
+    if not in_store and not os.path.isdir(path):
         raise CheckpointNotFoundError(f"checkpoint {path!r} does not exist")
     mpath = os.path.join(path, MANIFEST_FILE)
 
@@ -74,6 +79,9 @@ def read_manifest(path: str) -> dict:
     try:
         data = read_small_file(mpath, MANIFEST_MAX_BYTES, MANIFEST_FILE)
     except FileNotFoundError:
+        if in_store:  # no directories in a store: no manifest, no checkpoint
+            raise CheckpointNotFoundError(f"checkpoint {path!r} does not exist (no "
+                                          f"{MANIFEST_FILE} in the store)") from None
         raise bad("missing (the checkpoint was not committed completely)") from None
     except (OSError, ValueError) as e:
         raise bad(f"unreadable: {e}") from e
@@ -127,6 +135,11 @@ def _check_entries(path: str, tensors: dict, bad) -> None:
             return bad(f"tensor {name!r} (file {file!r}): {msg}")
 
         def size_of(file: str) -> int:
+            if file not in sizes and is_remote(path):
+                try:  # (a store that cannot be reached raises StorageError: no damage)
+                    sizes[file] = remote.size_of(os.path.join(path, file))
+                except OSError as err:
+                    raise bad_tensor(f"data object missing or unreadable: {err}") from err
             if file not in sizes:
                 try:
                     st = os.stat(os.path.join(path, file))
@@ -228,7 +241,7 @@ def _checked_file(path: str, file: str, entries: dict, verify: bool) -> _FileRea
     validated: nothing is allocated before)."""
     fpath = os.path.join(path, file)
     try:
-        size = os.stat(fpath).st_size
+        size = remote.size_of(fpath) if is_remote(fpath) else os.stat(fpath).st_size
     except OSError as e:
         raise CorruptCheckpointError(
             f"checkpoint {path!r}: cannot open {file!r} (needed for tensor {next(iter(entries))!r}): {e}"
@@ -359,6 +372,10 @@ def _run_reads(reads: _FileReads, verify: bool, threads, direct) -> _ReadOutcome
     """Run the file's reads in C++: with ``direct=None``, the items mostly in the page cache
     buffered and the others with O_DIRECT (one call each); stops after a failed or short read."""
     items = reads.items
+    if is_remote(reads.fpath):  # ranged GETs, in parallel, straight into the tensors
+        bucket, key = remote.bucket_of(reads.fpath)
+        res = bucket.read_into(key, items, verify=verify)
+        return _ReadOutcome(res.err, res.msg, res.bad_item, res.mismatches, res.truncated)
     if direct is None and _io.default_direct():
         groups = split_by_residency(reads.fpath, items)
     else:

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from ..core.digest import as_pairs, digests, to_hex
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..core.paths import directory_to_read
+from ..core.paths import directory_to_read, is_remote
 from .commit import is_committed, list_checkpoints, resolve
 from .manifest import parse as parse_manifest, parts_of
 from .schema import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor
@@ -134,7 +134,7 @@ def verify(path: str, *, all: bool = False) -> VerifyReport:
     """
     path = directory_to_read(path)
     if all:
-        if not os.path.isdir(path):
+        if not is_remote(path) and not os.path.isdir(path):
             raise CheckpointNotFoundError(f"{path}: not a directory")
         names = list_checkpoints(path)
         if not names:

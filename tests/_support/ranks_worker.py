@@ -9,7 +9,8 @@ on a 2-D mesh: 2 replicas of the model sharded over 2 ranks each) or ``zero`` --
 ZeRO-1's state built by hand, :class:`ZeroLike`: replicated weights in shares, each rank's
 fp32 partition its own slice of a global tensor):
 
-    train   train STEPS steps with checkpoints at SAVE_AT, and a twin model without gockpt on
+    train   (with the remote tier when ``GOCKPT_TEST_REMOTE`` names an s3:// URL; ``resume``
+            then loads from there) train STEPS steps with checkpoints at SAVE_AT, and a twin model without gockpt on
             the same batches: the two end bitwise equal; every committed checkpoint loads
             (into a fresh DDP model) equal to the live state at its step; the state at the last
             step is kept for ``resume``
@@ -205,7 +206,8 @@ def train(directory: str, rank: int, mode: str, kind: str) -> None:
     ck = gockpt.Checkpointer(model, opt, directory, mode=mode, scheduler=sched,
                              overlap_steps=2 if mode.startswith("gockpt") else None,
                              block_bytes=4096, self_check=1.0, storage_writer=SmallChunks,
-                             **options(model), **({"replicated": False} if kind == "own" else {}))
+                             **options(model), **({"replicated": False} if kind == "own" else {}),
+                             **remote_tier())
     for step in SAVE_AT:  # announced: the replay modes copy over the K steps up to it
         ck.plan_checkpoint(step)
     at_f, handles = {}, []
@@ -235,9 +237,17 @@ def train(directory: str, rank: int, mode: str, kind: str) -> None:
     torch.save(snapshot(model, opt, sched), f"{directory}.final-{rank}.pt")
 
 
+def remote_tier() -> dict:
+    """The remote tier when the test asks for it: ``GOCKPT_TEST_REMOTE``, the s3:// URL (the
+    server's AWS_* variables in the environment); ``close()`` waits for the uploads."""
+    url = os.environ.get("GOCKPT_TEST_REMOTE")
+    return {"remote": url, "remote_wait_s": None} if url else {}
+
+
 def resume(directory: str, rank: int, mode: str, kind: str) -> None:
     model, opt, sched = model_and_optimizer(kind)
-    start = gockpt.load(directory, model, opt, scheduler=sched).step
+    source = os.environ.get("GOCKPT_TEST_REMOTE") or directory  # (the store: a fresh node)
+    start = gockpt.load(source, model, opt, scheduler=sched).step
     assert start == SAVE_AT[-1], start
     for step in range(start, STEPS):
         one_step(model, opt, sched, batch(rank, step))

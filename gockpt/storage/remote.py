@@ -1,0 +1,446 @@
+"""Object storage (S3 and S3-compatible stores) as a place checkpoints live: ``s3://bucket/prefix``
+URLs, the connection options, and the few operations the replicator and the readers need --
+objects put whole (multipart, bounded memory, each part's MD5 checked against the store's
+ETag), small objects read whole, byte ranges read in parallel straight into memory with
+every checksum chunk verified, listings and deletions.
+
+The client is ``obstore`` (Rust's ``object_store``; its synchronous calls release the GIL, so
+a pool of Python threads keeps many requests in flight). A checkpoint in the store has the
+same names as on disk: ``<prefix>/<checkpoint>/manifest.json``, ``.../data.safetensors``,
+``.../rank-00001/...`` and ``<prefix>/latest``; a path string ``s3://bucket/prefix/step-N``
+names it as a directory path names a local one (:func:`is_remote` tells them apart).
+
+Credentials, region and endpoint come the standard way: the options given
+(``Config.remote_options``, :class:`RemoteOptions`), else ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
+``AWS_ENDPOINT_URL`` (read by obstore), else the profile (``AWS_PROFILE`` or ``default``)
+of ``~/.aws/credentials`` and ``~/.aws/config`` (``AWS_SHARED_CREDENTIALS_FILE``,
+``AWS_CONFIG_FILE``)."""
+
+from __future__ import annotations
+
+import configparser
+import ctypes
+import hashlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Iterator, Optional
+
+import numpy as np
+
+from ..core.errors import ConfigError, StorageError
+from ..core.config import RemoteOptions
+from ..core.paths import REMOTE_SCHEME as SCHEME, split_remote
+from . import io as _io
+
+
+def split(url: str) -> tuple:
+    """``s3://bucket/a/b`` -> ``("bucket", "a/b")``; ``ConfigError`` for a malformed URL."""
+    try:
+        return split_remote(url)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def join(url: str, *names: str) -> str:
+    """``url`` and ``names`` joined by ``/`` (``os.path.join`` for URLs)."""
+    return "/".join([url.rstrip("/"), *names])
+
+
+def basename(url: str) -> str:
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _profile_settings(options: RemoteOptions) -> dict:
+    """Credentials and region from the AWS config files' profile, as obstore config keys."""
+    profile = options.profile or os.environ.get("AWS_PROFILE") or "default"
+    home = os.path.expanduser("~")
+    files = [(os.environ.get("AWS_SHARED_CREDENTIALS_FILE")
+              or os.path.join(home, ".aws", "credentials"), profile),
+             (os.environ.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
+              profile if profile == "default" else f"profile {profile}")]
+    found: dict = {}
+    for path, section in files:
+        parser = configparser.ConfigParser(interpolation=None)
+        try:
+            parser.read(path)
+        except configparser.Error as e:
+            raise ConfigError(f"cannot parse the AWS config file {path!r}: {e}") from e
+        if parser.has_section(section):
+            for key in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token",
+                        "region", "endpoint_url"):
+                if parser.has_option(section, key) and key not in found:
+                    found[key] = parser.get(section, key)
+    return found
+
+
+def _store_config(bucket: str, options: RemoteOptions) -> dict:
+    env = os.environ
+    cfg: dict = {}
+    creds_in_env = bool(env.get("AWS_ACCESS_KEY_ID"))
+    profile = {} if (options.access_key_id or creds_in_env) else _profile_settings(options)
+    endpoint = options.endpoint or env.get("AWS_ENDPOINT_URL") or env.get("AWS_ENDPOINT_URL_S3") \
+        or profile.get("endpoint_url")
+    region = options.region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") \
+        or profile.get("region") or "us-east-1"
+    cfg["region"] = region
+    if endpoint:
+        cfg["endpoint"] = endpoint
+    key_id = options.access_key_id or profile.get("aws_access_key_id")
+    secret = options.secret_access_key or profile.get("aws_secret_access_key")
+    token = options.session_token or profile.get("aws_session_token")
+    if key_id:
+        cfg["access_key_id"] = key_id
+        if not secret:
+            raise ConfigError(f"s3://{bucket}: an access key id without a secret access key")
+        cfg["secret_access_key"] = secret
+        if token:
+            cfg["session_token"] = token
+    allow_http = options.allow_http if options.allow_http is not None else \
+        bool(endpoint and endpoint.startswith("http://"))
+    client = {"timeout": f"{options.timeout_s}s", "connect_timeout": f"{options.connect_timeout_s}s",
+              "allow_http": allow_http}
+    retry = {"max_retries": options.max_retries, "backoff": {
+        "init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15),
+        "base": 2.0},
+        "retry_timeout": timedelta(seconds=options.timeout_s * (options.max_retries + 1))}
+    return {"config": cfg, "client_options": client, "retry_config": retry}
+
+
+class Bucket:
+    """One bucket of an S3-compatible store, reached with ``options``; keys are full paths in
+    the bucket. Thread-safe (obstore's store is)."""
+
+    def __init__(self, bucket: str, options: RemoteOptions):
+        try:
+            from obstore.store import S3Store
+        except ImportError as e:
+            raise ConfigError("object storage needs the obstore package: pip install obstore") from e
+        self.name = bucket
+        self.options = options
+        kw = _store_config(bucket, options)
+        try:
+            self.store = S3Store(bucket, config=kw["config"], client_options=kw["client_options"],
+                                 retry_config=kw["retry_config"])
+        except Exception as e:  # obstore raises its own error types for bad settings
+            raise ConfigError(f"cannot set up the client of s3://{bucket}: {e}") from e
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool_lock = threading.Lock()
+
+    def where(self, key: str) -> str:
+        return f"{SCHEME}{self.name}/{key}"
+
+    def pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.options.concurrency,
+                                                thread_name_prefix=f"gockpt-s3-{self.name}")
+            return self._pool
+
+    # ---------------------------------------------------------------- small objects
+
+    def head(self, key: str) -> Optional[dict]:
+        """``{"size", "e_tag"}`` of object ``key``, or None if there is none."""
+        import obstore
+        try:
+            meta = obstore.head(self.store, key)
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise _storage_error(f"cannot look up {self.where(key)}", e) from e
+        return {"size": int(meta["size"]), "e_tag": meta.get("e_tag")}
+
+    def get_small(self, key: str, limit: int) -> bytes:
+        """The bytes of object ``key`` (at most ``limit``): FileNotFoundError if there is none,
+        ValueError if it is larger, StorageError if the store fails."""
+        import obstore
+        try:
+            result = obstore.get(self.store, key)
+            size = int(result.meta["size"])
+            if size > limit:
+                raise ValueError(f"{self.where(key)} is {size} bytes, more than the {limit} a "
+                                 "valid one can be")
+            return bytes(result.bytes())
+        except (FileNotFoundError, ValueError):
+            raise
+        except Exception as e:
+            raise _storage_error(f"cannot read {self.where(key)}", e) from e
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> str:
+        """Put ``data`` as object ``key`` in one request, checked by its ETag (the MD5 of the
+        bytes); with ``if_absent``, only if there is no such object (FileExistsError)."""
+        import obstore
+        try:
+            res = obstore.put(self.store, key, data, use_multipart=False,
+                              mode="create" if if_absent else "overwrite")
+        except FileExistsError:
+            raise
+        except Exception as e:
+            if type(e).__name__ == "AlreadyExistsError":
+                raise FileExistsError(self.where(key)) from e
+            raise _storage_error(f"cannot upload {self.where(key)}", e) from e
+        _check_etag(self.where(key), res.get("e_tag"), [hashlib.md5(data).digest()], single=True)
+        return res.get("e_tag")
+
+    # ---------------------------------------------------------------- files
+
+    def put_file(self, key: str, path: str, *, check=None) -> int:
+        """Upload the local file ``path`` as object ``key`` in parts of ``part_bytes``
+        (``concurrency`` in flight: memory is bounded), each part's MD5 computed as it is read
+        and the store's ETag checked against them. ``check(offset, view)`` sees every byte read
+        (in order) and raises to stop the upload before anything is completed -- the caller's
+        checksums of the local bytes. Returns the bytes uploaded."""
+        import obstore
+        part = self.options.part_bytes
+        digests: list = []
+        total = [0]
+        refused: list = []  # what check() raised: obstore reports it wrapped in its own error
+
+        def parts() -> Iterator[memoryview]:
+            with open(path, "rb", buffering=0) as f:
+                while True:
+                    buf = bytearray(part)
+                    view = memoryview(buf)
+                    n = 0
+                    while n < part:
+                        got = f.readinto(view[n:])
+                        if not got:
+                            break
+                        n += got
+                    if n == 0 and total[0] > 0:
+                        return
+                    piece = view[:n]
+                    if check is not None:
+                        try:
+                            check(total[0], piece)
+                        except BaseException as e:
+                            refused.append(e)
+                            raise
+                    digests.append(hashlib.md5(piece).digest())
+                    total[0] += n
+                    yield piece
+                    if n < part:
+                        return
+
+        size = os.path.getsize(path)
+        try:
+            if size <= part:  # one request: the ETag is the MD5 of the whole
+                with open(path, "rb") as f:
+                    data = f.read()
+                if check is not None:
+                    check(0, memoryview(data))
+                self.put_bytes(key, data)
+                return len(data)
+            res = obstore.put(self.store, key, parts(), chunk_size=part,
+                              max_concurrency=self.options.concurrency)
+        except (StorageError, FileExistsError):
+            raise
+        except Exception as e:
+            if refused:
+                raise refused[0] from None
+            raise _storage_error(f"cannot upload {path!r} to {self.where(key)}", e) from e
+        _check_etag(self.where(key), res.get("e_tag"), digests, single=False)
+        if total[0] != size:
+            raise StorageError(f"{path!r} changed size while it was uploaded to "
+                               f"{self.where(key)} ({size} -> {total[0]} bytes)")
+        return total[0]
+
+    # ---------------------------------------------------------------- ranged reads
+
+    def read_into(self, key: str, items, *, verify: bool = True) -> "RangedReadResult":
+        """Read ``items`` [(offset, nbytes, dst_address, chunk_bytes, crcs)] of object ``key``
+        straight into memory, in pieces of about ``part_bytes`` (whole checksum chunks) with
+        ``concurrency`` requests in flight; with ``verify``, each chunk's crc32c is compared
+        with ``crcs``. The result says as ``_C.read_into``'s does what went wrong (the first
+        failed request; every checksum mismatch; a short object)."""
+        import obstore
+        pieces = []
+        for i, (offset, nbytes, address, chunk, crcs) in enumerate(items):
+            per = max(1, self.options.part_bytes // chunk) * chunk
+            for lo in range(0, nbytes, per):
+                pieces.append((i, lo, min(per, nbytes - lo)))
+        result = RangedReadResult()
+        lock = threading.Lock()
+
+        def one(piece) -> None:
+            i, lo, n = piece
+            offset, nbytes, address, chunk, crcs = items[i]
+            with lock:
+                if result.err or result.truncated:
+                    return
+            try:
+                data = obstore.get_range(self.store, key, start=offset + lo, length=n)
+            except Exception as e:
+                with lock:
+                    if not result.err:
+                        result.err, result.msg, result.bad_item = 5, _describe(e), i  # EIO
+                return
+            got = memoryview(data)
+            if len(got) < n:
+                with lock:
+                    result.truncated.append((i, offset + lo + len(got)))
+                return
+            src = np.frombuffer(got, dtype=np.uint8)
+            ctypes.memmove(address + lo, src.ctypes.data, n)
+            if verify:
+                first = lo // chunk
+                for k in range(-(-n // chunk)):
+                    a = k * chunk
+                    crc = _io.crc32c(got[a:min(n, a + chunk)])
+                    if crc != crcs[first + k]:
+                        with lock:
+                            result.mismatches.append((i, first + k, crc))
+
+        if len(pieces) == 1:
+            one(pieces[0])
+        else:
+            list(self.pool().map(one, pieces))
+        result.mismatches.sort()
+        result.truncated.sort()
+        return result
+
+    # ---------------------------------------------------------------- listings
+
+    def list_dirs(self, prefix: str) -> tuple:
+        """(sub-"directories", objects) right under ``prefix`` (no trailing slash)."""
+        import obstore
+        try:
+            got = obstore.list_with_delimiter(self.store, prefix=prefix + "/" if prefix else None)
+        except FileNotFoundError:
+            return [], []
+        except Exception as e:
+            raise _storage_error(f"cannot list {self.where(prefix)}", e) from e
+        dirs = [p.rstrip("/").rsplit("/", 1)[-1] for p in got["common_prefixes"]]
+        objects = {o["path"].rsplit("/", 1)[-1]: o for o in got["objects"]}
+        return dirs, objects
+
+    def list_all(self, prefix: str) -> list:
+        """Every object under ``prefix/``: [{"path", "size", "e_tag"}]."""
+        import obstore
+        try:
+            out = []
+            for batch in obstore.list(self.store, prefix=prefix + "/"):
+                out.extend(batch)
+            return out
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise _storage_error(f"cannot list {self.where(prefix)}", e) from e
+
+    def delete_all(self, prefix: str) -> None:
+        """Delete every object under ``prefix/``."""
+        import obstore
+        keys = [o["path"] for o in self.list_all(prefix)]
+        try:
+            for lo in range(0, len(keys), 1000):
+                obstore.delete(self.store, keys[lo:lo + 1000])
+        except Exception as e:
+            raise _storage_error(f"cannot delete {self.where(prefix)}", e) from e
+
+    def delete(self, key: str) -> None:
+        import obstore
+        try:
+            obstore.delete(self.store, key)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            raise _storage_error(f"cannot delete {self.where(key)}", e) from e
+
+
+@dataclass
+class RangedReadResult:
+    """What :meth:`Bucket.read_into` found, as ``_C.ReadResult`` says it for a file."""
+
+    err: int = 0
+    msg: str = ""
+    bad_item: int = -1
+    mismatches: list = field(default_factory=list)  # (item, chunk, crc32c found)
+    truncated: list = field(default_factory=list)  # (item, offset where the object ended)
+
+
+def _describe(e: BaseException) -> str:
+    """An obstore error in one line (its text carries a multi-line debug dump)."""
+    text = str(e).split("\n\nDebug source:", 1)[0].strip()
+    return f"{type(e).__name__}: {text}"
+
+
+def _storage_error(doing: str, e: BaseException) -> StorageError:
+    return StorageError(f"{doing}: {_describe(e)}")
+
+
+def _check_etag(where: str, etag, digests: list, single: bool) -> None:
+    """Raise StorageError unless the store's ``etag`` is the MD5 of the bytes sent (one
+    request) or the MD5 of the parts' MD5s with their count (a multipart upload). An ETag that
+    is no MD5 at all (some server-side encryption) is not compared."""
+    if not etag:
+        return
+    etag = etag.strip('"')
+    if single:
+        expected = digests[0].hex()
+    else:
+        expected = f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
+    body = etag.split("-", 1)[0]
+    if len(body) != 32 or any(c not in "0123456789abcdef" for c in body.lower()):
+        return
+    if etag.lower() != expected:
+        raise StorageError(f"{where}: the store holds other bytes than were sent (ETag {etag}, "
+                           f"expected {expected})")
+
+
+_buckets: dict = {}
+_registered: dict = {}  # bucket name -> (options, factory)
+_buckets_lock = threading.Lock()
+
+
+def register(url: str, options=None, factory=None) -> None:
+    """Reach the bucket of ``url`` with ``options`` in this process (``Config.remote_options``:
+    ``gockpt.load`` and the tools then find the same store). ``factory(name, options)`` makes
+    the :class:`Bucket` (default: the one registered before, else ``Bucket``); fault-injection tests pass a subclass that stops
+    the real server at a chosen point."""
+    name, _ = split(url)
+    with _buckets_lock:
+        entry = (RemoteOptions.of(options),
+                 factory or _registered.get(name, (None, Bucket))[1])  # (kept: the test's)
+        if _registered.get(name) != entry:
+            _registered[name] = entry
+            _buckets.pop(name, None)
+
+
+def bucket_of(url: str) -> tuple:
+    """(Bucket, key) of ``url``: the bucket's client made once per process."""
+    name, key = split(url)
+    with _buckets_lock:
+        b = _buckets.get(name)
+        if b is None:
+            options, factory = _registered.get(name) or (RemoteOptions(), Bucket)
+            b = _buckets[name] = factory(name, options)
+    return b, key
+
+
+# ------------------------------------------------------------------- as files
+
+def read_small(url: str, limit: int, what: str) -> bytes:
+    """:func:`~.reader.read_small_file` for an object."""
+    b, key = bucket_of(url)
+    try:
+        return b.get_small(key, limit)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def size_of(url: str) -> int:
+    """The size of object ``url``: FileNotFoundError if there is none."""
+    b, key = bucket_of(url)
+    meta = b.head(key)
+    if meta is None:
+        raise FileNotFoundError(2, "no such object", url)
+    return meta["size"]
+
+
+def entries(url: str) -> tuple:
+    """(sub-directories, {object name: meta}) right under ``url``."""
+    b, key = bucket_of(url)
+    return b.list_dirs(key)

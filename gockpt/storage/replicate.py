@@ -1,0 +1,325 @@
+"""The remote tier: every checkpoint committed in the local directory is copied to an object
+store (``Config.remote``) by one background thread, behind training and never in its way.
+
+One checkpoint's upload, in this order (a store's object appears whole or not at all, so the
+order is the commit protocol):
+
+1. every data file of every part (``data.safetensors`` of the checkpoint and of each
+   ``rank-*``), each byte checked against the manifest's crc32c chunks as it is read (a
+   checkpoint damaged on the local disk is never replicated) and each part's MD5 against the
+   store's ETag;
+2. each part's ``manifest.json``, then the checkpoint's own ``manifest.json``: from then on the
+   store holds a committed checkpoint (:func:`~.commit.is_committed`);
+3. the store's ``latest``, the same pointer as on disk (name and manifest seal), moved only
+   forward; then the store's retention (``Config.remote_keep_last``).
+
+A failed upload (the store unreachable, paused past the request timeout, refusing) is
+retried with backoff (``Config.remote_retry_s``, doubled up to 5 minutes); training goes on,
+the previous remote ``latest`` stays. A Checkpointer opening a directory queues the committed
+checkpoints newer than the store's ``latest`` that the store lacks: a run killed mid-upload
+is completed by the next one. Each upload appends a record ``{"record": "upload", ...}`` to
+``metrics.jsonl`` (bytes, seconds, GB/s, attempts)."""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..core import metrics
+from ..core.errors import CorruptCheckpointError, GockptError
+from . import io as _io
+from . import remote
+from .commit import is_committed, list_checkpoints, read_latest, resolve
+from .format import CHUNK_BYTES_KEY, LATEST_FILE, MANIFEST_FILE, MANIFEST_MAX_BYTES, manifest_seal
+from .reader import read_manifest, read_small_file
+
+log = logging.getLogger("gockpt")
+
+MAX_RETRY_S = 300.0
+
+
+@dataclass
+class RemoteStatus:
+    """How far the remote tier got (``Checkpointer.remote_status()``)."""
+
+    url: str
+    uploaded: list = field(default_factory=list)  # names, in upload order (this process)
+    pending: list = field(default_factory=list)  # committed locally, not (yet) in the store
+    uploading: Optional[str] = None
+    latest: Optional[str] = None  # what the store's latest names, as this process set it
+    error: Optional[str] = None  # the last failure, until an upload succeeds
+    attempts: int = 0  # failed attempts since the last success
+
+    def describe(self) -> str:
+        parts = [f"remote tier {self.url}: "]
+        parts.append(f"latest {self.latest}" if self.latest else "nothing uploaded yet")
+        left = ([self.uploading] if self.uploading else []) + self.pending
+        if left:
+            parts.append(f"; not uploaded: {', '.join(left)}")
+        if self.error:
+            parts.append(f"; last error ({self.attempts} attempt(s)): {self.error}")
+        return "".join(parts)
+
+
+class Replicator:
+    """Uploads the committed checkpoints of ``directory`` to ``url`` in the background."""
+
+    def __init__(self, directory: str, url: str, *, keep_last: Optional[int] = None,
+                 retry_s: float = 5.0, bucket: Optional[remote.Bucket] = None):
+        self.directory = directory
+        self.url = url.rstrip("/")
+        name, self.prefix = remote.split(self.url)
+        self.bucket = bucket if bucket is not None else remote.bucket_of(self.url)[0]
+        self.keep_last = keep_last
+        self.retry_s = retry_s
+        self._cv = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._status = RemoteStatus(self.url)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="gockpt-remote", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ training side
+
+    def submit(self, name: str) -> None:
+        """Queue the committed local checkpoint ``name``."""
+        with self._cv:
+            if name not in self._queue and name != self._status.uploading:
+                self._queue.append(name)
+                self._cv.notify_all()
+
+    def resume(self) -> None:
+        """Queue what an earlier run committed locally but did not upload (in the background)."""
+        with self._cv:
+            self._queue.appendleft(_RESUME)
+            self._cv.notify_all()
+
+    def status(self) -> RemoteStatus:
+        with self._cv:
+            s = self._status
+            return RemoteStatus(s.url, list(s.uploaded), [n for n in self._queue if n is not _RESUME],
+                                s.uploading, s.latest, s.error, s.attempts)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait until nothing is left to upload (at most ``timeout`` seconds); whether so."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._status.uploading:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+            return True
+
+    def close(self, timeout: Optional[float] = 0.0) -> RemoteStatus:
+        """Stop after waiting up to ``timeout`` seconds (``None``: until done) for the uploads;
+        what is left is uploaded by the next Checkpointer of this directory."""
+        if self._stop:
+            return self.status()
+        if timeout is None or timeout > 0:
+            self.wait(timeout)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        status = self.status()
+        if status.pending or status.uploading:
+            log.warning("gockpt: %s (uploaded by the next run of this directory)",
+                        status.describe())
+        else:
+            log.info("gockpt: %s", status.describe())
+        return status
+
+    # ------------------------------------------------------------ background
+
+    def _run(self) -> None:
+        delay = self.retry_s
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                name = self._queue[0]
+                self._status.uploading = None if name is _RESUME else name
+            try:
+                if name is _RESUME:
+                    self._queue_missing()
+                else:
+                    self._upload(name)
+            except BaseException as exc:  # noqa: BLE001 -- the thread must not die
+                with self._cv:
+                    self._status.error = str(exc)
+                    self._status.attempts += 1
+                    self._status.uploading = None
+                    if isinstance(exc, CorruptCheckpointError):  # never retried: not uploadable
+                        self._queue.popleft()
+                    self._cv.notify_all()
+                log.warning("gockpt: upload of %s to %s failed (%s)%s", name if name is not _RESUME
+                            else "the checkpoints left", self.url, exc,
+                            "" if isinstance(exc, CorruptCheckpointError)
+                            else f"; retrying in {delay:.3g} s")
+                if not isinstance(exc, CorruptCheckpointError):
+                    with self._cv:  # the backoff: cut short by close()
+                        self._cv.wait_for(lambda: self._stop, delay)
+                    delay = min(MAX_RETRY_S, delay * 2)
+                continue
+            delay = self.retry_s
+            with self._cv:
+                self._queue.popleft()
+                self._status.uploading = None
+                self._status.error, self._status.attempts = None, 0
+                if name is not _RESUME:
+                    self._status.uploaded.append(name)
+                self._cv.notify_all()
+
+    def _queue_missing(self) -> None:
+        """Queue (in commit order) the local checkpoints newer than the store's ``latest``
+        that the store does not hold as they are on disk."""
+        local = list_checkpoints(self.directory)
+        try:
+            stored_latest, _ = read_latest(self.url)
+        except ValueError:
+            stored_latest = None
+        newer = local[local.index(stored_latest) + 1:] if stored_latest in local else local
+        if self.keep_last is not None:
+            newer = newer[-self.keep_last:]
+        missing = [n for n in newer if not self._in_store(n)]
+        with self._cv:
+            for n in reversed(missing):
+                if n not in self._queue:
+                    self._queue.insert(1, n)  # behind this entry, ahead of new ones
+        if missing:
+            log.info("gockpt: uploading %d checkpoint(s) an earlier run committed but did not "
+                     "upload to %s: %s", len(missing), self.url, ", ".join(missing))
+
+    def _in_store(self, name: str) -> bool:
+        """Whether the store holds checkpoint ``name`` committed with the local manifest."""
+        local = os.path.join(self.directory, name, MANIFEST_FILE)
+        try:
+            data = read_small_file(local, MANIFEST_MAX_BYTES, local)
+        except (OSError, ValueError):
+            return True  # nothing to upload from here
+        try:
+            stored = self.bucket.get_small(self._key(name, MANIFEST_FILE), MANIFEST_MAX_BYTES)
+        except (FileNotFoundError, ValueError):
+            return False
+        return stored == data
+
+    def _key(self, *names: str) -> str:
+        return "/".join([self.prefix, *names]) if self.prefix else "/".join(names)
+
+    def _upload(self, name: str) -> None:
+        path = os.path.join(self.directory, name)
+        if not is_committed(path):
+            log.info("gockpt: %s was deleted locally before it was uploaded", name)
+            return
+        t0 = time.perf_counter()
+        files = _files_in_order(path)
+        nbytes = 0
+        for rel, check in files:
+            nbytes += self.bucket.put_file(self._key(name, rel), os.path.join(path, rel),
+                                           check=check)
+        seconds = time.perf_counter() - t0
+        self._point_latest(name, path)
+        self._apply_retention()
+        with self._cv:
+            attempts = self._status.attempts + 1
+        metrics.append_record(self.directory, {"record": "upload", "name": name, "url": self.url,
+                                        "bytes": nbytes, "seconds": seconds,
+                                        "gbps": nbytes / seconds / 1e9 if seconds > 0 else None,
+                                        "attempts": attempts, "time": time.time()})
+        log.info("gockpt: %s uploaded to %s (%.1f MB in %.2f s, %.2f GB/s)", name, self.url,
+                 nbytes / 1e6, seconds, nbytes / max(seconds, 1e-9) / 1e9)
+
+    def _point_latest(self, name: str, path: str) -> None:
+        """The store's ``latest`` -> ``name``, unless it names a checkpoint committed after
+        ``name`` here."""
+        try:
+            current, _ = read_latest(self.url)
+        except ValueError:
+            current = None
+        local = list_checkpoints(self.directory)
+        if current in local and local.index(current) > local.index(name):
+            return
+        seal = manifest_seal(read_small_file(os.path.join(path, MANIFEST_FILE),
+                                             MANIFEST_MAX_BYTES, MANIFEST_FILE))
+        self.bucket.put_bytes(self._key(LATEST_FILE), f"{name}\n{seal}\n".encode())
+        with self._cv:
+            self._status.latest = name
+
+    def _apply_retention(self) -> None:
+        if self.keep_last is None:
+            return
+        names = list_checkpoints(self.url)
+        try:
+            keep = remote.basename(resolve(self.url))
+        except GockptError:
+            keep = None
+        for old in [n for n in names if n != keep][:max(0, len(names) - self.keep_last)]:
+            # the manifest first: from then on it is no checkpoint, whatever is left of it
+            self.bucket.delete(self._key(old, MANIFEST_FILE))
+            self.bucket.delete_all(self._key(old))
+
+
+_RESUME = object()  # queue entry: look for checkpoints an earlier run left unuploaded
+
+
+def _files_in_order(path: str) -> list:
+    """Every file of checkpoint ``path`` in upload order -- the data files, the parts'
+    manifests, the checkpoint's manifest last -- each data file with the check of its bytes
+    against the chunk checksums its manifest records."""
+    files = sorted(os.path.relpath(os.path.join(d, f), path)
+                   for d, _, names in os.walk(path) for f in names)
+    manifests = [rel for rel in files if os.path.basename(rel) == MANIFEST_FILE]
+    manifests.sort(key=lambda rel: (rel == MANIFEST_FILE, rel))  # the top one last
+    entries: dict = {}  # data file -> its manifest's entries
+    for rel in manifests:
+        d = os.path.dirname(rel)
+        for e in read_manifest(os.path.join(path, d) if d else path)["tensors"].values():
+            entries.setdefault(os.path.join(d, e["file"]) if d else e["file"], []).append(e)
+    data = [(rel, _ChunkCheck(os.path.join(path, rel), entries.get(rel, [])))
+            for rel in files if rel not in manifests]
+    return data + [(rel, None) for rel in manifests]
+
+
+class _ChunkCheck:
+    """Checks the bytes of one data file as they stream by (in order) against the crc32c of
+    every checksum chunk its manifest entries record; raises CorruptCheckpointError naming the
+    file and chunk at the first mismatch."""
+
+    def __init__(self, where: str, entries: list):
+        self.where = where
+        bounds = []
+        for e in entries:
+            chunk, off, n = e[CHUNK_BYTES_KEY], e["offset"], e["nbytes"]
+            for k, crc in enumerate(e["crc32c"]):
+                lo = off + k * chunk
+                bounds.append((lo, min(off + n, lo + chunk), crc))
+        bounds.sort()
+        self.starts = [b[0] for b in bounds]
+        self.bounds = bounds
+        self.partial: dict = {}  # chunk index -> crc so far
+
+    def __call__(self, offset: int, view: memoryview) -> None:
+        end = offset + len(view)
+        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        while i < len(self.bounds) and self.bounds[i][0] < end:
+            lo, hi, expected = self.bounds[i]
+            a, b = max(lo, offset), min(hi, end)
+            if a < b:
+                crc = _io.crc32c(view[a - offset:b - offset], self.partial.pop(i, 0))
+                if b == hi:
+                    if crc != expected:
+                        raise CorruptCheckpointError(
+                            f"{self.where}: bytes {lo}..{hi} do not match their checksum "
+                            f"(crc32c {crc:#010x}, expected {expected:#010x}): the local "
+                            "checkpoint is damaged and is not uploaded")
+                else:
+                    self.partial[i] = crc
+            i += 1

@@ -1,0 +1,84 @@
+"""Subprocess of tests/test_remote.py (the S3 server's AWS_* variables in its environment).
+
+    train DIR URL TOTAL KILL_AT   gockpt-o with the remote tier; checkpoints every 5 steps; at
+                                  KILL_AT waits until the store holds them all, prints the
+                                  losses and dies (SIGKILL)
+    hang DIR URL TOTAL            the same, but the upload of the second checkpoint stops inside
+                                  its first data object (prints "uploading <name>" and blocks):
+                                  the parent kills this process mid-upload
+    upload DIR URL                a Checkpointer opened on DIR with the remote tier and closed,
+                                  waiting for the uploads: what an earlier run left is uploaded
+    resume SOURCE TOTAL           gockpt.load(SOURCE) (a directory or an s3:// URL), train on to
+                                  TOTAL, print the losses and the digest of the final state
+    straight TOTAL                TOTAL steps without checkpoints (the uninterrupted run)
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+
+import gockpt
+from gockpt.storage import remote
+from tests._support import harness as H
+
+
+def checkpointer(model, opt, sched, directory, url):
+    return gockpt.Checkpointer(model, opt, directory, mode="gockpt-o", overlap_steps=3,
+                               scheduler=sched, block_bytes=512, interval=5, remote=url,
+                               remote_retry_s=0.05)
+
+
+class HangsInSecondCheckpoint(remote.Bucket):
+    """Blocks for good inside the first data object of the second checkpoint it uploads."""
+
+    seen: list = []
+
+    def put_file(self, key, path, *, check=None):
+        name = key.split("/")[-2] if key.count("/") >= 1 else key
+        if name not in self.seen:
+            self.seen.append(name)
+        if len(self.seen) == 2:
+            print(f"uploading {name}", flush=True)
+            threading.Event().wait()
+        return super().put_file(key, path, check=check)
+
+
+def main():
+    phase, args = sys.argv[1], sys.argv[2:]
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    if phase in ("train", "hang"):
+        directory, url, total = args[0], args[1], int(args[2])
+        if phase == "hang":
+            remote.register(url, factory=HangsInSecondCheckpoint)
+        ck = checkpointer(model, opt, sched, directory, url)
+        kill_at = int(args[3]) if phase == "train" else total
+        losses = H.train_steps(model, opt, sched, 0, kill_at, ck)
+        if phase == "train":
+            status = ck.wait_remote()
+            assert not status.pending and status.error is None, status
+        if phase == "hang":
+            ck.wait()  # committed locally; its upload hangs until the parent kills this process
+            threading.Event().wait()
+        print(json.dumps({"losses": losses}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if phase == "upload":
+        directory, url = args
+        ck = gockpt.Checkpointer(model, opt, directory, mode="gockpt-o", scheduler=sched,
+                                 remote=url, remote_wait_s=None)
+        ck.close()
+        print(json.dumps({"uploaded": ck.remote_status().uploaded}))
+        return
+    start = 0
+    if phase == "resume":
+        restored = gockpt.load(args[0], model, opt, scheduler=sched)
+        start = restored.step
+    total = int(args[-1])
+    losses = H.train_steps(model, opt, sched, start, total)
+    print(json.dumps({"start": start, "losses": losses, "digest": H.state_digest(model, opt)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,390 @@
+"""The remote tier against a real S3-compatible server (SeaweedFS on the loopback interface,
+started by the fixture): checkpoints replicated in the background, loaded from ``s3://`` in a
+fresh process bit for bit, and the faults -- the server killed or paused mid-upload, an object
+damaged in the store, the training process killed mid-upload and restarted."""
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+import gockpt
+from gockpt import storage
+from gockpt.core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from gockpt.storage import remote
+from gockpt.storage.format import CHUNK_BYTES_KEY
+from gockpt.storage.commit import list_checkpoints, read_latest
+from tests._support import harness as H
+from tests._support import ranks_worker
+from tests._support.dist_ranks import run_ranks
+from tests._support import worker_command, worker_env
+from tests._support.cli_helpers import run
+from tests._support.s3server import S3Server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = S3Server(str(tmp_path_factory.mktemp("seaweedfs")))
+    s.start()
+    saved = {k: os.environ.get(k) for k in s.env()}
+    os.environ.update(s.env())  # the standard way: gockpt.load and the workers find it so
+    yield s
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    s.stop()
+
+
+@pytest.fixture
+def url(server):
+    """A fresh bucket for each test."""
+    bucket = f"t-{uuid.uuid4().hex[:12]}"
+    server.create_bucket(bucket)
+    server.warm(bucket)
+    return f"s3://{bucket}/runs/one"
+
+
+def fast(**more) -> dict:
+    """Options under which a failing store fails fast (a paused server times out in 2 s)."""
+    return dict(remote_retry_s=0.05, remote_options=dict(timeout_s=2.0, connect_timeout_s=1.0,
+                                                         max_retries=0, part_bytes=5 << 20,
+                                                         **more))
+
+
+def big_model():
+    """A model whose checkpoint is a multipart upload (a 28 MB data file in 5 MiB parts)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1536, 1536), torch.nn.Linear(1536, 16))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def train(model, opt, ck, steps, start=0):
+    for step in range(start, steps):
+        loss = model(torch.randn(4, 1536, generator=torch.Generator().manual_seed(step))).square().mean()
+        ck.backward_begin()
+        loss.backward()
+        ck.update_begin()
+        opt.step()
+        opt.zero_grad()
+        ck.save_checkpoint(step + 1)
+
+
+def loads_equal(source, tag=None):
+    """The state stored at ``source`` (a directory or URL), as gockpt.load gives it."""
+    model, opt = big_model()
+    restored = gockpt.load(source, model, opt, tag=tag)
+    return restored, H.snapshot(model, opt)
+
+
+class Faulty(remote.Bucket):
+    """The real bucket, with ``fault(self, key)`` run before the first put of an object of the
+    checkpoint named ``at`` and ``heal(self)`` before the next put after that (the retry)."""
+
+    at, fault, heal = None, None, None
+    state: dict = {}
+    latest_puts: list = []  # (name, every object of the checkpoint in the store when it was put)
+
+    def put_file(self, key, path, *, check=None):
+        cls = type(self)
+        if cls.state.get("faulted") and not cls.state.get("healed"):
+            cls.state["healed"] = True
+            cls.heal(self)
+        if f"/{cls.at}/" in f"/{key}" and not cls.state.get("faulted"):
+            cls.state["faulted"] = True
+            cls.fault(self, key)
+        return super().put_file(key, path, check=check)
+
+    def put_bytes(self, key, data, *, if_absent=False):
+        if key.endswith("/latest"):
+            name = data.decode().split("\n")[0]
+            prefix = key[:-len("latest")] + name
+            type(self).latest_puts.append((name, sorted(
+                o["path"][len(prefix) + 1:] for o in self.list_all(prefix))))
+        return super().put_bytes(key, data, if_absent=if_absent)
+
+
+def faulty(at, fault, heal):
+    cls = type("FaultyBucket", (Faulty,), {"at": at, "fault": staticmethod(fault),
+                                          "heal": staticmethod(heal), "state": {},
+                                          "latest_puts": []})
+    return cls
+
+
+def every_object(directory, name):
+    root = os.path.join(directory, name)
+    return sorted(os.path.relpath(os.path.join(d, f), root)
+                  for d, _, files in os.walk(root) for f in files)
+
+
+# ------------------------------------------------------------------------------- round trips
+
+@pytest.mark.slow
+def test_a_fresh_process_resumes_from_the_store_bit_for_bit_after_the_local_directory_is_gone(
+        tmp_path, url):
+    directory = str(tmp_path / "run")
+
+    def run(*args):
+        out = subprocess.run(worker_command("remote_worker", *args), env=worker_env(),
+                             capture_output=True, text=True, timeout=300)
+        return out
+
+    trained = run("train", directory, url, 30, 22)
+    assert trained.returncode == -9, trained.stderr
+    shutil.rmtree(directory)  # the node is gone: only the store is left
+    assert read_latest(url)[0] == storage.checkpoint_name(20)
+    resumed = run("resume", url, 30)
+    assert resumed.returncode == 0, resumed.stderr
+    straight = run("straight", 30)
+    assert straight.returncode == 0, straight.stderr
+    got, want = json.loads(resumed.stdout), json.loads(straight.stdout)
+    assert got["start"] == 20
+    assert got["losses"] == want["losses"][20:]
+    assert got["digest"] == want["digest"]
+
+
+def test_every_checkpoint_is_replicated_data_first_and_loads_from_the_store_as_on_disk(
+        tmp_path, url):
+    directory = str(tmp_path / "run")
+    remote.register(url, factory=faulty(None, None, None))
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
+    train(model, opt, ck, 4)
+    status = ck.wait_remote()
+    ck.close()
+    assert status.uploaded == [storage.checkpoint_name(2), storage.checkpoint_name(4)]
+    assert status.error is None and not status.pending
+    latest_puts = remote.bucket_of(url)[0].latest_puts
+    # latest was put only when every object of its checkpoint was in the store
+    assert latest_puts == [(n, every_object(directory, n)) for n in status.uploaded]
+    uploads = gockpt.metrics.read(directory, record="upload")
+    assert [u["name"] for u in uploads] == status.uploaded
+    assert all(u["bytes"] > 28e6 and u["gbps"] > 0 for u in uploads)
+    for name in status.uploaded:
+        a, b = loads_equal(url, tag=name), loads_equal(directory, tag=name)
+        assert a[0].step == b[0].step
+        H.assert_same(a[1], b[1])
+    assert gockpt.verify(f"{url}/{storage.checkpoint_name(4)}").ok
+
+
+def test_the_store_keeps_its_own_number_of_checkpoints(tmp_path, url):
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path / "run"), interval=1, remote=url,
+                             remote_keep_last=2, remote_wait_s=None, **fast())
+    train(model, opt, ck, 4)
+    ck.close()
+    assert list_checkpoints(url) == [storage.checkpoint_name(3), storage.checkpoint_name(4)]
+    assert len(list_checkpoints(str(tmp_path / "run"))) == 4
+    assert read_latest(url)[0] == storage.checkpoint_name(4)
+
+
+# ------------------------------------------------------------------------------- faults
+
+def test_a_server_killed_mid_upload_leaves_the_previous_latest_and_the_upload_completes_after(
+        tmp_path, url, server):
+    """The server dies (SIGKILL) right before the first object of the second checkpoint is
+    put: that upload fails, training and the local checkpoint are untouched, the store's
+    latest still names the first; the retry after the server is back completes it."""
+    directory = str(tmp_path / "run")
+    second = storage.checkpoint_name(4)
+    seen = {}
+
+    def kill(bucket, key):
+        seen["latest"] = read_latest(url)[0]
+        server.kill()
+
+    remote.register(url, fast()["remote_options"],
+                    factory=faulty(second, kill, lambda bucket: server.start()))
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
+    train(model, opt, ck, 4)
+    status = ck.wait_remote()
+    ck.close()
+    assert seen["latest"] == storage.checkpoint_name(2)
+    assert status.uploaded == [storage.checkpoint_name(2), second] and status.error is None
+    uploads = gockpt.metrics.read(directory, record="upload")
+    # the first attempt failed; a server back from a crash may refuse a few more
+    assert [u["name"] for u in uploads] == status.uploaded
+    assert uploads[0]["attempts"] == 1 and uploads[1]["attempts"] >= 2
+    bucket = remote.bucket_of(url)[0]
+    assert [n for n, _ in bucket.latest_puts] == [storage.checkpoint_name(2), second]
+    assert bucket.latest_puts[-1][1] == every_object(directory, second)
+    H.assert_same(loads_equal(url)[1], loads_equal(directory)[1])
+
+
+def test_a_server_paused_past_the_timeout_fails_the_upload_and_it_is_retried(
+        tmp_path, url, server):
+    directory = str(tmp_path / "run")
+    second = storage.checkpoint_name(4)
+    remote.register(url, fast()["remote_options"],
+                    factory=faulty(second, lambda bucket, key: server.pause(),
+                                   lambda bucket: server.resume()))
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
+    try:
+        train(model, opt, ck, 4)
+        status = ck.wait_remote()
+    finally:
+        server.resume()
+    ck.close()
+    assert status.uploaded == [storage.checkpoint_name(2), second] and status.error is None
+    attempts = [u["attempts"] for u in gockpt.metrics.read(directory, record="upload")]
+    assert attempts[0] == 1 and attempts[1] >= 2
+    H.assert_same(loads_equal(url)[1], loads_equal(directory)[1])
+
+
+def test_a_byte_flipped_in_the_store_is_a_named_error_at_load(tmp_path, url):
+    directory = str(tmp_path / "run")
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, remote_wait_s=None,
+                             **fast())
+    train(model, opt, ck, 2)
+    ck.close()
+    name = storage.checkpoint_name(2)
+    bucket, key = remote.bucket_of(f"{url}/{name}/data.safetensors")
+    manifest = storage.read_manifest(os.path.join(directory, name))
+    entry = manifest["tensors"]["model/0.weight"]
+    with open(os.path.join(directory, name, "data.safetensors"), "rb") as f:
+        data = bytearray(f.read())
+    at = entry["offset"] + 2 * entry[CHUNK_BYTES_KEY] + 3  # in its third (last) chunk
+    data[at] ^= 0x10
+    bucket.put_bytes(key, bytes(data))
+    fresh, fresh_opt = big_model()
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"s3://.*data\.safetensors.*'model/0\.weight'.*block 2 .*checksum "
+                             r"mismatch"):
+        gockpt.load(url, fresh, fresh_opt)
+    report = gockpt.verify(f"{url}/{name}")
+    assert not report.ok and "model/0.weight" in str(report)
+
+
+def test_a_checkpoint_damaged_on_the_local_disk_is_not_uploaded(tmp_path, url):
+    directory = str(tmp_path / "run")
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2)
+    train(model, opt, ck, 2)
+    ck.close()
+    name = storage.checkpoint_name(2)
+    entry = storage.read_manifest(os.path.join(directory, name))["tensors"]["model/1.weight"]
+    with open(os.path.join(directory, name, "data.safetensors"), "r+b") as f:
+        f.seek(entry["offset"] + 7)
+        b = f.read(1)
+        f.seek(entry["offset"] + 7)
+        f.write(bytes([b[0] ^ 1]))
+    ck = gockpt.Checkpointer(model, opt, directory, remote=url, **fast())
+    status = ck.wait_remote()
+    ck.close()
+    assert status.uploaded == [] and "data.safetensors" in status.error \
+        and "damaged" in status.error
+    assert list_checkpoints(url) == [] and read_latest(url) == (None, None)
+
+
+@pytest.mark.slow
+def test_a_training_process_killed_mid_upload_leaves_no_partial_latest_and_the_next_run_uploads(
+        tmp_path, url):
+    directory = str(tmp_path / "run")
+    first, second = storage.checkpoint_name(5), storage.checkpoint_name(10)
+    proc = subprocess.Popen(worker_command("remote_worker", "hang", directory, url, 12),
+                            env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()  # blocks until the worker is inside the upload
+    finally:
+        proc.kill()
+        _, err = proc.communicate()
+    assert line.strip() == f"uploading {second}", (line, err)
+    assert read_latest(url)[0] == first  # the second is committed locally, not in the store
+    assert list_checkpoints(url) == [first]
+    assert storage.list_checkpoints(directory) == [first, second]
+    out = subprocess.run(worker_command("remote_worker", "upload", directory, url),
+                         env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["uploaded"] == [second]
+    assert read_latest(url)[0] == second
+    H.assert_same(loads_equal_small(url), loads_equal_small(directory))
+
+
+@pytest.mark.slow
+def test_two_ranks_replicate_every_part_and_resume_from_the_store_bit_for_bit(
+        tmp_path, url, monkeypatch):
+    """DDP on 2 gloo ranks, gockpt-o, each replica writing its share: rank 0 uploads both
+    parts; with the local directory gone, 2 fresh ranks load from the store and train on to
+    the state of the uninterrupted run, bit for bit (ranks_worker's train and resume)."""
+    monkeypatch.setenv("GOCKPT_TEST_REMOTE", url)
+    directory = str(tmp_path / "ddp")
+    run_ranks(directory, "train:gockpt-o:ddp", worker="ranks_worker")
+    names = [storage.checkpoint_name(s) for s in ranks_worker.SAVE_AT]
+    assert list_checkpoints(url) == names and read_latest(url)[0] == names[-1]
+    bucket, prefix = remote.bucket_of(url)
+    stored = sorted(o["path"][len(prefix) + 1:] for o in bucket.list_all(prefix)
+                    if o["path"].startswith(f"{prefix}/{names[-1]}/"))
+    assert stored == [f"{names[-1]}/{rel}" for rel in every_object(directory, names[-1])]
+    assert any("rank-00001/" in rel for rel in stored)
+    shutil.rmtree(directory)
+    run_ranks(directory, "resume:gockpt-o:ddp", worker="ranks_worker")
+
+
+def loads_equal_small(source):
+    model, opt, sched = H.build()
+    gockpt.load(source, model, opt, scheduler=sched)
+    return H.snapshot(model, opt, sched)
+
+
+# ------------------------------------------------------------------------------- tools
+
+def test_the_tools_take_s3_urls(tmp_path, url, capsys):
+    """gockpt list / inspect / verify / export on the store, as on a directory; a damaged
+    object is exit status 1 naming the tensor."""
+    directory = str(tmp_path / "run")
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, remote_wait_s=None,
+                             **fast())
+    train(model, opt, ck, 4)
+    ck.close()
+    rc, out, _ = run(capsys, "list", url)
+    assert rc == 0 and storage.checkpoint_name(2) in out and storage.checkpoint_name(4) in out
+    rc, out, _ = run(capsys, "inspect", url)
+    assert rc == 0 and "0.weight" in out
+    rc, out, _ = run(capsys, "verify", url)
+    assert rc == 0, out
+    exported = str(tmp_path / "model.safetensors")
+    rc, out, err = run(capsys, "export", url, "--to", "safetensors", exported)
+    assert rc == 0, err
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(exported)["0.weight"], model[0].weight.detach())
+    name = storage.checkpoint_name(4)
+    bucket, key = remote.bucket_of(f"{url}/{name}/data.safetensors")
+    data = bytearray(bytes(bucket.get_small(key, 1 << 30)))
+    entry = storage.read_manifest(os.path.join(directory, name))["tensors"]["optim/0/exp_avg"]
+    data[entry["offset"] + 11] ^= 1
+    bucket.put_bytes(key, bytes(data))
+    rc, out, err = run(capsys, "verify", url)
+    assert rc == 1 and "optim/0/exp_avg" in out + err
+
+
+# ------------------------------------------------------------------------------- refusals
+
+def test_remote_urls_and_options_are_checked_when_the_checkpointer_is_built(tmp_path):
+    for bad in ("s3://", "s3:///x", "s3://b/../x", "s3://b//x"):
+        with pytest.raises(ConfigError, match="not a valid s3://bucket/prefix URL"):
+            gockpt.Config(directory=str(tmp_path), remote=bad)
+    with pytest.raises(ConfigError, match="must be a local path"):
+        gockpt.Config(directory="s3://bucket/run")
+    with pytest.raises(ConfigError, match="unknown option"):
+        gockpt.Config(directory=str(tmp_path), remote="s3://b/x", remote_options={"speed": 1})
+    with pytest.raises(ConfigError, match="part_bytes must be an int >= 5 MiB"):
+        gockpt.Config(directory=str(tmp_path), remote="s3://b/x",
+                      remote_options={"part_bytes": 1024})
+
+
+def test_loading_from_a_prefix_that_holds_no_checkpoint_says_so(url):
+    model, opt = big_model()
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint to load"):
+        gockpt.load(url, model, opt)
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint 'step-"):
+        gockpt.load(url, model, opt, tag=storage.checkpoint_name(3))
