@@ -48,7 +48,11 @@ sum), since touching one byte per page of a mapping reads nothing. Ratios are pr
 side: to torch.load, to safetensors' load_file (the zero-copy ceiling) and, cold, to dd.
 Each measurement is repeated ``--repeat`` times; the best run is reported. GB = 1e9 bytes.
 
-Usage: python experiments/bench_storage.py --json OUT [--dir D] [--gb 2] [--repeat 3]
+Usage: python experiments/bench_storage.py --json OUT [--dir D] [--gb 2] [--repeat 3] [--remote]
+
+``--remote`` adds the remote tier (an S3 server on the loopback interface: uploads and
+downloads against obstore's and boto3's own and a local copy, and the blocked time per
+checkpoint with the tier on and off): see experiments/bench_remote_tier.py.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -295,6 +300,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement, best reported")
     ap.add_argument("--threads", type=int, default=None, help="gockpt I/O threads (default: cores)")
     ap.add_argument("--dd-bs", default="64M", help="dd block size (default 64M)")
+    ap.add_argument("--remote", action="store_true",
+                    help="also the remote tier against a loopback S3 server "
+                         "(experiments/bench_remote_tier.py; its numbers under 'remote')")
     args = ap.parse_args(argv)
 
     os.makedirs(args.dir, exist_ok=True)
@@ -498,6 +506,14 @@ def main(argv=None) -> int:
     print(f"\ncold, paired (each run's ratio to the dd read right after it, median): gockpt into "
           f"the model {result['load_vs_dd_read_direct_cold_paired']:.2f}x dd iflag=direct, fresh "
           f"{result['load_fresh_vs_dd_read_cold_paired']:.2f}x dd buffered")
+    if args.remote:
+        import bench_remote_tier
+        work = tempfile.mkdtemp(prefix="bench-remote-", dir=args.dir)
+        try:
+            result["remote"] = bench_remote_tier.run(work, args.gb, args.repeat, 40, 10)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        bench_remote_tier.report(result["remote"])
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

@@ -147,11 +147,12 @@ class Replicator:
                     return
                 name = self._queue[0]
                 self._status.uploading = None if name is _RESUME else name
+            uploaded = False
             try:
                 if name is _RESUME:
                     self._queue_missing()
                 else:
-                    self._upload(name)
+                    uploaded = self._upload(name)
             except BaseException as exc:  # noqa: BLE001 -- the thread must not die
                 with self._cv:
                     self._status.error = str(exc)
@@ -174,7 +175,7 @@ class Replicator:
                 self._queue.popleft()
                 self._status.uploading = None
                 self._status.error, self._status.attempts = None, 0
-                if name is not _RESUME:
+                if uploaded:
                     self._status.uploaded.append(name)
                 self._cv.notify_all()
 
@@ -214,13 +215,14 @@ class Replicator:
     def _key(self, *names: str) -> str:
         return "/".join([self.prefix, *names]) if self.prefix else "/".join(names)
 
-    def _upload(self, name: str) -> None:
+    def _upload(self, name: str) -> bool:
+        """Upload checkpoint ``name``; False if it was deleted locally first (retention)."""
         path = os.path.join(self.directory, name)
         if not is_committed(path):
             log.info("gockpt: %s was deleted locally before it was uploaded", name)
-            return
+            return False
         t0 = time.perf_counter()
-        files = _files_in_order(path)
+        files = upload_order(path)
         nbytes = 0
         for rel, check in files:
             nbytes += self.bucket.put_file(self._key(name, rel), os.path.join(path, rel),
@@ -236,6 +238,7 @@ class Replicator:
                                         "attempts": attempts, "time": time.time()})
         log.info("gockpt: %s uploaded to %s (%.1f MB in %.2f s, %.2f GB/s)", name, self.url,
                  nbytes / 1e6, seconds, nbytes / max(seconds, 1e-9) / 1e9)
+        return True
 
     def _point_latest(self, name: str, path: str) -> None:
         """The store's ``latest`` -> ``name``, unless it names a checkpoint committed after
@@ -245,7 +248,7 @@ class Replicator:
         except ValueError:
             current = None
         local = list_checkpoints(self.directory)
-        if current in local and local.index(current) > local.index(name):
+        if current in local and name in local and local.index(current) > local.index(name):
             return
         seal = manifest_seal(read_small_file(os.path.join(path, MANIFEST_FILE),
                                              MANIFEST_MAX_BYTES, MANIFEST_FILE))
@@ -270,7 +273,7 @@ class Replicator:
 _RESUME = object()  # queue entry: look for checkpoints an earlier run left unuploaded
 
 
-def _files_in_order(path: str) -> list:
+def upload_order(path: str) -> list:
     """Every file of checkpoint ``path`` in upload order -- the data files, the parts'
     manifests, the checkpoint's manifest last -- each data file with the check of its bytes
     against the chunk checksums its manifest records."""

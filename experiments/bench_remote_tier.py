@@ -1,0 +1,213 @@
+"""The remote tier of ``experiments/bench_storage.py --remote`` (runnable alone too): a real S3
+server (SeaweedFS on the loopback interface, started and stopped here) and, on the same bytes
+in one run, side by side:
+
+Uploads of one committed gockpt checkpoint (its data file, ``--gb`` GiB):
+
+* gockpt           = the remote tier's upload (``Bucket.put_file``: multipart in ``part_bytes``,
+  ``concurrency`` in flight, every byte checked against the manifest's crc32c chunks and every
+  part's MD5 against the ETag)
+* obstore          = ``obstore.put(store, key, Path)`` with its defaults (the client's own
+  plain upload, no checks)
+* boto3            = ``boto3`` S3 client's ``upload_file`` (its transfer manager; default
+  TransferConfig), when boto3 is installed -- the other client considered
+* local copy       = ``shutil.copyfile`` + fsync into the same disk
+
+Downloads of the same object:
+
+* gockpt           = ``read_tensors`` of the checkpoint at its ``s3://`` URL into fresh
+  tensors (parallel ranged GETs straight into the tensors, every chunk's crc32c checked)
+* obstore          = ``obstore.get(...).bytes()`` of the whole object (one stream, no checks)
+* boto3            = ``download_fileobj`` into memory (transfer manager)
+* local read       = ``read_tensors`` of the local checkpoint, page cache dropped if permitted
+
+And what training pays: a gockpt-o run of a small model on this CPU with checkpoints every
+``--interval`` steps, once without and once with the remote tier, the median blocked time
+per checkpoint from each run's ``metrics.jsonl`` (the uploads run behind training).
+
+Loopback numbers say what the client and gockpt's checks cost on this machine's cores, not
+what a network gives; GB = 1e9 bytes. Each measurement is repeated ``--repeat`` times, the
+best reported.
+
+Usage: python experiments/bench_remote_tier.py --json OUT [--dir D] [--gb 1] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import gockpt  # noqa: E402
+from gockpt import storage  # noqa: E402
+from gockpt.storage import remote  # noqa: E402
+from gockpt.storage.format import fsync_path  # noqa: E402
+from gockpt.storage.replicate import upload_order  # noqa: E402
+from tests._support.s3server import S3Server  # noqa: E402
+
+
+def best(fn, repeat: int) -> float:
+    """The shortest of ``repeat`` timed calls of ``fn``, in seconds."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def checkpoint(root: str, gib: float) -> str:
+    """A committed checkpoint of ``gib`` GiB of float32 tensors (sync mode); its path."""
+    n = int(gib * 2**30 / 4 / 3 / 8)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n)) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.randn(n),
+                        "exp_avg_sq": torch.rand(n)}
+    ck = gockpt.Checkpointer(model, opt, root, mode="sync")
+    ck.save_checkpoint(1, force=True)
+    ck.close()
+    return storage.resolve(root)
+
+
+def blocked_per_checkpoint(root: str, url: str | None, steps: int, interval: int) -> float:
+    """Median blocked seconds per checkpoint of a gockpt-o run with (or without) the remote
+    tier."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    extra = {"remote": url, "remote_wait_s": None} if url else {}
+    ck = gockpt.Checkpointer(model, opt, root, mode="gockpt-o", interval=interval, **extra)
+    x = torch.randn(64, 1024)
+    for step in range(steps):
+        loss = model(x).square().mean()
+        ck.backward_begin()
+        loss.backward()
+        ck.update_begin()
+        opt.step()
+        opt.zero_grad()
+        ck.save_checkpoint(step + 1)
+    ck.close()
+    return statistics.median(m["blocked_s"] for m in gockpt.metrics.read(root))
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def run(work: str, gib: float, repeat: int, steps: int, interval: int) -> dict:
+    server = S3Server(os.path.join(work, "s3"))
+    server.start()
+    os.environ.update(server.env())
+    try:
+        server.create_bucket("bench")
+        server.warm("bench")
+        ckpt = checkpoint(os.path.join(work, "local"), gib)
+        data = os.path.join(ckpt, storage.DATA_FILE)
+        size = os.path.getsize(data)
+        manifest = storage.read_manifest(ckpt)
+        print(f"remote tier: {size / 1e9:.2f} GB data file, SeaweedFS {server.endpoint}",
+              flush=True)
+        url = "s3://bench/ckpt"
+        bucket, _ = remote.bucket_of(url)
+        files = upload_order(ckpt)
+        out: dict = {"bytes": size, "part_bytes": bucket.options.part_bytes,
+                     "concurrency": bucket.options.concurrency, "upload_s": {}, "download_s": {}}
+
+        def gockpt_upload():
+            for rel, chk in files:  # the data file checked, then the manifest
+                bucket.put_file(f"ckpt/{os.path.basename(ckpt)}/{rel}", os.path.join(ckpt, rel),
+                                check=chk)
+
+        import obstore
+        out["upload_s"]["gockpt"] = best(gockpt_upload, repeat)
+        out["upload_s"]["obstore"] = best(
+            lambda: obstore.put(bucket.store, "plain/obstore", Path(data)), repeat)
+        local_copy = os.path.join(work, "copy.safetensors")
+
+        def copy():
+            shutil.copyfile(data, local_copy)
+            fsync_path(local_copy)
+        out["upload_s"]["local_copy"] = best(copy, repeat)
+        try:
+            import boto3
+            s3 = boto3.client("s3", endpoint_url=server.endpoint)
+            out["upload_s"]["boto3"] = best(
+                lambda: s3.upload_file(data, "bench", "plain/boto3"), repeat)
+        except ImportError:
+            s3 = None
+        remote_ckpt = f"{url}/{os.path.basename(ckpt)}"
+        out["download_s"]["gockpt"] = best(
+            lambda: storage.read_tensors(remote_ckpt, storage.read_manifest(remote_ckpt)), repeat)
+        out["download_s"]["obstore"] = best(
+            lambda: obstore.get(bucket.store, "plain/obstore").bytes(), repeat)
+        if s3 is not None:
+            out["download_s"]["boto3"] = best(
+                lambda: s3.download_fileobj("bench", "plain/boto3", io.BytesIO()), repeat)
+
+        def local_read():
+            drop_cache(data)
+            storage.read_tensors(ckpt, manifest)
+        out["download_s"]["local_read"] = best(local_read, repeat)
+        for kind in ("upload_s", "download_s"):
+            out[kind.replace("_s", "_gbps")] = {k: size / v / 1e9 for k, v in out[kind].items()}
+        out["blocked_s_per_checkpoint"] = {
+            "remote_off": blocked_per_checkpoint(os.path.join(work, "train-off"), None, steps,
+                                                 interval),
+            "remote_on": blocked_per_checkpoint(os.path.join(work, "train-on"),
+                                                "s3://bench/train", steps, interval)}
+        return out
+    finally:
+        server.stop()
+
+
+def report(out: dict) -> None:
+    for kind, base in (("upload_gbps", "obstore"), ("download_gbps", "obstore")):
+        rates = out[kind]
+        print(f"{kind[:-5]:>8}: " + "   ".join(
+            f"{k} {v:.2f} GB/s ({v / rates[base]:.2f}x obstore)" for k, v in rates.items()))
+    b = out["blocked_s_per_checkpoint"]
+    print(f"blocked per checkpoint: remote off {b['remote_off'] * 1e3:.1f} ms, on "
+          f"{b['remote_on'] * 1e3:.1f} ms ({b['remote_on'] / max(b['remote_off'], 1e-9):.2f}x)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--dir", default=os.path.join(HERE, "out"))
+    ap.add_argument("--gb", type=float, default=1.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--interval", type=int, default=10)
+    args = ap.parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="bench-remote-", dir=args.dir)
+    try:
+        out = run(work, args.gb, args.repeat, args.steps, args.interval)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(out)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
