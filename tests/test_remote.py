@@ -17,6 +17,7 @@ from gockpt import storage
 from gockpt.core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from gockpt.storage import remote
 from gockpt.storage.format import CHUNK_BYTES_KEY
+from gockpt.storage.schema import is_small_tensor
 from gockpt.storage.commit import list_checkpoints, read_latest
 from tests._support import harness as H
 from tests._support import ranks_worker
@@ -327,6 +328,30 @@ def test_two_ranks_replicate_every_part_and_resume_from_the_store_bit_for_bit(
     assert any("rank-00001/" in rel for rel in stored)
     shutil.rmtree(directory)
     run_ranks(directory, "resume:gockpt-o:ddp", worker="ranks_worker")
+
+
+@pytest.mark.slow
+def test_each_rank_reads_only_its_slices_of_an_fsdp2_checkpoint_from_the_store(
+        tmp_path, url, monkeypatch):
+    """FSDP2 on 2 ranks replicated to the store; with the local directory gone, DCP loads it
+    on 4 ranks through gockpt's reader from ``s3://``: the state at F bit for bit (the
+    worker's check), and each rank fetched about a quarter of the stored bytes (ranged GETs of
+    its slices, in whole checksum chunks) -- as on disk (test_many_ranks' DCP case)."""
+    import re
+    monkeypatch.setenv("GOCKPT_TEST_REMOTE", url)
+    directory = str(tmp_path / "fsdp2")
+    run_ranks(directory, "train:gockpt-o:fsdp2", world=2, worker="ranks_worker")
+    path = storage.resolve(directory)
+    stored = 0
+    for part in storage.read_manifest(path)["ranks"]:
+        for name, e in storage.read_manifest(os.path.join(path, part))["tensors"].items():
+            if not is_small_tensor(name):
+                stored += e["nbytes"]
+    shutil.rmtree(directory)
+    outs = run_ranks(directory, "dcp:gockpt-o:fsdp2", world=4, worker="ranks_worker")
+    read = [int(re.search(r"read (\d+) bytes", out).group(1)) for out, _ in outs]
+    assert sum(read) >= stored
+    assert all(abs(r - stored / 4) <= 0.2 * stored / 4 for r in read), (read, stored)
 
 
 def loads_equal_small(source):

@@ -333,7 +333,8 @@ def dcp_load(directory: str, rank: int, mode: str, kind: str) -> None:
     model, opt, sched = model_and_optimizer(kind)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optimizer": osd}
-    reader = GockptReader(storage.resolve(directory))
+    source = os.environ.get("GOCKPT_TEST_REMOTE") or directory  # (the store: a fresh node)
+    reader = GockptReader(storage.resolve(source))
     dcp.load(state, storage_reader=reader)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     assert_state_at_f(directory, rank, model, opt, "dcp.load")
