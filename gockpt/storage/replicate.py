@@ -71,11 +71,10 @@ class Replicator:
     """Uploads the committed checkpoints of ``directory`` to ``url`` in the background."""
 
     def __init__(self, directory: str, url: str, *, keep_last: Optional[int] = None,
-                 retry_s: float = 5.0, bucket: Optional[remote.Bucket] = None):
+                 retry_s: float = 5.0):
         self.directory = directory
         self.url = url.rstrip("/")
-        name, self.prefix = remote.split(self.url)
-        self.bucket = bucket if bucket is not None else remote.bucket_of(self.url)[0]
+        self.bucket, self.prefix = remote.bucket_of(self.url)  # (remote.register: the options)
         self.keep_last = keep_last
         self.retry_s = retry_s
         self._cv = threading.Condition()
