@@ -101,13 +101,13 @@ class Faulty(remote.Bucket):
             cls.fault(self, key)
         return super().put_file(key, path, check=check)
 
-    def put_bytes(self, key, data, *, if_absent=False):
+    def put_bytes(self, key, data):
         if key.endswith("/latest"):
             name = data.decode().split("\n")[0]
             prefix = key[:-len("latest")] + name
             type(self).latest_puts.append((name, sorted(
                 o["path"][len(prefix) + 1:] for o in self.list_all(prefix))))
-        return super().put_bytes(key, data, if_absent=if_absent)
+        return super().put_bytes(key, data)
 
 
 def faulty(at, fault, heal):

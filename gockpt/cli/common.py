@@ -220,11 +220,10 @@ def mtime(path: str) -> Optional[float]:
     if is_remote(path):  # the upload of its manifest: its commit in the store
         try:
             bucket, key = remote.bucket_of(os.path.join(path, MANIFEST_FILE))
-            found = [o for o in bucket.list_all(os.path.dirname(key))
-                     if o["path"] == key]
-            return found[0]["last_modified"].timestamp() if found else None
+            meta = bucket.head(key)
         except GockptError:
             return None
+        return meta["last_modified"].timestamp() if meta and meta["last_modified"] else None
     try:
         return os.stat(path).st_mtime
     except OSError:

@@ -66,7 +66,11 @@ class CheckpointMetrics:
 
 def append(directory: str, metrics: CheckpointMetrics) -> None:
     """Append one line; a single write so concurrent readers see whole lines."""
-    line = json.dumps(metrics.to_dict(), sort_keys=True) + "\n"
+    _append_line(directory, metrics.to_dict())
+
+
+def _append_line(directory: str, record: dict) -> None:
+    line = json.dumps(record, sort_keys=True) + "\n"
     with open(os.path.join(directory, "metrics.jsonl"), "a") as f:
         f.write(line)
 
@@ -74,10 +78,8 @@ def append(directory: str, metrics: CheckpointMetrics) -> None:
 def append_record(directory: str, record: dict) -> None:
     """Append a record of another kind than a checkpoint's (``record["record"]`` says which,
     e.g. ``"upload"`` for the remote tier); a failure to write it is logged, not raised."""
-    line = json.dumps(record, sort_keys=True) + "\n"
     try:
-        with open(os.path.join(directory, "metrics.jsonl"), "a") as f:
-            f.write(line)
+        _append_line(directory, record)
     except OSError as exc:
         logging.getLogger("gockpt").warning("gockpt: cannot append to %s/metrics.jsonl: %s",
                                             directory, exc)

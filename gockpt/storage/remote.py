@@ -45,15 +45,6 @@ def split(url: str) -> tuple:
         raise ConfigError(str(e)) from None
 
 
-def join(url: str, *names: str) -> str:
-    """``url`` and ``names`` joined by ``/`` (``os.path.join`` for URLs)."""
-    return "/".join([url.rstrip("/"), *names])
-
-
-def basename(url: str) -> str:
-    return url.rstrip("/").rsplit("/", 1)[-1]
-
-
 def _profile_settings(options: RemoteOptions) -> dict:
     """Credentials and region from the AWS config files' profile, as obstore config keys."""
     profile = options.profile or os.environ.get("AWS_PROFILE") or "default"
@@ -143,7 +134,7 @@ class Bucket:
     # ---------------------------------------------------------------- small objects
 
     def head(self, key: str) -> Optional[dict]:
-        """``{"size", "e_tag"}`` of object ``key``, or None if there is none."""
+        """``{"size", "e_tag", "last_modified"}`` of object ``key``, or None if there is none."""
         import obstore
         try:
             meta = obstore.head(self.store, key)
@@ -151,7 +142,8 @@ class Bucket:
             return None
         except Exception as e:
             raise _storage_error(f"cannot look up {self.where(key)}", e) from e
-        return {"size": int(meta["size"]), "e_tag": meta.get("e_tag")}
+        return {"size": int(meta["size"]), "e_tag": meta.get("e_tag"),
+                "last_modified": meta.get("last_modified")}
 
     def get_small(self, key: str, limit: int) -> bytes:
         """The bytes of object ``key`` (at most ``limit``): FileNotFoundError if there is none,
@@ -169,18 +161,13 @@ class Bucket:
         except Exception as e:
             raise _storage_error(f"cannot read {self.where(key)}", e) from e
 
-    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> str:
+    def put_bytes(self, key: str, data: bytes) -> str:
         """Put ``data`` as object ``key`` in one request, checked by its ETag (the MD5 of the
-        bytes); with ``if_absent``, only if there is no such object (FileExistsError)."""
+        bytes)."""
         import obstore
         try:
-            res = obstore.put(self.store, key, data, use_multipart=False,
-                              mode="create" if if_absent else "overwrite")
-        except FileExistsError:
-            raise
+            res = obstore.put(self.store, key, data, use_multipart=False)
         except Exception as e:
-            if type(e).__name__ == "AlreadyExistsError":
-                raise FileExistsError(self.where(key)) from e
             raise _storage_error(f"cannot upload {self.where(key)}", e) from e
         _check_etag(self.where(key), res.get("e_tag"), [hashlib.md5(data).digest()], single=True)
         return res.get("e_tag")
@@ -236,7 +223,7 @@ class Bucket:
                 return len(data)
             res = obstore.put(self.store, key, parts(), chunk_size=part,
                               max_concurrency=self.options.concurrency)
-        except (StorageError, FileExistsError):
+        except StorageError:
             raise
         except Exception as e:
             if refused:
@@ -303,19 +290,6 @@ class Bucket:
         return result
 
     # ---------------------------------------------------------------- listings
-
-    def list_dirs(self, prefix: str) -> tuple:
-        """(sub-"directories", objects) right under ``prefix`` (no trailing slash)."""
-        import obstore
-        try:
-            got = obstore.list_with_delimiter(self.store, prefix=prefix + "/" if prefix else None)
-        except FileNotFoundError:
-            return [], []
-        except Exception as e:
-            raise _storage_error(f"cannot list {self.where(prefix)}", e) from e
-        dirs = [p.rstrip("/").rsplit("/", 1)[-1] for p in got["common_prefixes"]]
-        objects = {o["path"].rsplit("/", 1)[-1]: o for o in got["objects"]}
-        return dirs, objects
 
     def list_all(self, prefix: str) -> list:
         """Every object under ``prefix/``: [{"path", "size", "e_tag"}]."""
@@ -438,9 +412,3 @@ def size_of(url: str) -> int:
     if meta is None:
         raise FileNotFoundError(2, "no such object", url)
     return meta["size"]
-
-
-def entries(url: str) -> tuple:
-    """(sub-directories, {object name: meta}) right under ``url``."""
-    b, key = bucket_of(url)
-    return b.list_dirs(key)

@@ -260,7 +260,7 @@ class Replicator:
             return
         names = list_checkpoints(self.url)
         try:
-            keep = remote.basename(resolve(self.url))
+            keep = os.path.basename(resolve(self.url))
         except GockptError:
             keep = None
         for old in [n for n in names if n != keep][:max(0, len(names) - self.keep_last)]:
