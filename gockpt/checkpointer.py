@@ -139,7 +139,8 @@ class Checkpointer:
             if self.ranks.rank == 0:
                 self.replicator = Replicator(self.config.directory, self.config.remote,
                                              keep_last=self.config.remote_keep_last,
-                                             retry_s=self.config.remote_retry_s)
+                                             retry_s=self.config.remote_retry_s,
+                                             yield_to=self._copies_in_progress)
                 self.replicator.resume()
         self.digester = LiveDigests(self.device) if self.config.verify else None
         self.pipeline = Pipeline(self.config, self.capture, self.replayer, self.persister,
@@ -270,6 +271,15 @@ class Checkpointer:
         self.schedule.durable(job.metrics.blocked_s)
         if self.replicator is not None:
             self.replicator.submit(job.name)
+
+    def _copies_in_progress(self) -> Optional[threading.Event]:
+        """Any thread: the event that ends the current checkpoint's copies during training
+        (the time its hooks may block), None when none are in progress. The remote tier's
+        uploads pause until then, so that they never slow a checkpoint's copies down."""
+        job = self._job
+        if job is None or job.accounts_closed.is_set():
+            return None
+        return job.accounts_closed
 
     # ------------------------------------------------------------------ lifecycle
 

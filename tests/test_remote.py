@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
+import threading
 import uuid
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 import gockpt
 from gockpt import storage
 from gockpt.core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from gockpt.storage import remote
+from gockpt.storage import remote, replicate
 from gockpt.storage.format import CHUNK_BYTES_KEY
 from gockpt.storage.schema import is_small_tensor
 from gockpt.storage.commit import list_checkpoints, read_latest
@@ -85,21 +87,31 @@ def loads_equal(source, tag=None):
 
 class Faulty(remote.Bucket):
     """The real bucket, with ``fault(self, key)`` run before the first put of an object of the
-    checkpoint named ``at`` and ``heal(self)`` before the next put after that (the retry)."""
+    checkpoint named ``at`` (or of the object ``at`` = ``name/file``) and ``heal(self)`` before
+    the next request of the upload after that (the retry)."""
 
     at, fault, heal = None, None, None
     state: dict = {}
     latest_puts: list = []  # (name, every object of the checkpoint in the store when it was put)
 
-    def put_file(self, key, path, *, check=None):
+    def _heal(self):
         cls = type(self)
         if cls.state.get("faulted") and not cls.state.get("healed"):
             cls.state["healed"] = True
             cls.heal(self)
-        if f"/{cls.at}/" in f"/{key}" and not cls.state.get("faulted"):
+
+    def head(self, key):
+        self._heal()
+        return super().head(key)
+
+    def put_file(self, key, path, **kw):
+        cls = type(self)
+        self._heal()
+        if (f"/{cls.at}/" in f"/{key}" or key.endswith(f"/{cls.at}")) \
+                and not cls.state.get("faulted"):
             cls.state["faulted"] = True
             cls.fault(self, key)
-        return super().put_file(key, path, check=check)
+        return super().put_file(key, path, **kw)
 
     def put_bytes(self, key, data):
         if key.endswith("/latest"):
@@ -121,6 +133,10 @@ def every_object(directory, name):
     root = os.path.join(directory, name)
     return sorted(os.path.relpath(os.path.join(d, f), root)
                   for d, _, files in os.walk(root) for f in files)
+
+
+def every_file(directory, name):
+    return [os.path.join(directory, name, rel) for rel in every_object(directory, name)]
 
 
 # ------------------------------------------------------------------------------- round trips
@@ -220,10 +236,13 @@ def test_a_server_killed_mid_upload_leaves_the_previous_latest_and_the_upload_co
 
 def test_a_server_paused_past_the_timeout_fails_the_upload_and_it_is_retried(
         tmp_path, url, server):
+    """The server stops (SIGSTOP) right before the second checkpoint's manifest is put, after
+    its data object (a multipart upload) is in the store: the put times out, the retry finds
+    the data object holding the same bytes and sends only the manifest."""
     directory = str(tmp_path / "run")
     second = storage.checkpoint_name(4)
     remote.register(url, fast()["remote_options"],
-                    factory=faulty(second, lambda bucket, key: server.pause(),
+                    factory=faulty(f"{second}/manifest.json", lambda bucket, key: server.pause(),
                                    lambda bucket: server.resume()))
     model, opt = big_model()
     ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
@@ -234,9 +253,125 @@ def test_a_server_paused_past_the_timeout_fails_the_upload_and_it_is_retried(
         server.resume()
     ck.close()
     assert status.uploaded == [storage.checkpoint_name(2), second] and status.error is None
-    attempts = [u["attempts"] for u in gockpt.metrics.read(directory, record="upload")]
-    assert attempts[0] == 1 and attempts[1] >= 2
+    uploads = gockpt.metrics.read(directory, record="upload")
+    assert [u["attempts"] for u in uploads][0] == 1 and uploads[1]["attempts"] >= 2
+    data = os.path.join(directory, second, "data.safetensors")
+    assert os.path.getsize(data) > 5 << 20  # in parts: the ETag is the MD5 of their MD5s
+    assert uploads[0]["reused"] == [] \
+        and uploads[0]["bytes"] == sum(map(os.path.getsize, every_file(directory, uploads[0]["name"])))
+    assert uploads[1]["reused"] == ["data.safetensors"] \
+        and uploads[1]["bytes"] == os.path.getsize(os.path.join(directory, second, "manifest.json"))
     H.assert_same(loads_equal(url)[1], loads_equal(directory)[1])
+
+
+def test_a_checkpoint_deleted_locally_mid_upload_leaves_nothing_in_the_store(tmp_path, url):
+    """Local retention (or a user) deletes the second checkpoint after its data object reached
+    the store, before its manifest: the upload gives it up and deletes that object; the store's
+    latest stays on the first."""
+    directory = str(tmp_path / "run")
+    second = storage.checkpoint_name(4)
+    remote.register(url, fast()["remote_options"], factory=faulty(
+        f"{second}/manifest.json", lambda bucket, key: shutil.rmtree(os.path.join(directory, second)),
+        lambda bucket: None))
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
+    train(model, opt, ck, 4)
+    status = ck.wait_remote()
+    ck.close()
+    bucket, prefix = remote.bucket_of(url)
+    assert type(bucket).state.get("faulted")
+    assert status.uploaded == [storage.checkpoint_name(2)] and status.error is None
+    assert read_latest(url)[0] == storage.checkpoint_name(2)
+    assert bucket.list_all(f"{prefix}/{second}") == []
+
+
+class WatchesTheGate(remote.Bucket):
+    """The real bucket, noting whether ``busy`` was set or someone waited for the uploads at
+    each part read (right after the replicator's gate let it through)."""
+
+    entered = None  # set when the gate is first called
+    busy = None  # the event the replicator's yield_to gives
+    replicator = None
+    reads: list = []
+
+    def put_file(self, key, path, *, check=None, gate=None):
+        return super().put_file(key, path, check=check, gate=self._watched(gate))
+
+    def holds_file(self, key, path, *, check=None, gate=None):
+        return super().holds_file(key, path, check=check, gate=self._watched(gate))
+
+    def _watched(self, gate):
+        cls = type(self)
+
+        def watched():
+            cls.entered.set()
+            gate()
+            cls.reads.append(cls.busy.is_set() or cls.replicator._waiters > 0)
+        return watched
+
+
+def watching(directory, url, monkeypatch, hold_s):
+    """A Replicator of ``directory`` whose uploads yield to an event the test sets."""
+    monkeypatch.setattr(replicate, "MAX_HOLD_S", hold_s)
+    cls = type("Watching", (WatchesTheGate,), {"entered": threading.Event(),
+                                               "busy": threading.Event(), "reads": []})
+    remote.register(url, fast()["remote_options"], factory=cls)
+    cls.replicator = replicate.Replicator(directory, url, yield_to=lambda: cls.busy)
+    return cls, cls.replicator
+
+
+def test_uploads_pause_while_a_checkpoint_is_copied_during_training(tmp_path, url, monkeypatch):
+    """While training is in a checkpoint's copies (the time its hooks may block), no part of
+    an upload is read: the remote tier never competes with them. The test holds the copies
+    "in progress" until the upload has reached its first part, then ends them."""
+    directory = str(tmp_path / "run")
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2)
+    train(model, opt, ck, 2)
+    ck.close()
+    cls, rep = watching(directory, url, monkeypatch, hold_s=3600.0)
+    rep.submit(storage.checkpoint_name(2))
+    assert cls.entered.wait(60)
+    cls.busy.set()  # the copies end: the upload goes on
+    assert rep.wait(60)
+    rep.close()
+    assert rep.status().uploaded == [storage.checkpoint_name(2)]
+    assert len(cls.reads) > 1 and all(cls.reads), cls.reads  # the 28 MB file in 5 MiB parts
+
+
+def test_uploads_do_not_pause_while_someone_waits_for_them(tmp_path, url, monkeypatch):
+    """ck.wait_remote() while a window is open for a checkpoint whose step has not come:
+    training is not running, so the upload does not wait for those copies to end."""
+    directory = str(tmp_path / "run")
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2)
+    train(model, opt, ck, 2)
+    ck.close()
+    cls, rep = watching(directory, url, monkeypatch, hold_s=3600.0)
+    rep.submit(storage.checkpoint_name(2))
+    assert rep.wait(120)  # (would pause for the hour the busy event stays unset)
+    rep.close()
+    assert not cls.busy.is_set() and cls.reads and all(cls.reads)
+    assert rep.status().uploaded == [storage.checkpoint_name(2)]
+
+
+def test_the_checkpointer_names_its_copies_in_progress_to_the_remote_tier():
+    """gockpt-o over 3 steps for the checkpoint of step 6: from the window's first step to
+    the first hook after step 6 (which closes the checkpoint's accounts of blocked time) the
+    copies are in progress (an event the uploads wait for); before and after, none."""
+    model, opt, sched = H.build()
+    with tempfile.TemporaryDirectory() as d:
+        ck = gockpt.Checkpointer(model, opt, d, mode="gockpt-o", overlap_steps=3,
+                                 block_bytes=512, scheduler=sched)
+        seen = []
+        H.train_steps(model, opt, sched, 0, 8, ck, at=[6],
+                      on_boundary=lambda step, handle: seen.append(
+                          (step, ck._copies_in_progress() is not None)))
+        ck.wait()
+        assert ck._copies_in_progress() is None
+        ck.close()
+    busy = [step for step, b in seen if b]
+    assert busy == [4, 5, 6], seen
 
 
 def test_a_byte_flipped_in_the_store_is_a_named_error_at_load(tmp_path, url):
@@ -302,11 +437,28 @@ def test_a_training_process_killed_mid_upload_leaves_no_partial_latest_and_the_n
     assert read_latest(url)[0] == first  # the second is committed locally, not in the store
     assert list_checkpoints(url) == [first]
     assert storage.list_checkpoints(directory) == [first, second]
+    bucket, prefix = remote.bucket_of(url)
+    assert bucket.head(f"{prefix}/{second}/data.safetensors") is not None  # its data is there
+    # what such a run leaves of a checkpoint deleted locally since (a name no local checkpoint
+    # has): the next run deletes it, and nothing of the prefix that is not gockpt's
+    gone = storage.checkpoint_name(7)
+    local_data = os.path.join(directory, second, "data.safetensors")
+    bucket.put_file(f"{prefix}/{gone}/data.safetensors", local_data)
+    others = [f"{prefix}/notes/data.safetensors", f"{prefix}/{storage.checkpoint_name(8)}/x.txt"]
+    for key in others:
+        bucket.put_bytes(key, b"not gockpt's")
     out = subprocess.run(worker_command("remote_worker", "upload", directory, url),
                          env=worker_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["uploaded"] == [second]
+    result = json.loads(out.stdout)
+    assert result["uploaded"] == [second]
     assert read_latest(url)[0] == second
+    # the data object already in the store is not sent again: only the manifest is
+    record = result["records"][-1]
+    assert record["name"] == second and record["reused"] == ["data.safetensors"]
+    assert record["bytes"] == os.path.getsize(os.path.join(directory, second, "manifest.json"))
+    assert bucket.list_all(f"{prefix}/{gone}") == []
+    assert all(bucket.head(key) is not None for key in others)
     H.assert_same(loads_equal_small(url), loads_equal_small(directory))
 
 

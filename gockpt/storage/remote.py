@@ -169,71 +169,57 @@ class Bucket:
             res = obstore.put(self.store, key, data, use_multipart=False)
         except Exception as e:
             raise _storage_error(f"cannot upload {self.where(key)}", e) from e
-        _check_etag(self.where(key), res.get("e_tag"), [hashlib.md5(data).digest()], single=True)
+        _check_etag(self.where(key), res.get("e_tag"), [hashlib.md5(data).digest()], True)
         return res.get("e_tag")
 
     # ---------------------------------------------------------------- files
 
-    def put_file(self, key: str, path: str, *, check=None) -> int:
+    def put_file(self, key: str, path: str, *, check=None, gate=None) -> int:
         """Upload the local file ``path`` as object ``key`` in parts of ``part_bytes``
         (``concurrency`` in flight: memory is bounded), each part's MD5 computed as it is read
         and the store's ETag checked against them. ``check(offset, view)`` sees every byte read
         (in order) and raises to stop the upload before anything is completed -- the caller's
-        checksums of the local bytes. Returns the bytes uploaded."""
+        checksums of the local bytes. ``gate()`` is called before each part is read (it may
+        wait: the upload pauses). Returns the bytes uploaded."""
         import obstore
-        part = self.options.part_bytes
-        digests: list = []
-        total = [0]
-        refused: list = []  # what check() raised: obstore reports it wrapped in its own error
-
-        def parts() -> Iterator[memoryview]:
-            with open(path, "rb", buffering=0) as f:
-                while True:
-                    buf = bytearray(part)
-                    view = memoryview(buf)
-                    n = 0
-                    while n < part:
-                        got = f.readinto(view[n:])
-                        if not got:
-                            break
-                        n += got
-                    if n == 0 and total[0] > 0:
-                        return
-                    piece = view[:n]
-                    if check is not None:
-                        try:
-                            check(total[0], piece)
-                        except BaseException as e:
-                            refused.append(e)
-                            raise
-                    digests.append(hashlib.md5(piece).digest())
-                    total[0] += n
-                    yield piece
-                    if n < part:
-                        return
-
         size = os.path.getsize(path)
+        parts = _Parts(path, self.options.part_bytes, check, gate)
         try:
-            if size <= part:  # one request: the ETag is the MD5 of the whole
-                with open(path, "rb") as f:
-                    data = f.read()
-                if check is not None:
-                    check(0, memoryview(data))
+            if size <= parts.part:  # one request: the ETag is the MD5 of the whole
+                data = parts.whole()
                 self.put_bytes(key, data)
                 return len(data)
-            res = obstore.put(self.store, key, parts(), chunk_size=part,
+            res = obstore.put(self.store, key, iter(parts), chunk_size=parts.part,
                               max_concurrency=self.options.concurrency)
         except StorageError:
             raise
         except Exception as e:
-            if refused:
-                raise refused[0] from None
+            if parts.refused:
+                raise parts.refused[0] from None
             raise _storage_error(f"cannot upload {path!r} to {self.where(key)}", e) from e
-        _check_etag(self.where(key), res.get("e_tag"), digests, single=False)
-        if total[0] != size:
+        _check_etag(self.where(key), res.get("e_tag"), parts.digests, single=False)
+        if parts.total != size:
             raise StorageError(f"{path!r} changed size while it was uploaded to "
-                               f"{self.where(key)} ({size} -> {total[0]} bytes)")
-        return total[0]
+                               f"{self.where(key)} ({size} -> {parts.total} bytes)")
+        return parts.total
+
+    def holds_file(self, key: str, path: str, *, check=None, gate=None) -> bool:
+        """Whether object ``key`` already holds the bytes of the local file ``path``, as
+        :meth:`put_file` would have put them: the same size and an ETag equal to the MD5s of
+        the file read in parts of ``part_bytes`` (``check`` and ``gate`` as there). An
+        upload cut off after this object was complete then does not send it again; an ETag
+        that is no MD5 (some server-side encryption) is never taken for a match."""
+        meta = self.head(key)
+        if meta is None or meta["size"] != os.path.getsize(path) or not meta["e_tag"]:
+            return False
+        parts = _Parts(path, self.options.part_bytes, check, gate)
+        if meta["size"] <= parts.part:
+            digests, single = [hashlib.md5(parts.whole()).digest()], True
+        else:
+            for _ in parts:
+                pass
+            digests, single = parts.digests, False
+        return meta["e_tag"].strip('"').lower() == _expected_etag(digests, single)
 
     # ---------------------------------------------------------------- ranged reads
 
@@ -296,7 +282,7 @@ class Bucket:
         import obstore
         try:
             out = []
-            for batch in obstore.list(self.store, prefix=prefix + "/"):
+            for batch in obstore.list(self.store, prefix=prefix + "/" if prefix else None):
                 out.extend(batch)
             return out
         except FileNotFoundError:
@@ -345,23 +331,77 @@ def _storage_error(doing: str, e: BaseException) -> StorageError:
     return StorageError(f"{doing}: {_describe(e)}")
 
 
+def _expected_etag(digests: list, single: bool) -> str:
+    """The ETag an S3 store gives bytes sent in one request (the MD5 of the bytes) or in
+    parts (the MD5 of the parts' MD5s, with their count)."""
+    if single:
+        return digests[0].hex()
+    return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
+
+
 def _check_etag(where: str, etag, digests: list, single: bool) -> None:
-    """Raise StorageError unless the store's ``etag`` is the MD5 of the bytes sent (one
-    request) or the MD5 of the parts' MD5s with their count (a multipart upload). An ETag that
-    is no MD5 at all (some server-side encryption) is not compared."""
+    """Raise StorageError unless the store's ``etag`` is :func:`_expected_etag` of the bytes
+    sent. An ETag that is no MD5 at all (some server-side encryption) is not compared."""
     if not etag:
         return
     etag = etag.strip('"')
-    if single:
-        expected = digests[0].hex()
-    else:
-        expected = f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
+    expected = _expected_etag(digests, single)
     body = etag.split("-", 1)[0]
     if len(body) != 32 or any(c not in "0123456789abcdef" for c in body.lower()):
         return
     if etag.lower() != expected:
         raise StorageError(f"{where}: the store holds other bytes than were sent (ETag {etag}, "
                            f"expected {expected})")
+
+
+class _Parts:
+    """A local file read in parts of ``part`` bytes (each part a fresh buffer, so obstore may
+    hold several at once), ``gate()`` called before each read, every byte shown to
+    ``check(offset, view)`` in order and every part's MD5 kept. What ``check`` raised is kept
+    in ``refused`` (obstore wraps it)."""
+
+    def __init__(self, path: str, part: int, check=None, gate=None):
+        self.path, self.part, self.check, self.gate = path, part, check, gate
+        self.digests: list = []
+        self.total = 0
+        self.refused: list = []
+
+    def whole(self) -> bytes:
+        if self.gate is not None:
+            self.gate()
+        with open(self.path, "rb") as f:
+            data = f.read()
+        if self.check is not None:
+            self.check(0, memoryview(data))
+        self.total = len(data)
+        return data
+
+    def __iter__(self) -> Iterator[memoryview]:
+        with open(self.path, "rb", buffering=0) as f:
+            while True:
+                if self.gate is not None:
+                    self.gate()
+                view = memoryview(bytearray(self.part))
+                n = 0
+                while n < self.part:
+                    got = f.readinto(view[n:])
+                    if not got:
+                        break
+                    n += got
+                if n == 0 and self.total > 0:
+                    return
+                piece = view[:n]
+                if self.check is not None:
+                    try:
+                        self.check(self.total, piece)
+                    except BaseException as e:
+                        self.refused.append(e)
+                        raise
+                self.digests.append(hashlib.md5(piece).digest())
+                self.total += n
+                yield piece
+                if n < self.part:
+                    return
 
 
 _buckets: dict = {}

@@ -17,8 +17,15 @@ A failed upload (the store unreachable, paused past the request timeout, refusin
 retried with backoff (``Config.remote_retry_s``, doubled up to 5 minutes); training goes on,
 the previous remote ``latest`` stays. A Checkpointer opening a directory queues the committed
 checkpoints newer than the store's ``latest`` that the store lacks: a run killed mid-upload
-is completed by the next one. Each upload appends a record ``{"record": "upload", ...}`` to
-``metrics.jsonl`` (bytes, seconds, GB/s, attempts)."""
+is completed by the next one. A data object the store already holds with the same bytes
+(same size, ETag equal to the local file's part MD5s) is not sent again, so a retry or a
+resumed upload sends only what is missing; what a cut-off upload left of a checkpoint no
+upload will complete (deleted locally since) is deleted from the store.
+
+Uploads never compete with a checkpoint's copies: while training is inside one (the time
+its hooks may block), no part is read (at most ``MAX_HOLD_S`` at a time, and not while
+someone waits for the uploads). Each upload appends a record ``{"record": "upload", ...}`` to
+``metrics.jsonl`` (bytes sent, seconds, GB/s, the objects reused, attempts)."""
 
 from __future__ import annotations
 
@@ -26,22 +33,24 @@ import bisect
 import collections
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from ..core import metrics
 from ..core.errors import CorruptCheckpointError, GockptError
 from . import io as _io
 from . import remote
 from .commit import is_committed, list_checkpoints, read_latest, resolve
-from .format import CHUNK_BYTES_KEY, LATEST_FILE, MANIFEST_FILE, MANIFEST_MAX_BYTES, manifest_seal
+from .format import CHUNK_BYTES_KEY, DATA_FILE, LATEST_FILE, MANIFEST_FILE, MANIFEST_MAX_BYTES, manifest_seal
 from .reader import read_manifest, read_small_file
 
 log = logging.getLogger("gockpt")
 
 MAX_RETRY_S = 300.0
+MAX_HOLD_S = 10.0  # the longest an upload pauses for one checkpoint's copies
 
 
 @dataclass
@@ -71,8 +80,10 @@ class Replicator:
     """Uploads the committed checkpoints of ``directory`` to ``url`` in the background."""
 
     def __init__(self, directory: str, url: str, *, keep_last: Optional[int] = None,
-                 retry_s: float = 5.0):
+                 retry_s: float = 5.0,
+                 yield_to: Optional[Callable[[], Optional[threading.Event]]] = None):
         self.directory = directory
+        self.yield_to = yield_to  # what training is doing that uploads must not slow down
         self.url = url.rstrip("/")
         self.bucket, self.prefix = remote.bucket_of(self.url)  # (remote.register: the options)
         self.keep_last = keep_last
@@ -81,6 +92,7 @@ class Replicator:
         self._queue: collections.deque = collections.deque()
         self._status = RemoteStatus(self.url)
         self._stop = False
+        self._waiters = 0  # threads in wait(): the uploads do not pause for training then
         self._thread = threading.Thread(target=self._run, name="gockpt-remote", daemon=True)
         self._thread.start()
 
@@ -109,12 +121,16 @@ class Replicator:
         """Wait until nothing is left to upload (at most ``timeout`` seconds); whether so."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._queue or self._status.uploading:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
-            return True
+            self._waiters += 1
+            try:
+                while self._queue or self._status.uploading:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cv.wait(left)
+                return True
+            finally:
+                self._waiters -= 1
 
     def close(self, timeout: Optional[float] = 0.0) -> RemoteStatus:
         """Stop after waiting up to ``timeout`` seconds (``None``: until done) for the uploads;
@@ -197,6 +213,11 @@ class Replicator:
         if missing:
             log.info("gockpt: uploading %d checkpoint(s) an earlier run committed but did not "
                      "upload to %s: %s", len(missing), self.url, ", ".join(missing))
+        # what an upload cut off (a killed run) left of a checkpoint no upload will complete:
+        # not one of those just queued (their objects are reused), not committed in the store
+        with self._cv:
+            queued = set(n for n in self._queue if n is not _RESUME)
+        self._drop_leftovers([n for n in self._leftover_names() if n not in queued])
 
     def _in_store(self, name: str) -> bool:
         """Whether the store holds checkpoint ``name`` committed with the local manifest."""
@@ -211,33 +232,80 @@ class Replicator:
             return False
         return stored == data
 
+    def _leftover_names(self) -> list:
+        """The checkpoints the store holds objects of but no manifest (an upload cut off),
+        counting only what is surely gockpt's: a name of :func:`checkpoint_name`'s form or of
+        a local checkpoint, holding nothing but data files and parts' manifests."""
+        local = set(list_checkpoints(self.directory))
+        found: dict = collections.defaultdict(list)
+        for meta in self.bucket.list_all(self.prefix):
+            rel = meta["path"][len(self.prefix) + 1:] if self.prefix else meta["path"]
+            name, sep, rest = rel.partition("/")
+            if sep:
+                found[name].append(rest)
+        return sorted(name for name, rests in found.items()
+                      if (name in local or _STEP_NAME.fullmatch(name))
+                      and all(_LEFTOVER_OBJECT.fullmatch(r) for r in rests))
+
     def _key(self, *names: str) -> str:
         return "/".join([self.prefix, *names]) if self.prefix else "/".join(names)
 
     def _upload(self, name: str) -> bool:
-        """Upload checkpoint ``name``; False if it was deleted locally first (retention)."""
+        """Upload checkpoint ``name``; False if it was deleted locally first (retention). A data
+        object the store already holds with the same bytes (an upload cut off after it, by a
+        failure or a killed process) is not sent again."""
         path = os.path.join(self.directory, name)
         if not is_committed(path):
             log.info("gockpt: %s was deleted locally before it was uploaded", name)
+            self._drop_leftovers([name])
             return False
         t0 = time.perf_counter()
-        files = upload_order(path)
-        nbytes = 0
-        for rel, check in files:
-            nbytes += self.bucket.put_file(self._key(name, rel), os.path.join(path, rel),
-                                           check=check)
+        sent, reused = 0, []
+        try:
+            for rel, check in upload_order(path):
+                key, local = self._key(name, rel), os.path.join(path, rel)
+                if check is not None and self.bucket.holds_file(key, local, check=check,
+                                                                gate=self._gate):
+                    reused.append(rel)
+                    continue
+                sent += self.bucket.put_file(key, local, check=check, gate=self._gate)
+        except CorruptCheckpointError:
+            self._drop_leftovers([name])  # never retried: what it put would stay for good
+            raise
         seconds = time.perf_counter() - t0
         self._point_latest(name, path)
         self._apply_retention()
         with self._cv:
             attempts = self._status.attempts + 1
-        metrics.append_record(self.directory, {"record": "upload", "name": name, "url": self.url,
-                                        "bytes": nbytes, "seconds": seconds,
-                                        "gbps": nbytes / seconds / 1e9 if seconds > 0 else None,
-                                        "attempts": attempts, "time": time.time()})
-        log.info("gockpt: %s uploaded to %s (%.1f MB in %.2f s, %.2f GB/s)", name, self.url,
-                 nbytes / 1e6, seconds, nbytes / max(seconds, 1e-9) / 1e9)
+        metrics.append_record(self.directory, {
+            "record": "upload", "name": name, "url": self.url, "bytes": sent,
+            "seconds": seconds, "gbps": sent / seconds / 1e9 if seconds > 0 else None,
+            "reused": reused, "attempts": attempts, "time": time.time()})
+        log.info("gockpt: %s uploaded to %s (%.1f MB in %.2f s, %.2f GB/s%s)", name, self.url,
+                 sent / 1e6, seconds, sent / max(seconds, 1e-9) / 1e9,
+                 f"; {len(reused)} object(s) already there" if reused else "")
         return True
+
+    def _gate(self) -> None:
+        """Before each part is read: while training is in a checkpoint's copies (its blocked
+        time; ``yield_to`` gives the event that ends them), the upload pauses -- at most
+        MAX_HOLD_S at a time, so that back-to-back windows cannot starve it, and not while
+        someone waits for the uploads (:meth:`wait`: training is not running then)."""
+        busy = self.yield_to() if self.yield_to is not None else None
+        deadline = time.monotonic() + MAX_HOLD_S
+        while busy is not None and not busy.is_set() and time.monotonic() < deadline:
+            with self._cv:
+                if self._waiters or self._stop:
+                    return
+            busy.wait(0.05)  # (a waiter or close() is seen within 50 ms)
+
+    def _drop_leftovers(self, names: list) -> None:
+        """Delete what the store holds of each checkpoint in ``names`` unless it is committed
+        there: the objects of an upload that will never complete (nothing lists them as a
+        checkpoint, but they take space)."""
+        for name in names:
+            if not is_committed(f"{self.url}/{name}"):
+                self.bucket.delete_all(self._key(name))
 
     def _point_latest(self, name: str, path: str) -> None:
         """The store's ``latest`` -> ``name``, unless it names a checkpoint committed after
@@ -270,6 +338,10 @@ class Replicator:
 
 
 _RESUME = object()  # queue entry: look for checkpoints an earlier run left unuploaded
+_STEP_NAME = re.compile(r"step-\d{9,}")  # format.checkpoint_name's
+# the objects of a checkpoint whose upload was cut off before its manifest
+_LEFTOVER_OBJECT = re.compile(rf"(rank-\d{{5,}}/)?{re.escape(DATA_FILE)}|"
+                              rf"rank-\d{{5,}}/{re.escape(MANIFEST_FILE)}")
 
 
 def upload_order(path: str) -> list:
@@ -309,6 +381,8 @@ class _ChunkCheck:
         self.partial: dict = {}  # chunk index -> crc so far
 
     def __call__(self, offset: int, view: memoryview) -> None:
+        if offset == 0:  # read again from the start (Bucket.holds_file, then put_file)
+            self.partial.clear()
         end = offset + len(view)
         i = max(0, bisect.bisect_right(self.starts, offset) - 1)
         while i < len(self.bounds) and self.bounds[i][0] < end:

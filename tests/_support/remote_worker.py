@@ -3,9 +3,9 @@
     train DIR URL TOTAL KILL_AT   gockpt-o with the remote tier; checkpoints every 5 steps; at
                                   KILL_AT waits until the store holds them all, prints the
                                   losses and dies (SIGKILL)
-    hang DIR URL TOTAL            the same, but the upload of the second checkpoint stops inside
-                                  its first data object (prints "uploading <name>" and blocks):
-                                  the parent kills this process mid-upload
+    hang DIR URL TOTAL            the same, but the upload of the second checkpoint stops at its
+                                  manifest, its data in the store (prints "uploading <name>" and
+                                  blocks): the parent kills this process mid-upload
     upload DIR URL                a Checkpointer opened on DIR with the remote tier and closed,
                                   waiting for the uploads: what an earlier run left is uploaded
     resume SOURCE TOTAL           gockpt.load(SOURCE) (a directory or an s3:// URL), train on to
@@ -31,18 +31,19 @@ def checkpointer(model, opt, sched, directory, url):
 
 
 class HangsInSecondCheckpoint(remote.Bucket):
-    """Blocks for good inside the first data object of the second checkpoint it uploads."""
+    """Blocks for good at the put of the second uploaded checkpoint's manifest: its data
+    objects are in the store, the checkpoint is not."""
 
     seen: list = []
 
-    def put_file(self, key, path, *, check=None):
-        name = key.split("/")[-2] if key.count("/") >= 1 else key
+    def put_file(self, key, path, **kw):
+        name, file = key.split("/")[-2:]
         if name not in self.seen:
             self.seen.append(name)
-        if len(self.seen) == 2:
+        if len(self.seen) == 2 and file == "manifest.json":
             print(f"uploading {name}", flush=True)
             threading.Event().wait()
-        return super().put_file(key, path, check=check)
+        return super().put_file(key, path, **kw)
 
 
 def main():
@@ -69,7 +70,8 @@ def main():
         ck = gockpt.Checkpointer(model, opt, directory, mode="gockpt-o", scheduler=sched,
                                  remote=url, remote_wait_s=None)
         ck.close()
-        print(json.dumps({"uploaded": ck.remote_status().uploaded}))
+        print(json.dumps({"uploaded": ck.remote_status().uploaded,
+                          "records": gockpt.metrics.read(directory, record="upload")}))
         return
     start = 0
     if phase == "resume":
