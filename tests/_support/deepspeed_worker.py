@@ -33,6 +33,10 @@ import torch
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+if os.environ.get("GOCKPT_TEST_CPUINFO"):  # dist_ranks.cpu_info_env: the answer, asked once
+    import cpuinfo
+    _CPU_INFO = json.loads(os.environ["GOCKPT_TEST_CPUINFO"])
+    cpuinfo.get_cpu_info = lambda: dict(_CPU_INFO)
 
 
 def build(sc):
@@ -63,6 +67,13 @@ def build(sc):
         params = [{"params": [p for p in model.parameters() if p.dim() > 1]},
                   {"params": [p for p in model.parameters() if p.dim() == 1],
                    "weight_decay": 0.0}]
+    if sc.get("fp16"):
+        # DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16 kernels (this
+        # depends on the CPU: AMD EPYC has none, recent Xeons do), a matter of speed only --
+        # torch computes in fp16 on any CPU. The case is about the dynamic loss scaler's state,
+        # so it runs everywhere rather than only on some CI machines.
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().is_fp16_supported = lambda: True
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
     return engine
 
