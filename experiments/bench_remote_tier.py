@@ -22,14 +22,19 @@ Downloads of the same object:
 * local read       = ``read_tensors`` of the local checkpoint, page cache dropped if permitted
 
 And what training pays: a gockpt-o run of a small model on this CPU with checkpoints every
-``--interval`` steps, once without and once with the remote tier, the median blocked time
-per checkpoint from each run's ``metrics.jsonl`` (the uploads run behind training).
+``--interval`` steps, without the remote tier, with it, and with it but its uploads not
+pausing during a checkpoint's copies (what that pause is worth); the median blocked time per
+checkpoint from each run's ``metrics.jsonl`` (the uploads run behind training), the three
+run in turn three times and every checkpoint's value pooled.
+``--blocked-only`` measures just that; ``--pin`` puts the server on a core of its own (the
+last) and training on the others, as if the store were another machine.
 
 Loopback numbers say what the client and gockpt's checks cost on this machine's cores, not
 what a network gives; GB = 1e9 bytes. Each measurement is repeated ``--repeat`` times, the
 best reported.
 
 Usage: python experiments/bench_remote_tier.py --json OUT [--dir D] [--gb 1] [--repeat 3]
+       [--steps 100] [--interval 10] [--blocked-only] [--pin]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +60,7 @@ import gockpt  # noqa: E402
 from gockpt import storage  # noqa: E402
 from gockpt.storage import remote  # noqa: E402
 from gockpt.storage.format import fsync_path  # noqa: E402
+from gockpt.storage import replicate  # noqa: E402
 from gockpt.storage.replicate import upload_order  # noqa: E402
 from tests._support.s3server import S3Server  # noqa: E402
 
@@ -82,9 +89,12 @@ def checkpoint(root: str, gib: float) -> str:
     return storage.resolve(root)
 
 
-def blocked_per_checkpoint(root: str, url: str | None, steps: int, interval: int) -> float:
-    """Median blocked seconds per checkpoint of a gockpt-o run with (or without) the remote
-    tier."""
+def blocked_per_checkpoint(root: str, url: str | None, steps: int, interval: int,
+                           pause: bool = True) -> None:
+    """A gockpt-o run with (or without) the remote tier, its blocked time per checkpoint in
+    ``root``'s metrics; ``pause=False``: its uploads do not pause during a checkpoint's copies
+    (what the pause is worth)."""
+    replicate.MAX_HOLD_S = 10.0 if pause else 0.0
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -100,7 +110,7 @@ def blocked_per_checkpoint(root: str, url: str | None, steps: int, interval: int
         opt.zero_grad()
         ck.save_checkpoint(step + 1)
     ck.close()
-    return statistics.median(m["blocked_s"] for m in gockpt.metrics.read(root))
+    replicate.MAX_HOLD_S = 10.0
 
 
 def drop_cache(path: str) -> None:
@@ -111,13 +121,24 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
-def run(work: str, gib: float, repeat: int, steps: int, interval: int) -> dict:
+def run(work: str, gib: float, repeat: int, steps: int, interval: int,
+        blocked_only: bool = False, pin: bool = False) -> dict:
     server = S3Server(os.path.join(work, "s3"))
     server.start()
     os.environ.update(server.env())
+    if pin:  # the server on the last core, this process (every thread) on the others
+        cores = sorted(os.sched_getaffinity(0))
+        subprocess.run(["taskset", "-a", "-cp", str(cores[-1]), str(server.proc.pid)],
+                       check=True, capture_output=True)
+        subprocess.run(["taskset", "-a", "-cp", ",".join(map(str, cores[:-1])),
+                        str(os.getpid())], check=True, capture_output=True)
     try:
         server.create_bucket("bench")
         server.warm("bench")
+        out: dict = {}
+        if blocked_only:
+            out["blocked_s_per_checkpoint"] = blocked(work, steps, interval)
+            return out
         ckpt = checkpoint(os.path.join(work, "local"), gib)
         data = os.path.join(ckpt, storage.DATA_FILE)
         size = os.path.getsize(data)
@@ -127,8 +148,8 @@ def run(work: str, gib: float, repeat: int, steps: int, interval: int) -> dict:
         url = "s3://bench/ckpt"
         bucket, _ = remote.bucket_of(url)
         files = upload_order(ckpt)
-        out: dict = {"bytes": size, "part_bytes": bucket.options.part_bytes,
-                     "concurrency": bucket.options.concurrency, "upload_s": {}, "download_s": {}}
+        out.update({"bytes": size, "part_bytes": bucket.options.part_bytes,
+                    "concurrency": bucket.options.concurrency, "upload_s": {}, "download_s": {}})
 
         def gockpt_upload():
             for rel, chk in files:  # the data file checked, then the manifest
@@ -167,24 +188,42 @@ def run(work: str, gib: float, repeat: int, steps: int, interval: int) -> dict:
         out["download_s"]["local_read"] = best(local_read, repeat)
         for kind in ("upload_s", "download_s"):
             out[kind.replace("_s", "_gbps")] = {k: size / v / 1e9 for k, v in out[kind].items()}
-        out["blocked_s_per_checkpoint"] = {
-            "remote_off": blocked_per_checkpoint(os.path.join(work, "train-off"), None, steps,
-                                                 interval),
-            "remote_on": blocked_per_checkpoint(os.path.join(work, "train-on"),
-                                                "s3://bench/train", steps, interval)}
+        out["blocked_s_per_checkpoint"] = blocked(work, steps, interval)
         return out
     finally:
         server.stop()
 
 
+def blocked(work: str, steps: int, interval: int, rounds: int = 3) -> dict:
+    """Blocked time per checkpoint: the remote tier off, on, and on without its pause, run in
+    turn ``rounds`` times (the machine's drift spread over all three), every checkpoint's
+    value pooled per setting."""
+    settings = {"remote_off": (None, True), "remote_on": ("s3://bench/on", True),
+                "remote_on_unpaused": ("s3://bench/unpaused", False)}
+    pooled: dict = {k: [] for k in settings}
+    for r in range(rounds):
+        for key, (url, pause) in settings.items():
+            root = os.path.join(work, f"train-{key}-{r}")
+            blocked_per_checkpoint(root, url and f"{url}{r}", steps, interval, pause)
+            pooled[key] += [m["blocked_s"] for m in gockpt.metrics.read(root)]
+    return {k: {"median": statistics.median(v), "mean": statistics.mean(v), "n": len(v)}
+            for k, v in pooled.items()}
+
+
 def report(out: dict) -> None:
     for kind, base in (("upload_gbps", "obstore"), ("download_gbps", "obstore")):
-        rates = out[kind]
-        print(f"{kind[:-5]:>8}: " + "   ".join(
-            f"{k} {v:.2f} GB/s ({v / rates[base]:.2f}x obstore)" for k, v in rates.items()))
+        rates = out.get(kind)
+        if rates:
+            print(f"{kind[:-5]:>8}: " + "   ".join(
+                f"{k} {v:.2f} GB/s ({v / rates[base]:.2f}x obstore)" for k, v in rates.items()))
     b = out["blocked_s_per_checkpoint"]
-    print(f"blocked per checkpoint: remote off {b['remote_off'] * 1e3:.1f} ms, on "
-          f"{b['remote_on'] * 1e3:.1f} ms ({b['remote_on'] / max(b['remote_off'], 1e-9):.2f}x)")
+    for stat in ("median", "mean"):
+        off = max(b["remote_off"][stat], 1e-9)
+        print(f"blocked per checkpoint ({stat} of {b['remote_off']['n']}, pooled): remote off "
+              f"{off * 1e3:.1f} ms, on {b['remote_on'][stat] * 1e3:.1f} ms "
+              f"({b['remote_on'][stat] / off:.2f}x), on without the pause "
+              f"{b['remote_on_unpaused'][stat] * 1e3:.1f} ms "
+              f"({b['remote_on_unpaused'][stat] / off:.2f}x)")
 
 
 def main(argv=None) -> int:
@@ -194,13 +233,19 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=os.path.join(HERE, "out"))
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--interval", type=int, default=10)
+    ap.add_argument("--blocked-only", action="store_true",
+                    help="only the blocked time per checkpoint (no GB/s)")
+    ap.add_argument("--pin", action="store_true",
+                    help="the server on the last core, training on the others (as if the "
+                         "server were elsewhere)")
     args = ap.parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench-remote-", dir=args.dir)
     try:
-        out = run(work, args.gb, args.repeat, args.steps, args.interval)
+        out = run(work, args.gb, args.repeat, args.steps, args.interval, args.blocked_only,
+                  args.pin)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(out)
