@@ -16,7 +16,8 @@ import torch
 
 import gockpt
 from gockpt import storage
-from gockpt.core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from gockpt.core.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                                StorageError)
 from gockpt.storage import remote, replicate
 from gockpt.storage.format import CHUNK_BYTES_KEY
 from gockpt.storage.schema import is_small_tensor
@@ -264,15 +265,77 @@ def test_a_server_paused_past_the_timeout_fails_the_upload_and_it_is_retried(
     H.assert_same(loads_equal(url)[1], loads_equal(directory)[1])
 
 
+def test_an_object_of_the_same_size_but_other_bytes_is_sent_again(tmp_path, url):
+    """A data object in the store that has the local file's size but not its bytes (here one
+    byte flipped, in the same parts) is no reason to skip it: the upload sends it again and
+    the store's checkpoint loads as the local one."""
+    directory = str(tmp_path / "run")
+    name = storage.checkpoint_name(2)
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, remote_wait_s=None,
+                             **fast())
+    train(model, opt, ck, 2)
+    ck.close()
+    bucket, prefix = remote.bucket_of(url)
+    local = os.path.join(directory, name, "data.safetensors")
+    other = str(tmp_path / "other.safetensors")
+    shutil.copyfile(local, other)
+    with open(other, "r+b") as f:
+        f.seek(os.path.getsize(other) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+    bucket.put_file(f"{prefix}/{name}/data.safetensors", other)  # multipart, same size
+    for key in (f"{prefix}/{name}/manifest.json", f"{prefix}/latest"):  # as if cut off
+        bucket.delete(key)
+    ck = gockpt.Checkpointer(model, opt, directory, remote=url, remote_wait_s=None, **fast())
+    ck.close()
+    record = gockpt.metrics.read(directory, record="upload")[-1]
+    assert record["name"] == name and record["reused"] == []
+    assert record["bytes"] == sum(map(os.path.getsize, every_file(directory, name)))
+    H.assert_same(loads_equal(url)[1], loads_equal(directory)[1])
+
+
+class RefusesDeletes(remote.Bucket):
+    def delete_keys(self, keys):
+        raise StorageError("AccessDenied: the bucket's policy refuses DeleteObject")
+
+
+def test_a_store_that_refuses_deletes_keeps_leftovers_and_the_uploads_go_on(tmp_path, url,
+                                                                            caplog):
+    """Leftovers of a cut-off upload in a store that refuses deletes (object lock, no
+    DeleteObject permission) stay there, with a warning; every checkpoint is uploaded."""
+    directory = str(tmp_path / "run")
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2)
+    train(model, opt, ck, 2)
+    ck.close()
+    remote.register(url, fast()["remote_options"], factory=RefusesDeletes)
+    bucket, prefix = remote.bucket_of(url)
+    gone = f"{prefix}/{storage.checkpoint_name(1)}/data.safetensors"  # no such local checkpoint
+    bucket.put_bytes(gone, b"what a killed upload left")
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
+    train(model, opt, ck, 4, start=2)
+    status = ck.wait_remote(120)
+    ck.close()
+    assert status.uploaded == [storage.checkpoint_name(2), storage.checkpoint_name(4)]
+    assert status.error is None and bucket.head(gone) is not None
+    assert "could not delete what a cut-off upload left" in caplog.text
+
+
 def test_a_checkpoint_deleted_locally_mid_upload_leaves_nothing_in_the_store(tmp_path, url):
     """Local retention (or a user) deletes the second checkpoint after its data object reached
-    the store, before its manifest: the upload gives it up and deletes that object; the store's
-    latest stays on the first."""
+    the store, before its manifest: the upload gives it up and deletes that object (not an
+    object under the same name that is not gockpt's); the store's latest stays on the
+    first."""
     directory = str(tmp_path / "run")
     second = storage.checkpoint_name(4)
+    def delete_it(bucket, key):
+        shutil.rmtree(os.path.join(directory, second))
+        bucket.put_bytes(key.replace("manifest.json", "notes.txt"), b"not gockpt's")
+
     remote.register(url, fast()["remote_options"], factory=faulty(
-        f"{second}/manifest.json", lambda bucket, key: shutil.rmtree(os.path.join(directory, second)),
-        lambda bucket: None))
+        f"{second}/manifest.json", delete_it, lambda bucket: None))
     model, opt = big_model()
     ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
     train(model, opt, ck, 4)
@@ -282,23 +345,34 @@ def test_a_checkpoint_deleted_locally_mid_upload_leaves_nothing_in_the_store(tmp
     assert type(bucket).state.get("faulted")
     assert status.uploaded == [storage.checkpoint_name(2)] and status.error is None
     assert read_latest(url)[0] == storage.checkpoint_name(2)
-    assert bucket.list_all(f"{prefix}/{second}") == []
+    assert [o["path"] for o in bucket.list_all(f"{prefix}/{second}")] == \
+        [f"{prefix}/{second}/notes.txt"]  # gockpt's objects deleted, nothing else
 
 
 class WatchesTheGate(remote.Bucket):
-    """The real bucket, noting whether ``busy`` was set or someone waited for the uploads at
-    each part read (right after the replicator's gate let it through)."""
+    """The real bucket, noting at each part read (right after the replicator's gate let it
+    through) whether ``busy`` was set; ``go`` (if set up) holds the first put until the test
+    sets it; ``done`` is set when a ``latest`` is put (the last request of an upload)."""
 
     entered = None  # set when the gate is first called
     busy = None  # the event the replicator's yield_to gives
-    replicator = None
+    go = None
+    done = None
     reads: list = []
 
     def put_file(self, key, path, *, check=None, gate=None):
+        if type(self).go is not None:
+            type(self).go.wait()
         return super().put_file(key, path, check=check, gate=self._watched(gate))
 
     def holds_file(self, key, path, *, check=None, gate=None):
         return super().holds_file(key, path, check=check, gate=self._watched(gate))
+
+    def put_bytes(self, key, data):
+        etag = super().put_bytes(key, data)
+        if key.endswith("/latest"):
+            type(self).done.set()
+        return etag
 
     def _watched(self, gate):
         cls = type(self)
@@ -306,18 +380,18 @@ class WatchesTheGate(remote.Bucket):
         def watched():
             cls.entered.set()
             gate()
-            cls.reads.append(cls.busy.is_set() or cls.replicator._waiters > 0)
+            cls.reads.append(cls.busy.is_set())
         return watched
 
 
-def watching(directory, url, monkeypatch, hold_s):
-    """A Replicator of ``directory`` whose uploads yield to an event the test sets."""
+def watching(url, monkeypatch, hold_s, go=None):
+    """A bucket class for ``url`` that watches the replicator's gate (MAX_HOLD_S = hold_s)."""
     monkeypatch.setattr(replicate, "MAX_HOLD_S", hold_s)
-    cls = type("Watching", (WatchesTheGate,), {"entered": threading.Event(),
-                                               "busy": threading.Event(), "reads": []})
+    cls = type("Watching", (WatchesTheGate,), {
+        "entered": threading.Event(), "busy": threading.Event(), "done": threading.Event(),
+        "go": go, "reads": []})
     remote.register(url, fast()["remote_options"], factory=cls)
-    cls.replicator = replicate.Replicator(directory, url, yield_to=lambda: cls.busy)
-    return cls, cls.replicator
+    return cls
 
 
 def test_uploads_pause_while_a_checkpoint_is_copied_during_training(tmp_path, url, monkeypatch):
@@ -329,30 +403,58 @@ def test_uploads_pause_while_a_checkpoint_is_copied_during_training(tmp_path, ur
     ck = gockpt.Checkpointer(model, opt, directory, interval=2)
     train(model, opt, ck, 2)
     ck.close()
-    cls, rep = watching(directory, url, monkeypatch, hold_s=3600.0)
+    cls = watching(url, monkeypatch, hold_s=3600.0)
+    rep = replicate.Replicator(directory, url, yield_to=lambda: cls.busy)
     rep.submit(storage.checkpoint_name(2))
     assert cls.entered.wait(60)
+    assert cls.reads == []  # held at the gate: nothing read while the copies go on
     cls.busy.set()  # the copies end: the upload goes on
-    assert rep.wait(60)
-    rep.close()
+    assert cls.done.wait(60)  # (nobody waits on the replicator: the gate alone let it go)
+    rep.close(None)
     assert rep.status().uploaded == [storage.checkpoint_name(2)]
     assert len(cls.reads) > 1 and all(cls.reads), cls.reads  # the 28 MB file in 5 MiB parts
 
 
-def test_uploads_do_not_pause_while_someone_waits_for_them(tmp_path, url, monkeypatch):
-    """ck.wait_remote() while a window is open for a checkpoint whose step has not come:
-    training is not running, so the upload does not wait for those copies to end."""
+def test_uploads_pause_at_most_max_hold_s_for_one_checkpoints_copies(tmp_path, url,
+                                                                     monkeypatch):
+    """Copies that never end (a window left open) hold the uploads MAX_HOLD_S in all, not
+    per part: the whole upload goes on after one hold."""
     directory = str(tmp_path / "run")
     model, opt = big_model()
     ck = gockpt.Checkpointer(model, opt, directory, interval=2)
     train(model, opt, ck, 2)
     ck.close()
-    cls, rep = watching(directory, url, monkeypatch, hold_s=3600.0)
+    cls = watching(url, monkeypatch, hold_s=0.5)
+    rep = replicate.Replicator(directory, url, yield_to=lambda: cls.busy)
     rep.submit(storage.checkpoint_name(2))
-    assert rep.wait(120)  # (would pause for the hour the busy event stays unset)
-    rep.close()
-    assert not cls.busy.is_set() and cls.reads and all(cls.reads)
+    assert cls.done.wait(60)
+    rep.close(None)
     assert rep.status().uploaded == [storage.checkpoint_name(2)]
+    assert len(cls.reads) > 1 and not any(cls.reads)
+    (record,) = gockpt.metrics.read(directory, record="upload")
+    assert 0.5 <= record["paused_s"] < 0.5 * len(cls.reads), record  # one hold, not one per part
+
+
+def test_wait_remote_is_not_held_by_a_window_that_is_open(tmp_path, url, monkeypatch):
+    """ck.wait_remote() while a gockpt-o window is open for a checkpoint whose step has not
+    come: training is not running, the caller wants the uploads, so they do not pause for
+    those copies (which would end only when training goes on)."""
+    directory = str(tmp_path / "run")
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, directory, scheduler=sched)
+    H.train_steps(model, opt, sched, 0, 2, ck, force=[2])
+    ck.close()
+    go = threading.Event()  # the upload of step 2 starts once the window is open
+    watching(url, monkeypatch, hold_s=3600.0, go=go)
+    ck = gockpt.Checkpointer(model, opt, directory, mode="gockpt-o", overlap_steps=3,
+                             block_bytes=512, scheduler=sched, remote=url, **fast())
+    H.train_steps(model, opt, sched, 2, 6, ck, at=[8])
+    assert ck._copies_in_progress() is not None  # the window of step 8 is open
+    go.set()
+    status = ck.wait_remote(120)  # (would pause for the hour the window stays open)
+    assert status.uploaded == [storage.checkpoint_name(2)] and not status.pending
+    assert ck._copies_in_progress() is not None
+    ck.close()
 
 
 def test_the_checkpointer_names_its_copies_in_progress_to_the_remote_tier():

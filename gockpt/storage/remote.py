@@ -194,7 +194,7 @@ class Bucket:
         except StorageError:
             raise
         except Exception as e:
-            if parts.refused:
+            if parts.refused:  # the caller's check or gate stopped it
                 raise parts.refused[0] from None
             raise _storage_error(f"cannot upload {path!r} to {self.where(key)}", e) from e
         _check_etag(self.where(key), res.get("e_tag"), parts.digests, single=False)
@@ -291,14 +291,21 @@ class Bucket:
             raise _storage_error(f"cannot list {self.where(prefix)}", e) from e
 
     def delete_all(self, prefix: str) -> None:
-        """Delete every object under ``prefix/``."""
+        """Delete every object under ``prefix/`` (never the whole bucket: ``prefix`` empty is
+        refused)."""
+        if not prefix:
+            raise ValueError("delete_all needs a prefix: it never empties a whole bucket")
+        self.delete_keys([o["path"] for o in self.list_all(prefix)])
+
+    def delete_keys(self, keys: list) -> None:
+        """Delete the objects ``keys`` (1000 per request)."""
         import obstore
-        keys = [o["path"] for o in self.list_all(prefix)]
         try:
             for lo in range(0, len(keys), 1000):
                 obstore.delete(self.store, keys[lo:lo + 1000])
         except Exception as e:
-            raise _storage_error(f"cannot delete {self.where(prefix)}", e) from e
+            more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+            raise _storage_error(f"cannot delete {self.where(keys[0])}{more}", e) from e
 
     def delete(self, key: str) -> None:
         import obstore
@@ -357,8 +364,8 @@ def _check_etag(where: str, etag, digests: list, single: bool) -> None:
 class _Parts:
     """A local file read in parts of ``part`` bytes (each part a fresh buffer, so obstore may
     hold several at once), ``gate()`` called before each read, every byte shown to
-    ``check(offset, view)`` in order and every part's MD5 kept. What ``check`` raised is kept
-    in ``refused`` (obstore wraps it)."""
+    ``check(offset, view)`` in order and every part's MD5 kept. What ``check`` or ``gate``
+    raised is kept in ``refused`` (obstore wraps it)."""
 
     def __init__(self, path: str, part: int, check=None, gate=None):
         self.path, self.part, self.check, self.gate = path, part, check, gate
@@ -366,13 +373,21 @@ class _Parts:
         self.total = 0
         self.refused: list = []
 
+    def _kept(self, fn, *args) -> None:
+        """``fn(*args)``, keeping what it raises (obstore reports it wrapped in its own)."""
+        try:
+            fn(*args)
+        except BaseException as e:
+            self.refused.append(e)
+            raise
+
     def whole(self) -> bytes:
         if self.gate is not None:
-            self.gate()
+            self._kept(self.gate)
         with open(self.path, "rb") as f:
             data = f.read()
         if self.check is not None:
-            self.check(0, memoryview(data))
+            self._kept(self.check, 0, memoryview(data))
         self.total = len(data)
         return data
 
@@ -380,7 +395,7 @@ class _Parts:
         with open(self.path, "rb", buffering=0) as f:
             while True:
                 if self.gate is not None:
-                    self.gate()
+                    self._kept(self.gate)
                 view = memoryview(bytearray(self.part))
                 n = 0
                 while n < self.part:
@@ -392,11 +407,7 @@ class _Parts:
                     return
                 piece = view[:n]
                 if self.check is not None:
-                    try:
-                        self.check(self.total, piece)
-                    except BaseException as e:
-                        self.refused.append(e)
-                        raise
+                    self._kept(self.check, self.total, piece)
                 self.digests.append(hashlib.md5(piece).digest())
                 self.total += n
                 yield piece

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..core import metrics
-from ..core.errors import CorruptCheckpointError, GockptError
+from ..core.errors import CorruptCheckpointError, GockptError, StorageError
 from . import io as _io
 from . import remote
 from .commit import is_committed, list_checkpoints, read_latest, resolve
@@ -50,7 +50,7 @@ from .reader import read_manifest, read_small_file
 log = logging.getLogger("gockpt")
 
 MAX_RETRY_S = 300.0
-MAX_HOLD_S = 10.0  # the longest an upload pauses for one checkpoint's copies
+MAX_HOLD_S = 10.0  # the longest the uploads pause for one checkpoint's copies, in all
 
 
 @dataclass
@@ -93,6 +93,9 @@ class Replicator:
         self._status = RemoteStatus(self.url)
         self._stop = False
         self._waiters = 0  # threads in wait(): the uploads do not pause for training then
+        self._held: Optional[threading.Event] = None  # the copies the uploads last paused for
+        self._held_until = 0.0  # ... and until when at most
+        self._paused_s = 0.0  # paused in this upload
         self._thread = threading.Thread(target=self._run, name="gockpt-remote", daemon=True)
         self._thread.start()
 
@@ -168,6 +171,8 @@ class Replicator:
                     self._queue_missing()
                 else:
                     uploaded = self._upload(name)
+            except _Stopped:
+                return  # close(): what is left is the next run's (nothing half-put is visible)
             except BaseException as exc:  # noqa: BLE001 -- the thread must not die
                 with self._cv:
                     self._status.error = str(exc)
@@ -256,10 +261,9 @@ class Replicator:
         failure or a killed process) is not sent again."""
         path = os.path.join(self.directory, name)
         if not is_committed(path):
-            log.info("gockpt: %s was deleted locally before it was uploaded", name)
-            self._drop_leftovers([name])
-            return False
+            return self._given_up(name)
         t0 = time.perf_counter()
+        self._paused_s = 0.0
         sent, reused = 0, []
         try:
             for rel, check in upload_order(path):
@@ -272,40 +276,69 @@ class Replicator:
         except CorruptCheckpointError:
             self._drop_leftovers([name])  # never retried: what it put would stay for good
             raise
+        except (OSError, StorageError):
+            if not is_committed(path):  # deleted locally while it was read (retention)
+                return self._given_up(name)
+            raise
         seconds = time.perf_counter() - t0
         self._point_latest(name, path)
         self._apply_retention()
         with self._cv:
             attempts = self._status.attempts + 1
+        busy = seconds - self._paused_s  # the rate of the upload itself, not of its pauses
         metrics.append_record(self.directory, {
             "record": "upload", "name": name, "url": self.url, "bytes": sent,
-            "seconds": seconds, "gbps": sent / seconds / 1e9 if seconds > 0 else None,
+            "seconds": seconds, "paused_s": self._paused_s,
+            "gbps": sent / busy / 1e9 if busy > 0 else None,
             "reused": reused, "attempts": attempts, "time": time.time()})
         log.info("gockpt: %s uploaded to %s (%.1f MB in %.2f s, %.2f GB/s%s)", name, self.url,
-                 sent / 1e6, seconds, sent / max(seconds, 1e-9) / 1e9,
+                 sent / 1e6, seconds, sent / max(busy, 1e-9) / 1e9,
                  f"; {len(reused)} object(s) already there" if reused else "")
         return True
 
     def _gate(self) -> None:
         """Before each part is read: while training is in a checkpoint's copies (its blocked
         time; ``yield_to`` gives the event that ends them), the upload pauses -- at most
-        MAX_HOLD_S at a time, so that back-to-back windows cannot starve it, and not while
-        someone waits for the uploads (:meth:`wait`: training is not running then)."""
+        MAX_HOLD_S in all for one checkpoint's copies, so that long or back-to-back windows
+        cannot starve it, and not while someone waits for the uploads (:meth:`wait`: they are
+        wanted now). After close() it stops the upload (:class:`_Stopped`)."""
         busy = self.yield_to() if self.yield_to is not None else None
-        deadline = time.monotonic() + MAX_HOLD_S
-        while busy is not None and not busy.is_set() and time.monotonic() < deadline:
+        if busy is not None and busy is not self._held:
+            self._held, self._held_until = busy, time.monotonic() + MAX_HOLD_S
+        while True:
             with self._cv:
-                if self._waiters or self._stop:
+                if self._stop:
+                    raise _Stopped()
+                if self._waiters:
                     return
+            if busy is None or busy.is_set() or time.monotonic() >= self._held_until:
+                return
+            t0 = time.monotonic()
             busy.wait(0.05)  # (a waiter or close() is seen within 50 ms)
+            self._paused_s += time.monotonic() - t0
+
+    def _given_up(self, name: str) -> bool:
+        """Checkpoint ``name`` was deleted locally before its upload completed: not uploaded."""
+        log.info("gockpt: %s was deleted locally before it was uploaded", name)
+        self._drop_leftovers([name])
+        return False
 
     def _drop_leftovers(self, names: list) -> None:
         """Delete what the store holds of each checkpoint in ``names`` unless it is committed
-        there: the objects of an upload that will never complete (nothing lists them as a
-        checkpoint, but they take space)."""
+        there: gockpt's objects of an upload that will never complete (nothing lists them as a
+        checkpoint, but they take space). Best effort: a store that refuses (no delete
+        permission, object lock) keeps them, with a warning; uploads go on."""
         for name in names:
-            if not is_committed(f"{self.url}/{name}"):
-                self.bucket.delete_all(self._key(name))
+            try:
+                if is_committed(f"{self.url}/{name}"):
+                    continue
+                prefix = self._key(name)
+                keys = [o["path"] for o in self.bucket.list_all(prefix)
+                        if _LEFTOVER_OBJECT.fullmatch(o["path"][len(prefix) + 1:])]
+                self.bucket.delete_keys(keys)
+            except StorageError as e:
+                log.warning("gockpt: could not delete what a cut-off upload left of %s in %s "
+                            "(%s); it stays there, unlisted", name, self.url, e)
 
     def _point_latest(self, name: str, path: str) -> None:
         """The store's ``latest`` -> ``name``, unless it names a checkpoint committed after
@@ -335,6 +368,10 @@ class Replicator:
             # the manifest first: from then on it is no checkpoint, whatever is left of it
             self.bucket.delete(self._key(old, MANIFEST_FILE))
             self.bucket.delete_all(self._key(old))
+
+
+class _Stopped(Exception):
+    """close() was called: the upload in progress stops before its next part."""
 
 
 _RESUME = object()  # queue entry: look for checkpoints an earlier run left unuploaded
