@@ -90,16 +90,18 @@ def checkpoint(root: str, gib: float) -> str:
 
 
 def blocked_per_checkpoint(root: str, url: str | None, steps: int, interval: int,
-                           pause: bool = True) -> None:
+                           pause: bool = True, link_gbps: float | None = None) -> None:
     """A gockpt-o run with (or without) the remote tier, its blocked time per checkpoint in
     ``root``'s metrics; ``pause=False``: its uploads do not pause during a checkpoint's copies
-    (what the pause is worth)."""
+    (what the pause is worth); ``link_gbps``: the copies paced as through a device link
+    (``Config.emulate_link_gbps``)."""
     replicate.MAX_HOLD_S = 10.0 if pause else 0.0
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     extra = {"remote": url, "remote_wait_s": None} if url else {}
-    ck = gockpt.Checkpointer(model, opt, root, mode="gockpt-o", interval=interval, **extra)
+    ck = gockpt.Checkpointer(model, opt, root, mode="gockpt-o", interval=interval,
+                             emulate_link_gbps=link_gbps, **extra)
     x = torch.randn(64, 1024)
     for step in range(steps):
         loss = model(x).square().mean()
@@ -122,7 +124,7 @@ def drop_cache(path: str) -> None:
 
 
 def run(work: str, gib: float, repeat: int, steps: int, interval: int,
-        blocked_only: bool = False, pin: bool = False) -> dict:
+        blocked_only: bool = False, pin: bool = False, link_gbps: float | None = None) -> dict:
     server = S3Server(os.path.join(work, "s3"))
     server.start()
     os.environ.update(server.env())
@@ -137,7 +139,7 @@ def run(work: str, gib: float, repeat: int, steps: int, interval: int,
         server.warm("bench")
         out: dict = {}
         if blocked_only:
-            out["blocked_s_per_checkpoint"] = blocked(work, steps, interval)
+            out["blocked_s_per_checkpoint"] = blocked(work, steps, interval, link_gbps=link_gbps)
             return out
         ckpt = checkpoint(os.path.join(work, "local"), gib)
         data = os.path.join(ckpt, storage.DATA_FILE)
@@ -188,13 +190,14 @@ def run(work: str, gib: float, repeat: int, steps: int, interval: int,
         out["download_s"]["local_read"] = best(local_read, repeat)
         for kind in ("upload_s", "download_s"):
             out[kind.replace("_s", "_gbps")] = {k: size / v / 1e9 for k, v in out[kind].items()}
-        out["blocked_s_per_checkpoint"] = blocked(work, steps, interval)
+        out["blocked_s_per_checkpoint"] = blocked(work, steps, interval, link_gbps=link_gbps)
         return out
     finally:
         server.stop()
 
 
-def blocked(work: str, steps: int, interval: int, rounds: int = 3) -> dict:
+def blocked(work: str, steps: int, interval: int, rounds: int = 3,
+            link_gbps: float | None = None) -> dict:
     """Blocked time per checkpoint: the remote tier off, on, and on without its pause, run in
     turn ``rounds`` times (the machine's drift spread over all three), every checkpoint's
     value pooled per setting."""
@@ -204,7 +207,8 @@ def blocked(work: str, steps: int, interval: int, rounds: int = 3) -> dict:
     for r in range(rounds):
         for key, (url, pause) in settings.items():
             root = os.path.join(work, f"train-{key}-{r}")
-            blocked_per_checkpoint(root, url and f"{url}{r}", steps, interval, pause)
+            blocked_per_checkpoint(root, url and f"{url}{r}", steps, interval, pause,
+                                   link_gbps)
             pooled[key] += [m["blocked_s"] for m in gockpt.metrics.read(root)]
     return {k: {"median": statistics.median(v), "mean": statistics.mean(v), "n": len(v)}
             for k, v in pooled.items()}
@@ -237,6 +241,9 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=int, default=10)
     ap.add_argument("--blocked-only", action="store_true",
                     help="only the blocked time per checkpoint (no GB/s)")
+    ap.add_argument("--link-gbps", type=float, default=None,
+                    help="pace the training's copies as through a device link of this many "
+                         "GB/s (the regime of a GPU; default: memcpys)")
     ap.add_argument("--pin", action="store_true",
                     help="the server on the last core, training on the others (as if the "
                          "server were elsewhere)")
@@ -245,7 +252,7 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="bench-remote-", dir=args.dir)
     try:
         out = run(work, args.gb, args.repeat, args.steps, args.interval, args.blocked_only,
-                  args.pin)
+                  args.pin, args.link_gbps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(out)
