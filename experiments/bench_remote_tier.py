@@ -124,10 +124,14 @@ def drop_cache(path: str) -> None:
 
 
 def run(work: str, gib: float, repeat: int, steps: int, interval: int,
-        blocked_only: bool = False, pin: bool = False, link_gbps: float | None = None) -> dict:
+        blocked_only: bool = False, pin: bool = False, link_gbps: float | None = None,
+        nice_server: bool = False) -> dict:
     server = S3Server(os.path.join(work, "s3"))
     server.start()
     os.environ.update(server.env())
+    if nice_server:  # every thread of the server at the lowest priority: as if elsewhere
+        for tid in os.listdir(f"/proc/{server.proc.pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), 19)
     if pin:  # the server on the last core, this process (every thread) on the others
         cores = sorted(os.sched_getaffinity(0))
         subprocess.run(["taskset", "-a", "-cp", str(cores[-1]), str(server.proc.pid)],
@@ -244,6 +248,9 @@ def main(argv=None) -> int:
     ap.add_argument("--link-gbps", type=float, default=None,
                     help="pace the training's copies as through a device link of this many "
                          "GB/s (the regime of a GPU; default: memcpys)")
+    ap.add_argument("--nice-server", action="store_true",
+                    help="the server's threads at the lowest CPU priority (nice 19), as if it "
+                         "ran on another machine")
     ap.add_argument("--pin", action="store_true",
                     help="the server on the last core, training on the others (as if the "
                          "server were elsewhere)")
@@ -252,7 +259,7 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="bench-remote-", dir=args.dir)
     try:
         out = run(work, args.gb, args.repeat, args.steps, args.interval, args.blocked_only,
-                  args.pin, args.link_gbps)
+                  args.pin, args.link_gbps, args.nice_server)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(out)

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import uuid
@@ -321,6 +322,28 @@ def test_a_store_that_refuses_deletes_keeps_leftovers_and_the_uploads_go_on(tmp_
     assert status.uploaded == [storage.checkpoint_name(2), storage.checkpoint_name(4)]
     assert status.error is None and bucket.head(gone) is not None
     assert "could not delete what a cut-off upload left" in caplog.text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread priorities: Linux")
+def test_the_uploads_run_at_the_lowest_cpu_priority(tmp_path, url):
+    """The replicator's thread and obstore's runtime threads run at nice 19 (training's
+    threads go first where they compete for a core); the training thread is left as it was."""
+    directory = str(tmp_path / "run")
+    model, opt = big_model()
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
+    train(model, opt, ck, 2)
+    assert ck.wait_remote(120).uploaded == [storage.checkpoint_name(2)]
+    names = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names[int(tid)] = f.read().strip()
+    runtime = [t for t, n in names.items() if n.startswith("tokio-")]
+    assert runtime, names
+    uploaders = [ck.replicator._thread.native_id] + runtime
+    assert {os.getpriority(os.PRIO_PROCESS, t) for t in uploaders} == {replicate.UPLOAD_NICE}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    ck.close()
 
 
 def test_a_checkpoint_deleted_locally_mid_upload_leaves_nothing_in_the_store(tmp_path, url):

@@ -22,10 +22,12 @@ is completed by the next one. A data object the store already holds with the sam
 resumed upload sends only what is missing; what a cut-off upload left of a checkpoint no
 upload will complete (deleted locally since) is deleted from the store.
 
-Uploads never compete with a checkpoint's copies: while training is inside one (the time
-its hooks may block), no part is read (at most ``MAX_HOLD_S`` at a time, and not while
-someone waits for the uploads). Each upload appends a record ``{"record": "upload", ...}`` to
-``metrics.jsonl`` (bytes sent, seconds, GB/s, the objects reused, attempts)."""
+Uploads keep out of training's way: while training is inside a checkpoint's copies (the
+time its hooks may block), no part is read (at most ``MAX_HOLD_S`` in all for one
+checkpoint's copies, and not while someone waits for the uploads), and the uploads' threads
+run at the lowest CPU priority. Each upload appends a record ``{"record": "upload", ...}`` to
+``metrics.jsonl`` (bytes sent, seconds, seconds paused, GB/s while not paused, the objects
+reused, attempts)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import collections
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +54,7 @@ log = logging.getLogger("gockpt")
 
 MAX_RETRY_S = 300.0
 MAX_HOLD_S = 10.0  # the longest the uploads pause for one checkpoint's copies, in all
+UPLOAD_NICE = 19  # the CPU priority of the uploads' threads (Linux nice: the lowest)
 
 
 @dataclass
@@ -157,6 +161,7 @@ class Replicator:
 
     def _run(self) -> None:
         delay = self.retry_s
+        _lower_priority()
         while True:
             with self._cv:
                 while not self._queue and not self._stop:
@@ -262,6 +267,7 @@ class Replicator:
         path = os.path.join(self.directory, name)
         if not is_committed(path):
             return self._given_up(name)
+        _lower_priority()  # (obstore's runtime threads start with the first request)
         t0 = time.perf_counter()
         self._paused_s = 0.0
         sent, reused = 0, []
@@ -368,6 +374,24 @@ class Replicator:
             # the manifest first: from then on it is no checkpoint, whatever is left of it
             self.bucket.delete(self._key(old, MANIFEST_FILE))
             self.bucket.delete_all(self._key(old))
+
+
+def _lower_priority() -> None:
+    """The uploads' threads -- this one and obstore's runtime threads -- at the lowest CPU
+    priority (nice ``UPLOAD_NICE``): where they compete with training for a core, training's
+    threads go first; idle cores still serve the uploads at full speed. Linux only (a thread
+    is a task there; elsewhere nothing changes). obstore's runtime serves this process's reads
+    too: they run at that priority from then on (a load does not compete with training)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UPLOAD_NICE)
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith("tokio-"):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), UPLOAD_NICE)
+    except OSError:  # a task gone meanwhile, or a /proc not mounted: priority as it was
+        pass
 
 
 class _Stopped(Exception):
