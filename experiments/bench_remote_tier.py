@@ -34,7 +34,8 @@ what a network gives; GB = 1e9 bytes. Each measurement is repeated ``--repeat`` 
 best reported.
 
 Usage: python experiments/bench_remote_tier.py --json OUT [--dir D] [--gb 1] [--repeat 3]
-       [--steps 100] [--interval 10] [--blocked-only] [--pin]
+       [--steps 100] [--interval 10] [--blocked-only] [--pin] [--nice-server]
+       [--link-gbps G] [--device cuda] [--mode M] [--width W]
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def checkpoint(root: str, gib: float) -> str:
     return storage.resolve(root)
 
 
+TRAIN = {"device": "cpu", "mode": "gockpt-o", "width": 1024}  # main(): --device, --mode, --width
+
+
 def blocked_per_checkpoint(root: str, url: str | None, steps: int, interval: int,
                            pause: bool = True, link_gbps: float | None = None) -> None:
     """A gockpt-o run with (or without) the remote tier, its blocked time per checkpoint in
@@ -97,12 +101,13 @@ def blocked_per_checkpoint(root: str, url: str | None, steps: int, interval: int
     (``Config.emulate_link_gbps``)."""
     replicate.MAX_HOLD_S = 10.0 if pause else 0.0
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    width, device = TRAIN["width"], TRAIN["device"]
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     extra = {"remote": url, "remote_wait_s": None} if url else {}
-    ck = gockpt.Checkpointer(model, opt, root, mode="gockpt-o", interval=interval,
+    ck = gockpt.Checkpointer(model, opt, root, mode=TRAIN["mode"], interval=interval,
                              emulate_link_gbps=link_gbps, **extra)
-    x = torch.randn(64, 1024)
+    x = torch.randn(64, width, device=device)
     for step in range(steps):
         loss = model(x).square().mean()
         ck.backward_begin()
@@ -248,6 +253,12 @@ def main(argv=None) -> int:
     ap.add_argument("--link-gbps", type=float, default=None,
                     help="pace the training's copies as through a device link of this many "
                          "GB/s (the regime of a GPU; default: memcpys)")
+    ap.add_argument("--device", default="cpu", help="where the blocked-time runs train "
+                    "(cuda: the regime gockpt is for; the uploads then compete with nothing "
+                    "on the device)")
+    ap.add_argument("--mode", default="gockpt-o", help="gockpt's mode in those runs")
+    ap.add_argument("--width", type=int, default=1024,
+                    help="of the 8 Linear layers trained (state: 8 x width^2 x 16 bytes)")
     ap.add_argument("--nice-server", action="store_true",
                     help="the server's threads at the lowest CPU priority (nice 19), as if it "
                          "ran on another machine")
@@ -255,6 +266,7 @@ def main(argv=None) -> int:
                     help="the server on the last core, training on the others (as if the "
                          "server were elsewhere)")
     args = ap.parse_args(argv)
+    TRAIN.update(device=args.device, mode=args.mode, width=args.width)
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench-remote-", dir=args.dir)
     try:
@@ -262,6 +274,8 @@ def main(argv=None) -> int:
                   args.pin, args.link_gbps, args.nice_server)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    out["train"] = dict(TRAIN, steps=args.steps, interval=args.interval,
+                        link_gbps=args.link_gbps, pin=args.pin, nice_server=args.nice_server)
     report(out)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=2)

@@ -2,6 +2,7 @@
 # One round on a lent GPU machine (issue #23), in one device call; everything lands in $OUT.
 #
 #   here:        ../shared/tools/gpu_wheels.sh            # fills .whl/ (DeepSpeed and its deps)
+#                scripts/gpu_remote_wheels.sh             # adds obstore and weed (remote tier)
 #   device call: bash scripts/gpu_round.sh                # carry: [".whl"]
 #
 # Builds gockpt._C with the machine's python3 (torch with CUDA), installs the DeepSpeed wheels
@@ -9,7 +10,8 @@
 # through them), then runs, each with its own log: the CUDA tests (tests/gpu: every mode on
 # torch's AdamW, the probe, a killed run resumed, DeepSpeed's engines incl. its own CUDA
 # FusedAdam with its moments replayed and parameters copied at F), the golden replay tests,
-# the never-wrong and partial-replay tests, and the side-by-side benchmark on the GPU.
+# the never-wrong and partial-replay tests, the side-by-side benchmark on the GPU, and the
+# remote tier's blocked time (when weed was carried).
 # A failing step does not stop the next ones; the exit status is the number of failed steps.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_round}
@@ -42,5 +44,15 @@ step golden python3 -m pytest -q -p no:cacheprovider tests/replay
 step never_wrong python3 -m pytest -q -p no:cacheprovider tests/test_never_wrong.py \
     tests/test_partial_replay.py tests/capture
 step bench_gpu python3 experiments/bench_gpu.py --json "$OUT/bench_gpu.json"
+# The remote tier (issue #22): blocked time per checkpoint with it off, on, and on without its
+# pause, training on the GPU, SeaweedFS on this machine's other cores (scripts/gpu_remote_wheels.sh
+# carries obstore and weed in .whl/).
+if [ -x /tmp/site/bin/weed ]; then
+    export PATH=/tmp/site/bin:$PATH
+    for mode in gockpt-o async-o; do
+        step "bench_remote_$mode" python3 experiments/bench_remote_tier.py --blocked-only \
+            --device cuda --mode "$mode" --width 2048 --json "$OUT/bench_remote_$mode.json"
+    done
+fi
 echo "failed steps: $failed" | tee -a "$OUT/summary.txt"
 exit $failed
