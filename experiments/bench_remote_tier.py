@@ -25,16 +25,20 @@ And what training pays: a gockpt-o run of a small model on this CPU with checkpo
 ``--interval`` steps, without the remote tier, with it, and with it but its uploads not
 pausing during a checkpoint's copies (what that pause is worth); the median blocked time per
 checkpoint from each run's ``metrics.jsonl`` (the uploads run behind training), the three
-run in turn three times and every checkpoint's value pooled.
-``--blocked-only`` measures just that; ``--pin`` puts the server on a core of its own (the
-last) and training on the others, as if the store were another machine.
+run in turn three times and every checkpoint's value pooled. It also says whether the
+uploads keep up (an upload shorter than the time between checkpoints: 40 steps by default
+here) or fall behind (``--interval 10``: each upload then overlaps the next checkpoint's
+copies, and the store gets ever further behind). ``--blocked-only`` measures just that;
+``--pin`` puts the server on a core of its own (the last) and training on the others,
+``--nice-server`` gives it the lowest priority (either: as if it ran on another machine);
+``--link-gbps`` paces the copies like a device link; ``--device cuda`` trains on a GPU.
 
 Loopback numbers say what the client and gockpt's checks cost on this machine's cores, not
 what a network gives; GB = 1e9 bytes. Each measurement is repeated ``--repeat`` times, the
 best reported.
 
 Usage: python experiments/bench_remote_tier.py --json OUT [--dir D] [--gb 1] [--repeat 3]
-       [--steps 100] [--interval 10] [--blocked-only] [--pin] [--nice-server]
+       [--steps 400] [--interval 40] [--blocked-only] [--pin] [--nice-server]
        [--link-gbps G] [--device cuda] [--mode M] [--width W]
 """
 
@@ -213,13 +217,22 @@ def blocked(work: str, steps: int, interval: int, rounds: int = 3,
     settings = {"remote_off": (None, True), "remote_on": ("s3://bench/on", True),
                 "remote_on_unpaused": ("s3://bench/unpaused", False)}
     pooled: dict = {k: [] for k in settings}
+    uploads: dict = {k: [] for k in settings}  # seconds of each upload
+    walls: dict = {k: [] for k in settings}  # seconds of each run
     for r in range(rounds):
         for key, (url, pause) in settings.items():
             root = os.path.join(work, f"train-{key}-{r}")
+            t0 = time.perf_counter()
             blocked_per_checkpoint(root, url and f"{url}{r}", steps, interval, pause,
                                    link_gbps)
+            walls[key].append(time.perf_counter() - t0)
             pooled[key] += [m["blocked_s"] for m in gockpt.metrics.read(root)]
-    return {k: {"median": statistics.median(v), "mean": statistics.mean(v), "n": len(v)}
+            uploads[key] += [m["seconds"] for m in gockpt.metrics.read(root, record="upload")]
+    # the time between checkpoints, from the runs without the tier (its close waits for none)
+    between = statistics.median(walls["remote_off"]) / steps * interval
+    return {k: {"median": statistics.median(v), "mean": statistics.mean(v), "n": len(v),
+                "upload_s": statistics.median(uploads[k]) if uploads[k] else None,
+                "between_checkpoints_s": between}
             for k, v in pooled.items()}
 
 
@@ -230,6 +243,12 @@ def report(out: dict) -> None:
             print(f"{kind[:-5]:>8}: " + "   ".join(
                 f"{k} {v:.2f} GB/s ({v / rates[base]:.2f}x obstore)" for k, v in rates.items()))
     b = out["blocked_s_per_checkpoint"]
+    on = b["remote_on"]
+    keeps_up = on["upload_s"] < on["between_checkpoints_s"]
+    print(f"a checkpoint every {on['between_checkpoints_s']:.2f} s, an upload took "
+          f"{on['upload_s']:.2f} s (median): " + (
+              "the uploads keep up" if keeps_up else
+              "the uploads fall behind, each overlapping the next checkpoint's copies"))
     for stat in ("median", "mean"):
         off = max(b["remote_off"][stat], 1e-9)
         print(f"blocked per checkpoint ({stat} of {b['remote_off']['n']}, pooled): remote off "
@@ -246,8 +265,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=os.path.join(HERE, "out"))
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--interval", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--interval", type=int, default=40)
     ap.add_argument("--blocked-only", action="store_true",
                     help="only the blocked time per checkpoint (no GB/s)")
     ap.add_argument("--link-gbps", type=float, default=None,

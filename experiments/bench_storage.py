@@ -510,7 +510,7 @@ def main(argv=None) -> int:
         import bench_remote_tier
         work = tempfile.mkdtemp(prefix="bench-remote-", dir=args.dir)
         try:
-            result["remote"] = bench_remote_tier.run(work, args.gb, args.repeat, 100, 10)
+            result["remote"] = bench_remote_tier.run(work, args.gb, args.repeat, 400, 40)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         bench_remote_tier.report(result["remote"])

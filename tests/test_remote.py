@@ -346,6 +346,57 @@ def test_the_uploads_run_at_the_lowest_cpu_priority(tmp_path, url):
     ck.close()
 
 
+class HeldAtFirstPut(remote.Bucket):
+    """The real bucket; the first put waits until the test sets ``go`` (``entered`` says it
+    is there): meanwhile the test commits more checkpoints than the store takes."""
+
+    entered, go = None, None
+
+    def put_file(self, key, path, **kw):
+        type(self).entered.set()
+        type(self).go.wait()
+        return super().put_file(key, path, **kw)
+
+
+def behind(url, directory, n, keep_last):
+    """``n`` local checkpoints (steps 2, 4, ...) submitted to a Replicator whose first upload
+    is held until all are queued; returns (names, status when done, the store's list)."""
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2)
+    train(model, opt, ck, 2 * n)
+    ck.close()
+    names = [storage.checkpoint_name(2 * i) for i in range(1, n + 1)]
+    cls = type("Held", (HeldAtFirstPut,), {"entered": threading.Event(), "go": threading.Event()})
+    remote.register(url, fast()["remote_options"], factory=cls)
+    rep = replicate.Replicator(directory, url, keep_last=keep_last)
+    rep.submit(names[0])
+    assert cls.entered.wait(60)  # the first upload is under way
+    for name in names[1:]:
+        rep.submit(name)
+    queued = rep.status()
+    cls.go.set()
+    assert rep.wait(120)
+    rep.close()
+    return names, queued, rep.status(), list_checkpoints(url)
+
+
+def test_uploads_that_fall_behind_skip_what_the_stores_retention_would_delete(tmp_path, url):
+    """remote_keep_last=2 and 4 checkpoints committed while the first uploads: of the 3
+    waiting, the oldest is not uploaded at all (the store's retention would delete it at
+    once); the store holds the 2 newest."""
+    names, queued, status, stored = behind(url, str(tmp_path / "run"), 4, keep_last=2)
+    assert queued.uploading == names[0] and queued.pending == names[2:]
+    assert status.superseded == [names[1]] and status.uploaded == [names[0]] + names[2:]
+    assert stored == names[2:]
+
+
+def test_uploads_that_fall_behind_say_so_once(tmp_path, url, caplog):
+    names, queued, status, stored = behind(url, str(tmp_path / "run"), 4, keep_last=None)
+    assert queued.pending == names[1:] and status.superseded == []
+    assert status.uploaded == names and stored == names
+    assert caplog.text.count("fall behind the checkpoints (3 committed ones wait)") == 1
+
+
 def test_a_checkpoint_deleted_locally_mid_upload_leaves_nothing_in_the_store(tmp_path, url):
     """Local retention (or a user) deletes the second checkpoint after its data object reached
     the store, before its manifest: the upload gives it up and deletes that object (not an

@@ -25,7 +25,9 @@ upload will complete (deleted locally since) is deleted from the store.
 Uploads keep out of training's way: while training is inside a checkpoint's copies (the
 time its hooks may block), no part is read (at most ``MAX_HOLD_S`` in all for one
 checkpoint's copies, and not while someone waits for the uploads), and the uploads' threads
-run at the lowest CPU priority. Each upload appends a record ``{"record": "upload", ...}`` to
+run at the lowest CPU priority. Where the uploads fall behind the checkpoints, a warning says
+so once, and with ``keep_last`` the queued checkpoints the store's retention would delete at
+once are not uploaded. Each upload appends a record ``{"record": "upload", ...}`` to
 ``metrics.jsonl`` (bytes sent, seconds, seconds paused, GB/s while not paused, the objects
 reused, attempts)."""
 
@@ -68,6 +70,7 @@ class RemoteStatus:
     latest: Optional[str] = None  # what the store's latest names, as this process set it
     error: Optional[str] = None  # the last failure, until an upload succeeds
     attempts: int = 0  # failed attempts since the last success
+    superseded: list = field(default_factory=list)  # not uploaded: newer ones came (keep_last)
 
     def describe(self) -> str:
         parts = [f"remote tier {self.url}: "]
@@ -97,6 +100,7 @@ class Replicator:
         self._status = RemoteStatus(self.url)
         self._stop = False
         self._waiters = 0  # threads in wait(): the uploads do not pause for training then
+        self._warned_behind = False
         self._held: Optional[threading.Event] = None  # the copies the uploads last paused for
         self._held_until = 0.0  # ... and until when at most
         self._paused_s = 0.0  # paused in this upload
@@ -106,11 +110,28 @@ class Replicator:
     # ------------------------------------------------------------ training side
 
     def submit(self, name: str) -> None:
-        """Queue the committed local checkpoint ``name``."""
+        """Queue the committed local checkpoint ``name``. Where the uploads fall behind the
+        checkpoints, the queued ones the store's retention would delete right away are not
+        uploaded at all (``keep_last``), and a warning says so once."""
         with self._cv:
-            if name not in self._queue and name != self._status.uploading:
-                self._queue.append(name)
-                self._cv.notify_all()
+            if name in self._queue or name == self._status.uploading:
+                return
+            self._queue.append(name)
+            waiting = [n for n in self._queue
+                       if n is not _RESUME and n != self._status.uploading]
+            if self.keep_last is not None and len(waiting) > self.keep_last:
+                for old in waiting[:len(waiting) - self.keep_last]:
+                    self._queue.remove(old)  # (never the one being uploaded: _run pops it)
+                    self._status.superseded.append(old)
+            if len(waiting) > 2 and not self._warned_behind:
+                self._warned_behind = True
+                log.warning(
+                    "gockpt: the uploads to %s fall behind the checkpoints (%d committed ones "
+                    "wait): the store takes them more slowly than they come%s", self.url,
+                    len(waiting), "; only the newest remote_keep_last are uploaded" if
+                    self.keep_last is not None else "; checkpoint less often, set "
+                    "remote_keep_last, or raise remote_options' concurrency")
+            self._cv.notify_all()
 
     def resume(self) -> None:
         """Queue what an earlier run committed locally but did not upload (in the background)."""
@@ -121,8 +142,9 @@ class Replicator:
     def status(self) -> RemoteStatus:
         with self._cv:
             s = self._status
-            return RemoteStatus(s.url, list(s.uploaded), [n for n in self._queue if n is not _RESUME],
-                                s.uploading, s.latest, s.error, s.attempts)
+            return RemoteStatus(s.url, list(s.uploaded), [n for n in self._queue if n is not _RESUME
+                                                          and n != s.uploading],
+                                s.uploading, s.latest, s.error, s.attempts, list(s.superseded))
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait until nothing is left to upload (at most ``timeout`` seconds); whether so."""
