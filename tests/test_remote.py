@@ -80,6 +80,16 @@ def train(model, opt, ck, steps, start=0):
         ck.save_checkpoint(step + 1)
 
 
+def committed_locally(directory, steps):
+    """A run without the remote tier: a checkpoint every 2 steps up to ``steps``, on disk
+    only; its model and optimizer."""
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2)
+    train(model, opt, ck, steps)
+    ck.close()
+    return model, opt
+
+
 def loads_equal(source, tag=None):
     """The state stored at ``source`` (a directory or URL), as gockpt.load gives it."""
     model, opt = big_model()
@@ -307,10 +317,7 @@ def test_a_store_that_refuses_deletes_keeps_leftovers_and_the_uploads_go_on(tmp_
     """Leftovers of a cut-off upload in a store that refuses deletes (object lock, no
     DeleteObject permission) stay there, with a warning; every checkpoint is uploaded."""
     directory = str(tmp_path / "run")
-    model, opt = big_model()
-    ck = gockpt.Checkpointer(model, opt, directory, interval=2)
-    train(model, opt, ck, 2)
-    ck.close()
+    model, opt = committed_locally(directory, 2)
     remote.register(url, fast()["remote_options"], factory=RefusesDeletes)
     bucket, prefix = remote.bucket_of(url)
     gone = f"{prefix}/{storage.checkpoint_name(1)}/data.safetensors"  # no such local checkpoint
@@ -361,10 +368,7 @@ class HeldAtFirstPut(remote.Bucket):
 def behind(url, directory, n, keep_last):
     """``n`` local checkpoints (steps 2, 4, ...) submitted to a Replicator whose first upload
     is held until all are queued; returns (names, status when done, the store's list)."""
-    model, opt = big_model()
-    ck = gockpt.Checkpointer(model, opt, directory, interval=2)
-    train(model, opt, ck, 2 * n)
-    ck.close()
+    committed_locally(directory, 2 * n)
     names = [storage.checkpoint_name(2 * i) for i in range(1, n + 1)]
     cls = type("Held", (HeldAtFirstPut,), {"entered": threading.Event(), "go": threading.Event()})
     remote.register(url, fast()["remote_options"], factory=cls)
@@ -468,18 +472,23 @@ def watching(url, monkeypatch, hold_s, go=None):
     return cls
 
 
+def watched_upload(tmp_path, url, monkeypatch, hold_s):
+    """The checkpoint of step 2, committed locally, submitted to a Replicator whose uploads
+    yield to ``cls.busy`` (unset: copies in progress) with the gate watched; (directory, cls,
+    replicator)."""
+    directory = str(tmp_path / "run")
+    committed_locally(directory, 2)
+    cls = watching(url, monkeypatch, hold_s=hold_s)
+    rep = replicate.Replicator(directory, url, yield_to=lambda: cls.busy)
+    rep.submit(storage.checkpoint_name(2))
+    return directory, cls, rep
+
+
 def test_uploads_pause_while_a_checkpoint_is_copied_during_training(tmp_path, url, monkeypatch):
     """While training is in a checkpoint's copies (the time its hooks may block), no part of
     an upload is read: the remote tier never competes with them. The test holds the copies
     "in progress" until the upload has reached its first part, then ends them."""
-    directory = str(tmp_path / "run")
-    model, opt = big_model()
-    ck = gockpt.Checkpointer(model, opt, directory, interval=2)
-    train(model, opt, ck, 2)
-    ck.close()
-    cls = watching(url, monkeypatch, hold_s=3600.0)
-    rep = replicate.Replicator(directory, url, yield_to=lambda: cls.busy)
-    rep.submit(storage.checkpoint_name(2))
+    _, cls, rep = watched_upload(tmp_path, url, monkeypatch, hold_s=3600.0)
     assert cls.entered.wait(60)
     assert cls.reads == []  # held at the gate: nothing read while the copies go on
     cls.busy.set()  # the copies end: the upload goes on
@@ -493,14 +502,7 @@ def test_uploads_pause_at_most_max_hold_s_for_one_checkpoints_copies(tmp_path, u
                                                                      monkeypatch):
     """Copies that never end (a window left open) hold the uploads MAX_HOLD_S in all, not
     per part: the whole upload goes on after one hold."""
-    directory = str(tmp_path / "run")
-    model, opt = big_model()
-    ck = gockpt.Checkpointer(model, opt, directory, interval=2)
-    train(model, opt, ck, 2)
-    ck.close()
-    cls = watching(url, monkeypatch, hold_s=0.5)
-    rep = replicate.Replicator(directory, url, yield_to=lambda: cls.busy)
-    rep.submit(storage.checkpoint_name(2))
+    directory, cls, rep = watched_upload(tmp_path, url, monkeypatch, hold_s=0.5)
     assert cls.done.wait(60)
     rep.close(None)
     assert rep.status().uploaded == [storage.checkpoint_name(2)]
@@ -577,10 +579,7 @@ def test_a_byte_flipped_in_the_store_is_a_named_error_at_load(tmp_path, url):
 
 def test_a_checkpoint_damaged_on_the_local_disk_is_not_uploaded(tmp_path, url):
     directory = str(tmp_path / "run")
-    model, opt = big_model()
-    ck = gockpt.Checkpointer(model, opt, directory, interval=2)
-    train(model, opt, ck, 2)
-    ck.close()
+    model, opt = committed_locally(directory, 2)
     name = storage.checkpoint_name(2)
     entry = storage.read_manifest(os.path.join(directory, name))["tensors"]["model/1.weight"]
     with open(os.path.join(directory, name, "data.safetensors"), "r+b") as f:

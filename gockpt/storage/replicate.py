@@ -249,7 +249,8 @@ class Replicator:
         # not one of those just queued (their objects are reused), not committed in the store
         with self._cv:
             queued = set(n for n in self._queue if n is not _RESUME)
-        self._drop_leftovers([n for n in self._leftover_names() if n not in queued])
+        self._delete_leftovers({n: keys for n, keys in self._leftovers().items()
+                                if n not in queued})
 
     def _in_store(self, name: str) -> bool:
         """Whether the store holds checkpoint ``name`` committed with the local manifest."""
@@ -264,20 +265,21 @@ class Replicator:
             return False
         return stored == data
 
-    def _leftover_names(self) -> list:
-        """The checkpoints the store holds objects of but no manifest (an upload cut off),
-        counting only what is surely gockpt's: a name of :func:`checkpoint_name`'s form or of
-        a local checkpoint, holding nothing but data files and parts' manifests."""
+    def _leftovers(self) -> dict:
+        """{name: its keys} of the checkpoints the store holds objects of but no manifest (an
+        upload cut off), counting only what is surely gockpt's: a name of
+        :func:`checkpoint_name`'s form or of a local checkpoint, holding nothing but data files
+        and parts' manifests (so never a committed checkpoint: its manifest is none of them)."""
         local = set(list_checkpoints(self.directory))
-        found: dict = collections.defaultdict(list)
+        found: dict = collections.defaultdict(list)  # name -> [(key under it, full key)]
         for meta in self.bucket.list_all(self.prefix):
             rel = meta["path"][len(self.prefix) + 1:] if self.prefix else meta["path"]
             name, sep, rest = rel.partition("/")
             if sep:
-                found[name].append(rest)
-        return sorted(name for name, rests in found.items()
-                      if (name in local or _STEP_NAME.fullmatch(name))
-                      and all(_LEFTOVER_OBJECT.fullmatch(r) for r in rests))
+                found[name].append((rest, meta["path"]))
+        return {name: [key for _, key in objects] for name, objects in found.items()
+                if (name in local or _STEP_NAME.fullmatch(name))
+                and all(_LEFTOVER_OBJECT.fullmatch(rest) for rest, _ in objects)}
 
     def _key(self, *names: str) -> str:
         return "/".join([self.prefix, *names]) if self.prefix else "/".join(names)
@@ -302,7 +304,7 @@ class Replicator:
                     continue
                 sent += self.bucket.put_file(key, local, check=check, gate=self._gate)
         except CorruptCheckpointError:
-            self._drop_leftovers([name])  # never retried: what it put would stay for good
+            self._drop_leftovers(name)  # never retried: what it put would stay for good
             raise
         except (OSError, StorageError):
             if not is_committed(path):  # deleted locally while it was read (retention)
@@ -348,21 +350,31 @@ class Replicator:
     def _given_up(self, name: str) -> bool:
         """Checkpoint ``name`` was deleted locally before its upload completed: not uploaded."""
         log.info("gockpt: %s was deleted locally before it was uploaded", name)
-        self._drop_leftovers([name])
+        self._drop_leftovers(name)
         return False
 
-    def _drop_leftovers(self, names: list) -> None:
-        """Delete what the store holds of each checkpoint in ``names`` unless it is committed
-        there: gockpt's objects of an upload that will never complete (nothing lists them as a
-        checkpoint, but they take space). Best effort: a store that refuses (no delete
-        permission, object lock) keeps them, with a warning; uploads go on."""
-        for name in names:
+    def _drop_leftovers(self, name: str) -> None:
+        """Delete what the store holds of checkpoint ``name`` (given up: never completed here)
+        unless it is committed there -- gockpt's objects only (``_LEFTOVER_OBJECT``)."""
+        try:
+            if is_committed(f"{self.url}/{name}"):
+                return
+            prefix = self._key(name)
+            keys = [o["path"] for o in self.bucket.list_all(prefix)
+                    if _LEFTOVER_OBJECT.fullmatch(o["path"][len(prefix) + 1:])]
+        except StorageError as e:
+            log.warning("gockpt: could not look up what a cut-off upload left of %s in %s "
+                        "(%s)", name, self.url, e)
+            return
+        self._delete_leftovers({name: keys})
+
+    def _delete_leftovers(self, found: dict) -> None:
+        """Delete the objects ``found`` ({name: keys}) of uploads that will never complete
+        (nothing lists them as a checkpoint, but they take space). Best effort: a store that
+        refuses (no delete permission, object lock) keeps them, with a warning; uploads go
+        on."""
+        for name, keys in found.items():
             try:
-                if is_committed(f"{self.url}/{name}"):
-                    continue
-                prefix = self._key(name)
-                keys = [o["path"] for o in self.bucket.list_all(prefix)
-                        if _LEFTOVER_OBJECT.fullmatch(o["path"][len(prefix) + 1:])]
                 self.bucket.delete_keys(keys)
             except StorageError as e:
                 log.warning("gockpt: could not delete what a cut-off upload left of %s in %s "
