@@ -24,6 +24,8 @@ a GPU. Ratios are measured side by side in one process; absolute times vary with
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
 import os
 import shutil
@@ -35,8 +37,24 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import torch  # noqa: E402
 
-from bench_gpu_runs import RUNS, Setup  # noqa: E402
+import bench_gpu_deepspeed  # noqa: E402
+from bench_gpu_runs import RUNS as TORCH_RUNS, Setup  # noqa: E402
 from model import ModelConfig  # noqa: E402
+
+RUNS = {**TORCH_RUNS, **bench_gpu_deepspeed.RUNS}
+ALL = list(RUNS)
+# Each size's model, loop and runs. 370m: a ~370M-parameter GPT (state 4.4 GB); 2.2b: one whose
+# state (26.5 GB) takes longer to copy than a forward/backward takes on an H100 -- the regime a
+# multi-step copy is for -- with the runs that say most (two of its checkpoints, a copy on the
+# host and a pinned DCP staging must fit in memory at once).
+SIZES = {
+    "tiny": dict(dim=256, layers=4, vocab=2048, seq=64, batch=8, steps=64, every=16, runs=ALL),
+    "370m": dict(dim=1024, layers=24, vocab=32000, seq=1024, batch=8, steps=100, every=30,
+                 runs=ALL),
+    "2.2b": dict(dim=2560, layers=26, vocab=32000, seq=1024, batch=4, steps=100, every=30,
+                 runs=["none", "reference", "async-o", "gockpt-o", "gockpt-o-k", "dcp-async",
+                       "ds-none", "ds-native", "ds-gockpt-o"]),
+}
 
 
 def parse_args(argv=None):
@@ -46,17 +64,25 @@ def parse_args(argv=None):
                     help="CPU only: pace device-to-host copies at GBPS (GB/s), or 'auto'")
     ap.add_argument("--copy-steps", type=float, default=3.0,
                     help="with --emulate-link auto: forward/backward passes one full copy takes")
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=64, help="training steps per run")
-    ap.add_argument("--every", type=int, default=16, help="checkpoint interval in steps")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                    help="the model and loop: tiny (seconds on a CPU), 370m (state 4.4 GB), "
+                         "2.2b (state 26.5 GB: a copy longer than a forward/backward on an H100); "
+                         "the flags below override it")
+    for flag in ("dim", "layers", "vocab", "seq", "batch"):
+        ap.add_argument(f"--{flag}", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run")
+    ap.add_argument("--every", type=int, default=None, help="checkpoint interval in steps")
     ap.add_argument("--k", type=int, default=4, help="K of the fixed-K gockpt runs")
-    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated runs")
-    ap.add_argument("--dir", default=None, help="where checkpoints go (default: /dev/shm)")
-    return ap.parse_args(argv)
+    ap.add_argument("--runs", default=None,
+                    help="comma-separated runs (default: the size's; all: " + ", ".join(ALL) + ")")
+    ap.add_argument("--markdown", metavar="OUT", help="write the table as markdown")
+    ap.add_argument("--dir", default=None,
+                    help="where checkpoints go (default: /dev/shm where it has room)")
+    args = ap.parse_args(argv)
+    for key, value in SIZES[args.size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
 def main(argv=None) -> int:
@@ -71,14 +97,17 @@ def main(argv=None) -> int:
     cfg = ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers,
                       heads=max(1, args.dim // 64), hidden=int(args.dim * 8 / 3) // 8 * 8,
                       seq_len=args.seq, dropout=0.0)
-    root = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    work = tempfile.mkdtemp(prefix="gockpt-bench-", dir=root)
-    setup = Setup(cfg, args, "cuda" if cuda else "cpu", work)
+    setup = Setup(cfg, args, "cuda" if cuda else "cpu", None)
+    setup.calibrate()
+    setup.work = work = work_dir(args, setup.state_bytes)
     try:
         results = run_all(setup, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(setup, results)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(setup, results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": setup.describe(), "runs": results}, f, indent=2)
@@ -88,50 +117,107 @@ def main(argv=None) -> int:
 
 def run_all(setup: "Setup", args) -> dict:
     results = {}
-    names = [n.strip() for n in args.runs.split(",") if n.strip()]
-    if "none" not in names:
-        names.insert(0, "none")
+    names = args.runs if isinstance(args.runs, list) else \
+        [n.strip() for n in args.runs.split(",") if n.strip()]
     for name in names:
         if name not in RUNS:
-            raise SystemExit(f"bench_gpu: unknown run {name!r}; runs: {', '.join(RUNS)}")
+            raise SystemExit(f"bench_gpu: unknown run {name!r}; runs: {', '.join(ALL)}")
+    if "none" not in names:
+        names.insert(0, "none")
+    deepspeed = [n for n in names if n.startswith("ds-")]
+    if deepspeed and importlib.util.find_spec("deepspeed") is None:
+        print(f"  skipped {', '.join(deepspeed)}: DeepSpeed is not installed")
+        names = [n for n in names if n not in deepspeed]
+    elif deepspeed and "ds-none" not in names:
+        names.insert(names.index(deepspeed[0]), "ds-none")
+    for name in names:
         if name == "dcp-async" and setup.device != "cuda":
             print(f"  {name:<20} skipped: DCP's copy does not go through the emulated link")
             continue
-        if name == "none":
-            setup.calibrate()
         print(f"  {name:<20} ...", end="", flush=True)
         results[name] = RUNS[name](setup)
+        release(setup)
         r = results[name]
         print(f"\r  {name:<20} blocked/ckpt {fmt(r['blocked_median_s'])}  overhead "
               f"{r['overhead_vs_none']:+.1%}", flush=True)
     return results
 
 
+def release(setup: "Setup") -> None:
+    """What one run left behind, before the next: its checkpoints, its memory (the device's
+    cache, and the pinned host blocks torch keeps cached after they are freed)."""
+    for name in os.listdir(setup.work):
+        shutil.rmtree(os.path.join(setup.work, name), ignore_errors=True)
+    gc.collect()
+    if setup.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
+
+
+def work_dir(args, state_bytes: int) -> str:
+    """--dir, else /dev/shm where it can hold two checkpoints (a keep_last=1 run's, while the
+    next is written), else the temporary directory."""
+    if args.dir:
+        return tempfile.mkdtemp(prefix="gockpt-bench-", dir=args.dir)
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2.2 * state_bytes:
+        return tempfile.mkdtemp(prefix="gockpt-bench-", dir="/dev/shm")
+    return tempfile.mkdtemp(prefix="gockpt-bench-")
+
+
 def fmt(x) -> str:
-    return "      -" if x is None else f"{x * 1e3:7.1f} ms"
+    return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+
+COLUMNS = ("run", "blocked/ckpt", "first", "vs ref", "vs dcp", "vs ds-native", "overhead",
+           "staged", "durable", "copy GB/s", "host MB", "verify")
+
+
+def table_rows(results: dict) -> list:
+    """One row of strings per run, in COLUMNS' order. The ratios are of the median blocked
+    time per checkpoint: against the copy-only reference, DCP's async_save and (for the
+    DeepSpeed runs) DeepSpeed's own save_checkpoint."""
+    def base(name):
+        return results.get(name, {}).get("blocked_median_s")
+
+    def ratio(b, against):
+        return f"{b / against:.2f}x" if b is not None and against else "-"
+
+    rows = []
+    for name, r in results.items():
+        b = r["blocked_median_s"]
+        ds = name.startswith("ds-")
+        rows.append([
+            name, fmt(b), fmt(r["blocked_first_s"]),
+            "-" if ds else ratio(b, base("reference")), "-" if ds else ratio(b, base("dcp-async")),
+            ratio(b, base("ds-native")) if ds else "-",
+            f"{r['overhead_vs_none']:+.1%}",
+            "-" if r.get("time_to_staged_median_s") is None else
+            f"{r['time_to_staged_median_s']:.2f}s",
+            "-" if r.get("time_to_durable_median_s") is None else
+            f"{r['time_to_durable_median_s']:.2f}s",
+            "-" if not r.get("copy_gbps") else f"{r['copy_gbps']:.2f}",
+            "-" if not r.get("host_bytes") else f"{r['host_bytes'] / 1e6:.0f}",
+            fmt(r.get("verify_median_s"))])
+    return rows
 
 
 def print_table(setup, results: dict) -> None:
     print()
     print(setup.headline())
-    print(f"{'run':<20}{'blocked/ckpt':>13}{'first':>11}{'vs async':>9}{'vs ref':>8}"
-          f"{'overhead':>10}{'staged':>9}{'durable':>9}{'copy GB/s':>10}{'host MB':>9}"
-          f"{'verify':>11}")
-    base = results.get("async", {}).get("blocked_median_s")
-    ref = results.get("reference", {}).get("blocked_median_s")
-    for name, r in results.items():
-        b = r["blocked_median_s"]
-        ratio = f"{b / base:8.2f}x" if b is not None and base else "        -"
-        vref = f"{b / ref:7.2f}x" if b is not None and ref else "       -"
-        staged = "-" if r["time_to_staged_median_s"] is None else \
-            f"{r['time_to_staged_median_s']:.2f}s"
-        durable = "-" if r["time_to_durable_median_s"] is None else \
-            f"{r['time_to_durable_median_s']:.2f}s"
-        gbps = "-" if not r["copy_gbps"] else f"{r['copy_gbps']:.2f}"
-        host = "-" if not r["host_bytes"] else f"{r['host_bytes'] / 1e6:.0f}"
-        print(f"{name:<20}{fmt(b):>13}{fmt(r['blocked_first_s']):>11}{ratio}{vref}"
-              f"{r['overhead_vs_none']:>+10.1%}{staged:>9}{durable:>9}{gbps:>10}{host:>9}"
-              f"{fmt(r.get('verify_median_s')):>11}")
+    widths = [20] + [max(len(c), 9) + 2 for c in COLUMNS[1:]]
+    for row in [list(COLUMNS)] + table_rows(results):
+        print(row[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(row[1:], widths[1:])))
+
+
+def markdown(setup, results: dict) -> str:
+    lines = [setup.headline(), "", "| " + " | ".join(COLUMNS) + " |",
+             "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
+    lines += ["", "Blocked: the time the training loop lost per checkpoint (median, and the "
+              "first); overhead: wall time against `none` (the DeepSpeed runs: against "
+              "`ds-none`) over the whole run, first checkpoint included."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ step against the ``none`` run is used instead (every step ends with ``loss.item(
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -44,20 +45,22 @@ class Setup:
         self.update_s = 0.0      # median optimizer.step() time without checkpoints
         self.fwd_bwd_s = 0.0
         self.step_s = 0.0
+        self.ds_step_s = 0.0     # the same for the DeepSpeed engine (bench_gpu_deepspeed)
         self.link_gbps: Optional[float] = None
         self.state_bytes = 0
 
     def build(self):
         torch.manual_seed(0)
-        model = TinyLlama(self.cfg).to(self.device)
+        with torch.device(self.device):  # initialised where it trains: no host copy of it
+            model = TinyLlama(self.cfg)
         fused = {"fused": True} if self.device == "cuda" else {"foreach": True}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **fused)
         return model, opt
 
     def calibrate(self) -> None:
-        """State size, and the link rate for --emulate-link auto (from a short run)."""
-        model, opt = self.build()
-        self.state_bytes = 12 * num_params(model)
+        """State size, and the link rate of --emulate-link GBPS."""
+        with torch.device("meta"):  # counted without taking memory
+            self.state_bytes = 12 * num_params(TinyLlama(self.cfg))
         rate = self.args.emulate_link
         if rate is not None and rate != "auto":
             self.link_gbps = float(rate)
@@ -65,10 +68,12 @@ class Setup:
     def describe(self) -> dict:
         return {"device": self.device if self.device == "cuda" else "cpu (emulated link)",
                 "gpu": torch.cuda.get_device_name() if self.device == "cuda" else None,
+                "size": self.args.size, "model": vars(self.cfg), "batch": self.args.batch,
                 "params": self.state_bytes // 12, "state_bytes": self.state_bytes,
-                "steps": self.args.steps, "every": self.args.every, "k": self.args.k,
+                "checkpoints_in": self.work, "steps": self.args.steps, "every": self.args.every, "k": self.args.k,
                 "link_gbps": self.link_gbps, "step_s": self.step_s,
                 "fwd_bwd_s": self.fwd_bwd_s, "update_s": self.update_s,
+                "ds_step_s": self.ds_step_s,
                 "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
     def headline(self) -> str:
@@ -118,17 +123,21 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def summarise(setup: Setup, timing: Timing, extra: dict) -> dict:
-    """The JSON record of one run."""
+def summarise(setup: Setup, timing: Timing, extra: dict, step_s: Optional[float] = None) -> dict:
+    """The JSON record of one run. ``step_s``: the baseline step time of another loop than
+    ``none``'s, whose steps' wall time is then what a window lost."""
+    # On a GPU a stream wait that the CPU does not see shows up as a longer step
+    by_wall = step_s is not None or setup.device == "cuda"
+    step_s = setup.step_s if step_s is None else step_s
     lost = []
     for window in timing.windows:
         steps = [s for s in window if s < len(timing.wall)]
-        if setup.device == "cuda":  # stream waits show up as longer steps
-            lost.append(sum(max(0.0, timing.wall[s] - setup.step_s) for s in steps))
+        if by_wall:
+            lost.append(sum(max(0.0, timing.wall[s] - step_s) for s in steps))
         else:
             lost.append(sum(timing.lost[s] + max(0.0, timing.update[s] - setup.update_s)
                             for s in steps))
-    base = setup.step_s * len(timing.wall)
+    base = step_s * len(timing.wall)
     return {"blocked_median_s": statistics.median(lost) if lost else None,
             "blocked_first_s": lost[0] if lost else None,
             "blocked_all_s": lost,
@@ -172,19 +181,20 @@ def gockpt_run(mode: str, k: Optional[int], verify: bool = True,
         model, opt = setup.build()
         directory = os.path.join(setup.work, f"{mode}-{k}-{verify}{tag}")
         options = {"emulate_link_gbps": setup.link_gbps} if setup.device == "cpu" else {}
+        # keep_last=1: a large model's checkpoints must fit on the machine's disk
         ck = gockpt.Checkpointer(model, opt, directory, mode=mode, overlap_steps=k,
                                  interval=setup.args.every, on_busy="wait", verify=verify,
-                                 **options)
+                                 keep_last=1, **options)
         windows: list = []
         timing = train(setup, model, opt, _GockptHooks(ck, windows))
         timing.windows = windows
         host = ck.host_bytes
         ck.close()
-        return summarise(setup, timing, _from_metrics(directory, host))
+        return summarise(setup, timing, from_metrics(directory, host))
     return run
 
 
-def _from_metrics(directory: str, host: int) -> dict:
+def from_metrics(directory: str, host: int) -> dict:
     records = gockpt.metrics.read(directory)
     if not records:
         return _empty()
@@ -222,6 +232,7 @@ def run_reference(setup: Setup) -> dict:
                 windows.append(range(step - 1, step + 1))
 
     timing = train(setup, model, opt, Hooks())
+    copier.wait()  # a copy the last boundary started still writes into the host buffers
     timing.windows = windows
     return summarise(setup, timing, dict(_empty(), host_bytes=copier.nbytes,
                                          copy_gbps=copier.gbps()))
@@ -322,9 +333,10 @@ def run_dcp_async(setup: Setup) -> dict:
             return
         if state["pending"] is not None:
             _result(state["pending"]).result()
+        state["dir"] = os.path.join(setup.work, f"dcp-{step}")
         sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-        state["pending"] = dcp.async_save(sd, checkpoint_id=os.path.join(
-            setup.work, f"dcp-{step}"), async_stager=stager, no_dist=True)
+        state["pending"] = dcp.async_save(sd, checkpoint_id=state["dir"], async_stager=stager,
+                                          no_dist=True)
         windows.append(range(step - 1, step + 1))
 
     def before_update():
@@ -333,12 +345,18 @@ def run_dcp_async(setup: Setup) -> dict:
         if staging is not None:
             staging.result()  # the state must not change while it is staged
 
+    def drop_older(step, _):  # as keep_last=1 for gockpt's; between steps, not timed
+        for name in os.listdir(setup.work):
+            path = os.path.join(setup.work, name)
+            if name.startswith("dcp-") and path != state.get("dir"):
+                shutil.rmtree(path)
+
     class Hooks:
         backward_begin = staticmethod(lambda: None)
         update_begin = staticmethod(before_update)
         boundary = staticmethod(start)
 
-    timing = train(setup, model, opt, Hooks())
+    timing = train(setup, model, opt, Hooks(), on_step=drop_older)
     if state["pending"] is not None:
         _result(state["pending"]).result()
     stager.close()

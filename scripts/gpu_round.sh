@@ -1,58 +1,119 @@
 #!/usr/bin/env bash
-# One round on a lent GPU machine (issue #23), in one device call; everything lands in $OUT.
+# The GPU round (issue #23): everything a lent GPU machine should run, in one device call.
 #
-#   here:        ../shared/tools/gpu_wheels.sh            # fills .whl/ (DeepSpeed and its deps)
-#                scripts/gpu_remote_wheels.sh             # adds obstore and weed (remote tier)
-#   device call: bash scripts/gpu_round.sh                # carry: [".whl"]
+#   ./run gpu-check OUTDIR [PART...]        PART: tests bench large remote (default: all four)
 #
-# Builds gockpt._C with the machine's python3 (torch with CUDA), installs the DeepSpeed wheels
-# into /tmp/site, registers gockpt's entry points (the DeepSpeed FusedAdam adapter is found
-# through them), then runs, each with its own log: the CUDA tests (tests/gpu: every mode on
-# torch's AdamW, the probe, a killed run resumed, DeepSpeed's engines incl. its own CUDA
-# FusedAdam with its moments replayed and parameters copied at F), the golden replay tests,
-# the never-wrong and partial-replay tests, the side-by-side benchmark on the GPU, and the
-# remote tier's blocked time (when weed was carried).
-# A failing step does not stop the next ones; the exit status is the number of failed steps.
+# Before the call, here:  ../shared/tools/gpu_wheels.sh   (DeepSpeed and its dependencies -> .whl/)
+#                         scripts/gpu_remote_wheels.sh    (obstore and weed -> .whl/)
+# The device call:        ./run gpu-check "$OUT" tests bench      carry: [".whl"]
+#
+# Always: the machine's versions, the carried wheels installed into /tmp/site, gockpt._C built
+# with the machine's python3 (torch with CUDA), gockpt's entry points registered (the DeepSpeed
+# FusedAdam adapter is found through them). Then, by PART:
+#   tests   tests/gpu (every mode on torch's AdamW, the probe, a killed run resumed, DeepSpeed's
+#           CUDA engines), golden vectors recorded afresh from this GPU's Adam/AdamW kernels and
+#           every replay profile checked against them (and against the stored H100 ones), the
+#           never-wrong and partial-replay tests
+#   bench   experiments/bench_gpu.py, tiny then 370m: every scheme side by side, DCP's
+#           async_save, DeepSpeed's save_checkpoint and gockpt's patched one
+#   large   experiments/bench_gpu.py --size 2.2b (state 27 GB)
+#   remote  the remote tier's blocked time, training on the GPU (needs weed in .whl/)
+# Every step has a time limit, within GPU_ROUND_BUDGET_S (default 540 s) for the whole call; a
+# step that does not fit is reported as not run. A failing step does not stop the next ones.
+# Everything lands in OUTDIR: one log per step, pytest's XML reports, the benchmarks' JSON and
+# markdown, steps.tsv, and report.md (experiments/gpu_report.py) that puts them together.
+# The exit status is the number of failed steps.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_round}
+OUT=${1:?usage: scripts/gpu_round.sh OUTDIR [tests] [bench] [large] [remote]}
+shift
+PARTS=" ${*:-tests bench large remote} "
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+BUDGET=${GPU_ROUND_BUDGET_S:-540}
 failed=0
-step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, count a failure
-    local name=$1
-    shift
-    echo "== $name: $*" | tee -a "$OUT/summary.txt"
+printf 'step\trc\tseconds\tlimit\tlast line\n' > "$OUT/steps.tsv"
+
+wants() { [[ $PARTS == *" $1 "* ]]; }
+
+step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 20 ]; then
+        printf '%s\t-\t-\t-\tnot run: out of time (budget %s s)\n' "$name" "$BUDGET" >> "$OUT/steps.tsv"
+        echo "== $name: not run, out of time" | tee -a "$OUT/summary.txt"
+        failed=$((failed + 1))
+        return
+    fi
+    [ "$limit" -le "$left" ] || limit=$left
+    echo "== $name (limit ${limit} s): $*" | tee -a "$OUT/summary.txt"
     local t0=$SECONDS
-    "$@" > "$OUT/$name.log" 2>&1
+    timeout --signal=INT --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
-    echo "   rc=$rc, $((SECONDS - t0)) s; last line: $(tail -n 1 "$OUT/$name.log")" \
-        | tee -a "$OUT/summary.txt"
+    local last
+    last=$(tail -n 1 "$OUT/$name.log" | tr '\t' ' ')
+    [ $rc -ne 124 ] || last="timed out after ${limit} s; $last"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" "$last" >> "$OUT/steps.tsv"
+    echo "   rc=$rc, $((SECONDS - t0)) s; $last" | tee -a "$OUT/summary.txt"
     [ $rc -eq 0 ] || failed=$((failed + 1))
 }
+
+pytest_step() {  # pytest_step NAME LIMIT_S PYTEST ARGS...: with an XML report
+    local name=$1 limit=$2
+    shift 2
+    step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/$name.xml" "$@"
+}
+
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-python3 -c "import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, \
-torch.cuda.get_device_name(0))" > "$OUT/versions.txt" 2>&1
+python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, \
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')" \
+    > "$OUT/versions.txt" 2>&1
 if ls .whl/*.whl > /dev/null 2>&1; then
-    step wheels python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    step wheels 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-step build python3 setup.py build_ext --inplace
+step build 240 python3 setup.py build_ext --inplace
 # entry points (gockpt.optimizer_adapters) without touching the network or the dependencies
-step install python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
-step gpu_tests python3 -m pytest -q -p no:cacheprovider -x tests/gpu
-step golden python3 -m pytest -q -p no:cacheprovider tests/replay
-step never_wrong python3 -m pytest -q -p no:cacheprovider tests/test_never_wrong.py \
-    tests/test_partial_replay.py tests/capture
-step bench_gpu python3 experiments/bench_gpu.py --json "$OUT/bench_gpu.json"
-# The remote tier (issue #22): blocked time per checkpoint with it off, on, and on without its
-# pause, training on the GPU, SeaweedFS on this machine's other cores (scripts/gpu_remote_wheels.sh
-# carries obstore and weed in .whl/).
-if [ -x /tmp/site/bin/weed ]; then
-    export PATH=/tmp/site/bin:$PATH
-    for mode in gockpt-o async-o; do
-        step "bench_remote_$mode" python3 experiments/bench_remote_tier.py --blocked-only \
-            --device cuda --mode "$mode" --width 2048 --json "$OUT/bench_remote_$mode.json"
+step install 60 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
+
+if wants tests; then
+    pytest_step gpu_tests 240 tests/gpu
+    step golden_record 60 python3 experiments/record_golden.py "$OUT/golden-fresh.safetensors" \
+        --deepspeed
+    step golden_fresh 60 env GOCKPT_GOLDEN="$OUT/golden-fresh.safetensors" python3 -m pytest -q \
+        -p no:cacheprovider --junitxml="$OUT/golden_fresh.xml" \
+        tests/replay/test_replay_arithmetic_golden.py
+    pytest_step golden_stored 120 tests/replay
+    pytest_step never_wrong 120 tests/test_never_wrong.py tests/test_partial_replay.py \
+        tests/capture
+fi
+if wants bench; then
+    for size in tiny 370m; do
+        step "bench_$size" 240 python3 experiments/bench_gpu.py --size "$size" \
+            --json "$OUT/bench_$size.json" --markdown "$OUT/bench_$size.md"
     done
 fi
+if wants large; then
+    step bench_2.2b 420 python3 experiments/bench_gpu.py --size 2.2b \
+        --json "$OUT/bench_2.2b.json" --markdown "$OUT/bench_2.2b.md"
+fi
+# The remote tier (issue #22): blocked time per checkpoint with it off, on, and on without its
+# pause, training on the GPU, SeaweedFS on this machine's other cores.
+if wants remote; then
+    if [ -x /tmp/site/bin/weed ]; then
+        export PATH=/tmp/site/bin:$PATH
+        for mode in gockpt-o async-o; do
+            step "bench_remote_$mode" 150 python3 experiments/bench_remote_tier.py --blocked-only \
+                --device cuda --mode "$mode" --width 2048 --json "$OUT/bench_remote_$mode.json"
+        done
+    else
+        echo "== remote: not run, no weed in .whl/ (scripts/gpu_remote_wheels.sh)" \
+            | tee -a "$OUT/summary.txt"
+    fi
+fi
 echo "failed steps: $failed" | tee -a "$OUT/summary.txt"
+python3 experiments/gpu_report.py "$OUT" > "$OUT/report.log" 2>&1 \
+    || echo "report.md not written: see report.log" | tee -a "$OUT/summary.txt"
 exit $failed

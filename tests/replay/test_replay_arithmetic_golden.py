@@ -1,10 +1,13 @@
 """gockpt.replay_step against golden vectors of CUDA optimizers recorded on an NVIDIA H100.
 
-tests/data/cuda-adam-h100.safetensors (a measured fact, recorded by shared/tools/record_golden.py
-with torch 2.11.0+cu130 and DeepSpeed 0.19.8): per case the state after 6 chained steps from zero
-state (t1..t6) and one step each with the step count set to 100, 1000 and 10000 from the t6 state
-(grad1 again).  Bit patterns are compared; a NaN equals a NaN at the same position (payloads
-differ between the GPU and the CPU).
+tests/data/cuda-adam-h100.safetensors (a measured fact, recorded with torch 2.11.0+cu130 and
+DeepSpeed 0.19.8 by what is now experiments/record_golden.py): per case the state after 6
+chained steps from zero state (t1..t6) and one step each with the step count set to 100, 1000 and
+10000 from the t6 state (grad1 again).  Bit patterns are compared; a NaN equals a NaN at the
+same position (payloads differ between the GPU and the CPU).
+
+``GOCKPT_GOLDEN=FILE`` runs the same tests against vectors recorded afresh on the GPU at hand
+(the GPU round does): every replay profile checked against that GPU's kernels.
 """
 import json
 import os
@@ -21,8 +24,9 @@ from gockpt import _C
 from gockpt.replay import arithmetic
 from gockpt.replay.claims import claimed, replay_claims
 
-GOLDEN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
+STORED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
                       "cuda-adam-h100.safetensors")
+GOLDEN = os.environ.get("GOCKPT_GOLDEN") or STORED
 STATE = ("param", "exp_avg", "exp_avg_sq")
 JUMPS = (100, 1000, 10000)
 
@@ -203,7 +207,9 @@ def test_what_is_claimed_of_the_golden_cases():
         c = CASES[case]
         l2 = not c["adam_w_mode"] and c["weight_decay"] != 0
         assert got[case] == (() if l2 else ("exp_avg", "exp_avg_sq")), case
-    assert sum(len(v) == 3 for v in got.values()) == 19 and len(got) == 25
+    assert sum(len(v) == 3 for v in got.values()) == len(TORCH_CASES) == 19
+    # fresh vectors hold DeepSpeed's cases only where its CUDA op could be built
+    assert len(DEEPSPEED_CASES) == 6 or GOLDEN != STORED
 
 
 @pytest.mark.parametrize("case", ["torch/AdamW/fused/h0", "torch/AdamW/fused/h1",
@@ -223,6 +229,8 @@ def test_fused_adamw_moments_at_odd_element_counts(golden, case, n):
 
 def test_a_tensor_not_replayed_is_left_as_it_is(golden):
     case = "deepspeed/FusedAdam/adam_w_mode=True/h0"
+    if case not in CASES:  # only fresh vectors (GOCKPT_GOLDEN) recorded without DeepSpeed
+        pytest.skip(f"{GOLDEN} holds no DeepSpeed case")
     p = golden["input/param"].clone()
     st = [p.clone(), torch.zeros_like(p), torch.zeros_like(p)]
     gockpt.replay_step(profile_of(case), *st, _grad(golden, CASES[case], 1), step=1,
