@@ -321,11 +321,17 @@ class _CudaCopier(_Copier):
 
 
 def run_dcp_async(setup: Setup) -> dict:
-    """torch.distributed.checkpoint.async_save with a pinned DefaultStager (CUDA)."""
+    """torch.distributed.checkpoint.async_save with DefaultStager as PyTorch's "zero-overhead"
+    checkpointing sets it up (CUDA): pinned host buffers, the device-to-host copy on a
+    background thread and its own stream, the next optimizer step waiting for it. (Shared
+    memory is for a process-based upload; this one is thread-based, and a large model's
+    staging would fill /dev/shm.)"""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     model, opt = setup.build()
-    stager = DefaultStager(StagingOptions(True, True, False, True))
+    cuda = setup.device == "cuda"  # (the stager refuses these without one)
+    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                          use_async_staging=cuda, use_non_blocking_copy=cuda))
     windows, state = [], {"pending": None}
 
     def start(step):
