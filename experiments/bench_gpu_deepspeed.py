@@ -8,7 +8,7 @@ with the same call patched by ``gockpt.integrations.deepspeed.install`` (``async
 patch's default, and ``gockpt-o``). Blocked time per checkpoint is the wall time the steps of
 its window took beyond ``ds-none``'s median step: DeepSpeed's save is inside the step that
 calls it, and gockpt's window runs from that step to the update after F (its metrics say F).
-Older checkpoints are deleted between steps, outside the timed part, so that a large model's
+Earlier checkpoints are deleted between steps, outside the timed part, so that a large model's
 saves fit on the machine.
 """
 
@@ -61,7 +61,8 @@ def build_engine(setup: Setup):
 
 def train_engine(setup: Setup, engine, save_dir: Optional[str]) -> Timing:
     """The loop; with ``save_dir``, ``engine.save_checkpoint(save_dir)`` every ``every`` steps
-    (inside the step's timed wall time) and the older checkpoints deleted after it (outside)."""
+    (inside the step's timed wall time), DeepSpeed's earlier ones deleted in the step before
+    (outside it)."""
     timing = Timing()
     sync = torch.cuda.synchronize if setup.device == "cuda" else (lambda: None)
     t_start = time.perf_counter()
@@ -79,16 +80,16 @@ def train_engine(setup: Setup, engine, save_dir: Optional[str]) -> Timing:
         loss.item()
         sync()
         timing.wall.append(time.perf_counter() - t0)
-        if saved:
-            _drop_older(save_dir, keep=f"global_step{step}")
+        if save_dir is not None and (step + 1) % setup.args.every == 0:
+            _drop_older(save_dir)  # before the next save: one on disk at a time
     timing.total = time.perf_counter() - t_start
     return timing
 
 
-def _drop_older(save_dir: str, keep: str) -> None:
-    """DeepSpeed's tags other than ``keep`` (gockpt's own keep_last handles its checkpoints)."""
-    for name in os.listdir(save_dir):
-        if name.startswith("global_step") and name != keep:
+def _drop_older(save_dir: str) -> None:
+    """DeepSpeed's saved tags (gockpt's own keep_last handles its checkpoints)."""
+    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else ():
+        if name.startswith("global_step"):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
 
 
