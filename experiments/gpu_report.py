@@ -48,7 +48,7 @@ def tests(out: str) -> list:
         try:
             root = ET.parse(os.path.join(out, name)).getroot()
         except ET.ParseError:
-            lines.append(f"- `{name}`: unreadable (the step was cut off?)")
+            lines.append(f"- `{name[:-4]}`: unreadable (the step was cut off?)")
             continue
         suite = root if root.tag == "testsuite" else root.find("testsuite")
         if suite is None:
