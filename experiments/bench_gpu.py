@@ -31,6 +31,7 @@ import os
 import shutil
 import sys
 import tempfile
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -100,22 +101,27 @@ def main(argv=None) -> int:
     setup = Setup(cfg, args, "cuda" if cuda else "cpu", None)
     setup.calibrate()
     setup.work = work = work_dir(args, setup.state_bytes)
+
+    def write(results: dict) -> None:  # after every run: a later one may not finish
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(markdown(setup, results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"config": setup.describe(), "runs": results}, f, indent=2)
+
     try:
-        results = run_all(setup, args)
+        results = run_all(setup, args, write)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(setup, results)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown(setup, results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": setup.describe(), "runs": results}, f, indent=2)
         print(f"\nwrote {args.json}")
-    return 0
+    return 1 if any("error" in r for r in results.values()) else 0
 
 
-def run_all(setup: "Setup", args) -> dict:
+def run_all(setup: "Setup", args, write=lambda results: None) -> dict:
+    """Every run in turn; one that fails is recorded with its error and the next goes on."""
     results = {}
     names = args.runs if isinstance(args.runs, list) else \
         [n.strip() for n in args.runs.split(",") if n.strip()]
@@ -131,16 +137,34 @@ def run_all(setup: "Setup", args) -> dict:
     elif deepspeed and "ds-none" not in names:
         names.insert(names.index(deepspeed[0]), "ds-none")
     for name in names:
+        if name in results:  # (its baseline failed)
+            continue
         if name == "dcp-async" and setup.device != "cuda":
             print(f"  {name:<20} skipped: DCP's copy does not go through the emulated link")
             continue
         print(f"  {name:<20} ...", end="", flush=True)
-        results[name] = RUNS[name](setup)
+        try:
+            results[name] = RUNS[name](setup)
+        except Exception as exc:  # noqa: BLE001 -- recorded; the other runs still say much
+            traceback.print_exc()
+            results[name] = failed(exc)
+            if name in ("none", "ds-none"):  # what the others are measured against
+                results.update({n: failed(f"{name} failed") for n in names if n not in results
+                                and n.startswith("ds-") == (name == "ds-none")})
         release(setup)
+        write(results)
         r = results[name]
-        print(f"\r  {name:<20} blocked/ckpt {fmt(r['blocked_median_s'])}  overhead "
-              f"{r['overhead_vs_none']:+.1%}", flush=True)
+        print(f"\r  {name:<20} " + (f"failed: {r['error']}" if "error" in r else
+                                     f"blocked/ckpt {fmt(r['blocked_median_s'])}  overhead "
+                                     f"{r['overhead_vs_none']:+.1%}"), flush=True)
     return results
+
+
+def failed(exc) -> dict:
+    """The record of a run that did not finish."""
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return {"error": text.splitlines()[0][:300] if text else "failed",
+            "blocked_median_s": None, "blocked_first_s": None, "overhead_vs_none": None}
 
 
 def release(setup: "Setup") -> None:
@@ -156,13 +180,20 @@ def release(setup: "Setup") -> None:
 
 
 def work_dir(args, state_bytes: int) -> str:
-    """--dir, else /dev/shm where it can hold two checkpoints (a keep_last=1 run's, while the
-    next is written), else the temporary directory."""
+    """--dir, else /dev/shm where it holds a checkpoint (each run deletes its checkpoints once
+    committed) and host memory holds it beside the host copies of the state (up to 2.5 of
+    them: gockpt's, or DCP's staging), else the temporary directory."""
+    need = int(1.2 * state_bytes)
     if args.dir:
         return tempfile.mkdtemp(prefix="gockpt-bench-", dir=args.dir)
-    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2.2 * state_bytes:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need and \
+            ram > need + 2.5 * state_bytes:
         return tempfile.mkdtemp(prefix="gockpt-bench-", dir="/dev/shm")
-    return tempfile.mkdtemp(prefix="gockpt-bench-")
+    if shutil.disk_usage(tempfile.gettempdir()).free > need:
+        return tempfile.mkdtemp(prefix="gockpt-bench-")
+    raise SystemExit(f"bench_gpu: no room for a checkpoint of {state_bytes / 1e9:.1f} GB in "
+                     f"/dev/shm or {tempfile.gettempdir()}; name a directory with --dir")
 
 
 def fmt(x) -> str:
@@ -185,6 +216,9 @@ def table_rows(results: dict) -> list:
 
     rows = []
     for name, r in results.items():
+        if "error" in r:
+            rows.append([name, f"failed: {r['error'][:80]}"] + ["-"] * (len(COLUMNS) - 2))
+            continue
         b = r["blocked_median_s"]
         ds = name.startswith("ds-")
         rows.append([

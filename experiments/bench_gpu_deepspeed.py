@@ -8,14 +8,13 @@ with the same call patched by ``gockpt.integrations.deepspeed.install`` (``async
 patch's default, and ``gockpt-o``). Blocked time per checkpoint is the wall time the steps of
 its window took beyond ``ds-none``'s median step: DeepSpeed's save is inside the step that
 calls it, and gockpt's window runs from that step to the update after F (its metrics say F).
-Earlier checkpoints are deleted between steps, outside the timed part, so that a large model's
-saves fit on the machine.
+Committed checkpoints are deleted between steps, outside the timed part, so that a large
+model's saves fit on the machine.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import statistics
 import time
@@ -25,7 +24,7 @@ import torch
 from torch.nn import functional as F
 
 import gockpt
-from bench_gpu_runs import Setup, Timing, from_metrics, summarise
+from bench_gpu_runs import Setup, Timing, drop_committed, from_metrics, summarise
 from model import TinyLlama
 
 
@@ -61,7 +60,7 @@ def build_engine(setup: Setup):
 
 def train_engine(setup: Setup, engine, save_dir: Optional[str]) -> Timing:
     """The loop; with ``save_dir``, ``engine.save_checkpoint(save_dir)`` every ``every`` steps
-    (inside the step's timed wall time), DeepSpeed's earlier ones deleted in the step before
+    (inside the step's timed wall time), and the checkpoints committed deleted between steps
     (outside it)."""
     timing = Timing()
     sync = torch.cuda.synchronize if setup.device == "cuda" else (lambda: None)
@@ -80,17 +79,12 @@ def train_engine(setup: Setup, engine, save_dir: Optional[str]) -> Timing:
         loss.item()
         sync()
         timing.wall.append(time.perf_counter() - t0)
-        if save_dir is not None and (step + 1) % setup.args.every == 0:
-            _drop_older(save_dir)  # before the next save: one on disk at a time
+        if save_dir is not None:  # one checkpoint on disk at a time; not the run's time
+            t0 = time.perf_counter()
+            drop_committed(save_dir)
+            t_start += time.perf_counter() - t0
     timing.total = time.perf_counter() - t_start
     return timing
-
-
-def _drop_older(save_dir: str) -> None:
-    """DeepSpeed's saved tags (gockpt's own keep_last handles its checkpoints)."""
-    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else ():
-        if name.startswith("global_step"):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
 
 
 def run_none(setup: Setup) -> dict:
@@ -118,8 +112,7 @@ def gockpt_run(mode: str):
         # interval: the saves to come are known (as the torch runs' Checkpointer knows them),
         # so that the replay modes start copying K steps ahead -- from the second save on: the
         # patch's Checkpointer is made at the first
-        gockpt_ds.install(mode=mode, interval=setup.args.every, keep_last=1, on_busy="wait",
-                          **options)
+        gockpt_ds.install(mode=mode, interval=setup.args.every, on_busy="wait", **options)
         try:
             engine = build_engine(setup)
             save_dir = os.path.join(setup.work, f"ds-{mode}")

@@ -89,7 +89,7 @@ def train(setup: Setup, model, opt, hooks=None, on_step: Callable = None) -> Tim
     """The loop: ``hooks`` has backward_begin/update_begin/boundary/before_step callables."""
     timing = Timing()
     sync = torch.cuda.synchronize if setup.device == "cuda" else (lambda: None)
-    t_start = time.perf_counter()
+    t_start, t_between = time.perf_counter(), 0.0
     for step, tokens in enumerate(setup.batches):
         t0 = time.perf_counter()
         lost = 0.0
@@ -111,9 +111,11 @@ def train(setup: Setup, model, opt, hooks=None, on_step: Callable = None) -> Tim
         sync()
         timing.lost.append(lost)
         timing.wall.append(time.perf_counter() - t0)
-        if on_step:
+        if on_step:  # (the benchmark's own work between steps: not the run's time)
+            t0 = time.perf_counter()
             on_step(step, t_fwd_bwd)
-    timing.total = time.perf_counter() - t_start
+            t_between += time.perf_counter() - t0
+    timing.total = time.perf_counter() - t_start - t_between
     return timing
 
 
@@ -181,17 +183,27 @@ def gockpt_run(mode: str, k: Optional[int], verify: bool = True,
         model, opt = setup.build()
         directory = os.path.join(setup.work, f"{mode}-{k}-{verify}{tag}")
         options = {"emulate_link_gbps": setup.link_gbps} if setup.device == "cpu" else {}
-        # keep_last=1: a large model's checkpoints must fit on the machine's disk
         ck = gockpt.Checkpointer(model, opt, directory, mode=mode, overlap_steps=k,
                                  interval=setup.args.every, on_busy="wait", verify=verify,
-                                 keep_last=1, **options)
+                                 **options)
         windows: list = []
-        timing = train(setup, model, opt, _GockptHooks(ck, windows))
+        timing = train(setup, model, opt, _GockptHooks(ck, windows),
+                       on_step=lambda step, _: drop_committed(directory))
         timing.windows = windows
         host = ck.host_bytes
         ck.close()
         return summarise(setup, timing, from_metrics(directory, host))
     return run
+
+
+def drop_committed(directory: str) -> None:
+    """Delete the committed checkpoints in ``directory`` (its subdirectories but the ``.tmp-*``
+    one being written): a large model's state fits on the machine once, not twice, and the
+    benchmark needs none of them."""
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        path = os.path.join(directory, name)
+        if not name.startswith(".") and os.path.isdir(path):
+            shutil.rmtree(path)
 
 
 def from_metrics(directory: str, host: int) -> dict:
@@ -351,10 +363,11 @@ def run_dcp_async(setup: Setup) -> dict:
         if staging is not None:
             staging.result()  # the state must not change while it is staged
 
-    def drop_older(step, _):  # as keep_last=1 for gockpt's; between steps, not timed
+    def drop_older(step, _):  # the finished ones (as for gockpt's runs)
         for name in os.listdir(setup.work):
             path = os.path.join(setup.work, name)
-            if name.startswith("dcp-") and path != state.get("dir"):
+            if name.startswith("dcp-") and (path != state.get("dir") or
+                                            _result(state["pending"]).done()):
                 shutil.rmtree(path)
 
     class Hooks:

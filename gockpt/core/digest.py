@@ -228,6 +228,10 @@ class Ticket:
         self.reads_done.wait()
         if self.error is not None:
             raise self.error
+        if self.done_event is not None:
+            # (GPU) computed on the side stream: the copy to the host below runs on this
+            # thread's stream, which nothing orders after it
+            self.done_event.synchronize()
         return as_pairs(self.result)
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
-from gockpt.capture.device import AsyncDevice, CudaDevice, HostDevice
+from gockpt.capture.device import AsyncDevice, CudaDevice, HostDevice, pinned_exact
 from gockpt.capture.devices import device_for
 from gockpt.core.errors import ConfigError
 
@@ -36,6 +38,35 @@ def test_mixed_devices_are_refused():
 def test_unsupported_device_type_is_refused():
     with pytest.raises(ConfigError, match="'meta' are not supported"):
         device_for([torch.zeros(1, device="meta")])
+
+
+def test_pinned_buffers_are_registered_at_their_size_until_the_last_view_is_gone():
+    """The GPU's host buffers (CudaDevice.empty) pin exactly the bytes asked -- torch's own
+    pinned allocator rounds each up to a power of two -- and stay pinned while any view of
+    them lives: unpinning memory a copy may still write would hand it back to the system."""
+    calls = []
+    buf = pinned_exact(3000, torch.float32, lambda a, n: calls.append(("register", a, n)) or True,
+                       lambda a: calls.append(("unregister", a)), fallback=None)
+    assert buf.shape == (3000,) and buf.dtype == torch.float32 and buf.is_contiguous()
+    assert calls == [("register", buf.data_ptr(), 12000)]
+    address, view = buf.data_ptr(), buf[100:200]
+    buf[150] = 7.0
+    del buf
+    gc.collect()
+    assert len(calls) == 1 and float(view[50]) == 7.0  # the view still holds it
+    del view
+    gc.collect()
+    assert calls == [("register", address, 12000), ("unregister", address)]
+
+
+def test_pinned_buffers_fall_back_where_registering_fails():
+    calls = []
+    fallback = torch.zeros(5, dtype=torch.bfloat16)
+    buf = pinned_exact(5, torch.bfloat16, lambda a, n: False, calls.append, lambda: fallback)
+    assert buf is fallback
+    gc.collect()
+    assert calls == []  # what was not registered is not unregistered
+    assert pinned_exact(0, torch.float32, None, None, None).numel() == 0
 
 
 @cuda
