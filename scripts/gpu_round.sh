@@ -83,7 +83,9 @@ step build 240 python3 setup.py build_ext --inplace
 step install 60 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
 
 if wants tests; then
-    pytest_step gpu_tests 240 tests/gpu
+    # which DeepSpeed ops this machine can build (its CUDA FusedAdam needs a CUDA compiler)
+    step ds_report 60 python3 -m deepspeed.env_report
+    pytest_step gpu_tests 400 tests/gpu
     step golden_record 60 python3 experiments/record_golden.py "$OUT/golden-fresh.safetensors" \
         --deepspeed
     step golden_fresh 60 env GOCKPT_GOLDEN="$OUT/golden-fresh.safetensors" python3 -m pytest -q \
