@@ -63,10 +63,12 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAM
     [ $rc -eq 0 ] || failed=$((failed + 1))
 }
 
-pytest_step() {  # pytest_step NAME LIMIT_S PYTEST ARGS...: with an XML report
-    local name=$1 limit=$2
+pytest_step() {  # pytest_step NAME LIMIT_S [VAR=VALUE...] PYTEST ARGS...: with an XML report
+    local name=$1 limit=$2 vars=()
     shift 2
-    step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/$name.xml" "$@"
+    while [[ ${1:-} == *=* ]]; do vars+=("$1"); shift; done
+    step "$name" "$limit" env "${vars[@]}" python3 -m pytest -q -p no:cacheprovider \
+        --junitxml="$OUT/$name.xml" "$@"
 }
 
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
@@ -88,8 +90,7 @@ if wants tests; then
     pytest_step gpu_tests 400 tests/gpu
     step golden_record 60 python3 experiments/record_golden.py "$OUT/golden-fresh.safetensors" \
         --deepspeed
-    step golden_fresh 60 env GOCKPT_GOLDEN="$OUT/golden-fresh.safetensors" python3 -m pytest -q \
-        -p no:cacheprovider --junitxml="$OUT/golden_fresh.xml" \
+    pytest_step golden_fresh 60 GOCKPT_GOLDEN="$OUT/golden-fresh.safetensors" \
         tests/replay/test_replay_arithmetic_golden.py
     pytest_step golden_stored 120 tests/replay
     pytest_step never_wrong 120 tests/test_never_wrong.py tests/test_partial_replay.py \

@@ -238,8 +238,11 @@ class CudaDevice(AsyncDevice):
         device = self.device
 
         def register(address: int, nbytes: int) -> bool:
-            with torch.cuda.device(device):  # (called on the staging thread)
-                return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1)) == 0
+            try:
+                with torch.cuda.device(device):  # (called on the staging thread)
+                    return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1)) == 0
+            except (RuntimeError, AttributeError):  # no runtime binding: torch's pinned memory
+                return False
 
         def unregister(address: int) -> None:
             torch.cuda.synchronize(device)  # no copy into the buffer may still be running
