@@ -259,6 +259,7 @@ void bind_io(py::module_& m) {
 #include <memory>
 
 #include "copy_engine.h"
+#include "digest.h"
 
 namespace gockpt {
 namespace batch {
@@ -435,9 +436,34 @@ void bind_copy_engine(py::module_& m) {
 
 }  // namespace
 
+void bind_digests(py::module_& m) {
+  m.attr("DIGEST_ROW") = kDigestRow;
+  m.def(
+      "digests",
+      [](const I64& addr, const I64& words, const I64& elsize, int threads) {
+        const int64_t n = common_length({{"addr", &addr}, {"words", &words}, {"elsize", &elsize}});
+        check_non_negative("words", words);
+        py::array_t<int64_t> out({n, int64_t{2}});
+        const auto* a = reinterpret_cast<const uint64_t*>(addr.data());
+        const int64_t* w = words.data();
+        const int64_t* e = elsize.data();
+        int64_t* o = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          digest_batch(a, w, e, n, threads, o);
+        }
+        return out;
+      },
+      py::arg("addr"), py::arg("words"), py::arg("elsize"), py::arg("threads"),
+      "Digests (a, b) of n regions of words (gockpt/core/digest.py's definition): region i "
+      "is words[i] signed words of elsize[i] bytes at addr[i]; an (n, 2) int64 array. "
+      "threads: gockpt's pool (<= 0: every core), never torch's.");
+}
+
 void bind_batch(py::module_& m) {
   bind_replay_batch(m);
   bind_copy_engine(m);
+  bind_digests(m);
 }
 
 }  // namespace batch

@@ -35,7 +35,8 @@ from .core.staging import HostStaging, gradient_dtypes, planned_host_bytes
 from .capture.transfer import CopyEngine
 from .capture.transport import Bf16Transport
 from .core.config import Config, GradTransport, Interval, OnBusy, check_step
-from .core.errors import ConfigError, GockptError, UnsupportedOptimizerError
+from .core.errors import (CheckpointFailedError, ConfigError, GockptError,
+                          UnsupportedOptimizerError)
 from .core.job import CheckpointHandle, Job
 from .exit import close_at_exit, forget_at_exit
 from .hooks import BlockedTime, StepHooks
@@ -90,6 +91,15 @@ class Checkpointer:
         self.policy = self.config.policy
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.ranks = Ranks()  # collective on several ranks: every rank builds its Checkpointer
+        try:
+            self._construct(model, optimizer, scheduler)
+        except BaseException:
+            self.ranks.close()
+            raise
+        close_at_exit(self)
+
+    def _construct(self, model, optimizer, scheduler) -> None:
+        """Everything after the ranks' groups are made (destroyed again if this raises)."""
         if self.ranks.several and (self.config.interval is Interval.AUTO
                                    or self.config.on_busy is OnBusy.SKIP):
             raise ConfigError("with several ranks every rank must start the same checkpoints: "
@@ -111,7 +121,6 @@ class Checkpointer:
             if self.adapter is not None:
                 self.adapter.close()
             raise
-        close_at_exit(self)
 
     def _build(self, model, optimizer, scheduler) -> None:
         """Everything that needs the directory lock."""
@@ -330,17 +339,76 @@ class Checkpointer:
             if self.replicator is not None:
                 self.replicator.close(self.config.remote_wait_s)
         finally:
-            if self.replicator is not None:
-                self.replicator.close(0)
-            self.staging.close()
-            self.engine.close()
-            if self.digester is not None:
-                self.digester.close()
-            self.lock.release()
-            self._step_hooks.remove()
-            if self.adapter is not None:
-                self.adapter.close()
+            self._stop()
         self.loop.raise_pending()
+
+    def abort(self) -> None:
+        """Stop now, abandoning the checkpoint in flight (nothing of it becomes visible; the
+        previous ``latest`` stays) without waiting for the other ranks; background errors are
+        logged, not raised.
+
+        What a process leaving on an exception needs on several ranks, and what gockpt calls
+        then (``with`` left by an exception, or the interpreter exiting on an uncaught one):
+        committing the checkpoint in flight would need the other ranks, and they may be
+        waiting for this rank in a training collective it never joins -- the job would hang
+        instead of ending, and a hung job is never restarted by its launcher. The other ranks'
+        copies of that checkpoint fail (not committed) when this process is gone.
+        """
+        if self.loop.closed:
+            return
+        self.loop.closed = True
+        forget_at_exit(self)
+        self.ranks.abandon()  # every collective of ours gives up, waiting or to come
+        job = self._job
+        try:
+            if job is not None and job.error is None and not job.progress.durable.is_set():
+                log.warning("gockpt: the checkpoint of step %d is abandoned (the process is "
+                            "leaving); %s stays the latest", job.handle.final_step,
+                            "the previous checkpoint")
+                if job.capturing:
+                    job.drop()
+                else:
+                    job.fail(CheckpointFailedError(
+                        f"checkpoint of step {job.handle.final_step} abandoned: the process "
+                        "is leaving"))
+            self._step_hooks.wait_copies()
+            self.pipeline.close()
+        finally:
+            self._stop()
+        try:
+            self.loop.raise_pending()
+        except GockptError as err:
+            log.info("gockpt: after abandoning: %s", err)
+
+    def close_at_exit(self, failing: bool) -> None:
+        """The interpreter is ending with this Checkpointer open (``gockpt.exit``; ``failing``:
+        on an uncaught exception): :meth:`close` -- or, on several ranks, :meth:`abort` when
+        failing or when some rank did not reach its own exit within ``Config.exit_wait_s``."""
+        if self.ranks.several and not self.loop.closed:
+            try:
+                everyone = not failing and self.ranks.agree_all(
+                    True, timeout=self.config.exit_wait_s) is not None
+            except Exception as exc:  # noqa: BLE001 -- e.g. the process group destroyed
+                log.warning("gockpt: at exit, the ranks could not agree to close: %s", exc)
+                everyone = False
+            if not everyone:
+                self.abort()
+                return
+        self.close()
+
+    def _stop(self) -> None:
+        """Stop every thread and let go of every resource (the end of close and abort)."""
+        if self.replicator is not None:
+            self.replicator.close(0)
+        self.staging.close()
+        self.engine.close()
+        if self.digester is not None:
+            self.digester.close()
+        self.lock.release()
+        self._step_hooks.remove()
+        if self.adapter is not None:
+            self.adapter.close()
+        self.ranks.close()  # our groups' workers joined while the interpreter is whole
 
     def wait_remote(self, timeout: Optional[float] = None) -> Optional[RemoteStatus]:
         """Wait until the last checkpoint asked for is committed (:meth:`wait`) and every
@@ -362,6 +430,9 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and self.ranks.several:
+            self.abort()  # leaving on an exception: never wait for the other ranks
+            return
         try:
             self.close()
         except GockptError as err:

@@ -225,7 +225,8 @@ class Pipeline:
             return
         try:
             job.digests = selfcheck.verify(job, job.plan, self.config.self_check_strict,
-                                           replayed=self.replayer is not None)
+                                           replayed=self.replayer is not None,
+                                           threads=self.config.replay_threads or 0)
         except BaseException as exc:
             job.fail(exc)
             return

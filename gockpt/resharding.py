@@ -14,6 +14,8 @@ of whole stored tensors: this path checks every chunk's crc32c, not the digests.
 
 from __future__ import annotations
 
+import collections
+
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -78,7 +80,15 @@ def any_rank(flag: bool) -> bool:
     device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    _KEPT.append(t)
     return bool(t.item())
+
+
+# The tensors of the last collectives of ours on the training's own group, kept from being
+# freed by the gloo worker that ran one (it drops its reference after the caller returns): a
+# worker freeing the last reference needs the GIL, and a process whose interpreter is being
+# torn down right then ends in std::terminate (a load right before the end of a script).
+_KEPT: "collections.deque" = collections.deque(maxlen=16)
 
 
 def _elsewhere(m: Manifest, name: str, ref, t: Optional[torch.Tensor]) -> bool:

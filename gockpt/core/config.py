@@ -269,6 +269,14 @@ class Config:
     (what is left is uploaded by the next Checkpointer of this directory), ``None``: until
     done, else at most that many seconds. ``wait_remote()`` waits when you ask."""
 
+    exit_wait_s: float = 60.0
+    """On several ranks, when the interpreter exits with this Checkpointer still open (no
+    ``close()``, no exception): how long it waits for every other rank to reach its own exit
+    before committing the checkpoint in flight; past that it is abandoned
+    (:meth:`~gockpt.Checkpointer.abort`). A rank leaving the loop while the others train on
+    would otherwise wait for them in the commit while they wait for it in a training
+    collective. On an uncaught exception it is abandoned at once."""
+
     def __post_init__(self):
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
             raise ConfigError(f"directory must be a path, got {self.directory!r}")
@@ -365,6 +373,9 @@ class Config:
                                                or self.remote_wait_s < 0):
             raise ConfigError(f"remote_wait_s must be None or seconds >= 0, got "
                               f"{self.remote_wait_s!r}")
+        if isinstance(self.exit_wait_s, bool) or not isinstance(
+                self.exit_wait_s, (int, float)) or not self.exit_wait_s >= 0:
+            raise ConfigError(f"exit_wait_s must be seconds >= 0, got {self.exit_wait_s!r}")
         if self.replay_threads is not None and (
                 not isinstance(self.replay_threads, int) or self.replay_threads < 1):
             raise ConfigError(

@@ -1,7 +1,8 @@
-"""Digests of whole tensors, computed with torch ops on the device that holds them.
+"""Digests of whole tensors, computed on the device that holds them: on the CPU by gockpt's C++
+core (``csrc/digest.cpp``, on threads of gockpt's own pool), on a GPU by torch ops.
 
-The live training tensors at F (as the framework presents them: read through torch, not by
-address), their staged host copies, and the tensors read back at load time are digested by
+The live training tensors at F (as the framework presents them: the tensor objects the model
+and optimizer hold, not the addresses the copies use), their staged host copies, and the tensors read back at load time are digested by
 the same function, so that a checkpoint is checked end to end against what training had --
 independently of the copy path (its addresses, its queues, its kernels): a copy that read the
 wrong memory, or wrote the right bytes to the wrong place, shows as a mismatch.
@@ -20,10 +21,10 @@ data should be, or two compensating changes in different rows show in ``b``. Bot
 sums: exact whatever the reduction order of a device (a GPU and the CPU give the same digest),
 and one pass over memory. A digest is stored as 32 hex digits (``a`` then ``b``).
 
-Many tensors are digested in a few batched ops (:func:`digests`): the rows of the large ones
-are summed per tensor, and the small ones (and the short last rows) are concatenated and
-added per tensor with ``index_add_``, so that a model of thousands of small tensors costs a
-few operations per tensor, not a dozen.
+Many tensors are digested in one call (:func:`digests`): on the CPU one C++ call for all of
+them; on a GPU a few batched ops -- the rows of the large ones summed per tensor, the small ones
+(and the short last rows) concatenated and added per tensor with ``index_add_`` -- so that a
+model of thousands of small tensors costs a few operations per tensor, not a dozen.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .. import _C
+
 ROW = 256  # words per row
+assert ROW == _C.DIGEST_ROW, "csrc/digest.h's row must be this one"
 
 _MASK = (1 << 64) - 1
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -54,19 +58,26 @@ def words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(_WORDS[flat.element_size()])
 
 
-def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def digests(tensors: Sequence[torch.Tensor], threads: int = 0) -> torch.Tensor:
     """The digests of ``tensors`` (all on one device) as an (n, 2) int64 tensor on that device,
-    row i being (a, b) of ``tensors[i]`` in its element order; nothing is synchronised (on a
-    GPU the ops are queued on the current stream)."""
+    row i being (a, b) of ``tensors[i]`` in its element order.
+
+    On the CPU they are computed by gockpt's C++ core (``threads`` of gockpt's own pool, 0:
+    every core), one pass over memory, never with torch ops: torch ops on a background thread
+    share torch's intra-op threads with the training step and stall it far beyond their own
+    work. On a GPU the ops are queued on the current stream (nothing is synchronised)."""
     if not tensors:
         return torch.zeros(0, 2, dtype=torch.int64)
     ws = [words(t) for t in tensors]
     device = ws[0].device
+    if device.type == "cpu":
+        return _cpu_digests(ws, threads)
     layout = _layout(tuple((w.numel(), w.dtype) for w in ws), device)
     a = torch.zeros(len(ws), dtype=torch.int64, device=device)
     b = torch.zeros(len(ws), dtype=torch.int64, device=device)
     if layout.large:
-        rows = torch.cat([row_sums(ws[i][:f]) for i, f in layout.large])
+        rows = torch.cat([ws[i][:f].view(-1, ROW).sum(1, dtype=torch.int64)
+                          for i, f in layout.large])
         a.index_add_(0, layout.row_owner, rows)
         b.index_add_(0, layout.row_owner, rows * layout.row_weight)
     for dtype, pieces in layout.short.items():  # the small tensors and the last short rows
@@ -78,77 +89,14 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([a, b], dim=1)
 
 
-def row_sums(w: torch.Tensor) -> torch.Tensor:
-    """The exact int64 sums of the rows of ``ROW`` words of ``w`` (1-D, whole rows).
-
-    ``w.view(-1, ROW).sum(1, dtype=torch.int64)`` -- but on the CPU torch sums int32 and int16
-    words into int64 a cast per element (about 1 GB/s here, the whole cost of checking a
-    loaded checkpoint's digests); the same sums from same-dtype int32 ops run at memory speed
-    (:func:`_rows_int32`). Checked once per process against the plain sum on words that
-    overflow every int32 intermediate; any difference and the plain sum is used."""
-    if w.device.type == "cpu" and w.numel() >= ROW and w.dtype in (torch.int32, torch.int16) \
-            and (w.dtype == torch.int32 or w.data_ptr() % 4 == 0) and _fast_rows_ok():
-        return _rows_int32(w)
-    return w.view(-1, ROW).sum(1, dtype=torch.int64)
-
-
-# Words per piece of the fast row sums: a piece and its scratch stay in the core's cache
-# (measured on 2 cores: 2**18 int32 words 11 GB/s; 2**16 7.6; 2**20 8.8).
-_PIECE = 1 << 18
-_scratch = threading.local()
-
-
-def _rows_int32(w: torch.Tensor) -> torch.Tensor:
-    """Row sums of int32 words (or int16 words, read in pairs) with int32 ops only, a piece at
-    a time. Each word is split into its signed high half ``w >> 16`` and the rest; per row of
-    256 words the high halves sum to less than 2**23 and the low halves to less than 2**24,
-    so int32 sums of them are exact:
-
-    * int32 words: ``hi`` = the sum of the high halves; the plain int32 sum of the row is the
-      row's sum mod 2**32 (int32 addition wraps), hence the low halves' sum
-      ``(sum - 65536 * hi) mod 2**32`` and the row's sum ``65536 * hi + low``;
-    * int16 words: an int32 pair holds word 2k in its low half and word 2k + 1 in its high
-      half; the row's sum is the sum of the high halves plus that of the low halves, each
-      sign-extended (``(v << 16) >> 16``)."""
-    pairs = w.dtype == torch.int16
-    v = w.view(torch.int32) if pairs else w
-    per = ROW // 2 if pairs else ROW  # int32 values per row
-    n = v.numel()
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < min(n, _PIECE):
-        buf = _scratch.buf = torch.empty(_PIECE, dtype=torch.int32)
-    hi = torch.empty(n // per, dtype=torch.int32)
-    lo = torch.empty(n // per, dtype=torch.int32)
-    for s in range(0, n, _PIECE):
-        piece = v[s:s + _PIECE]
-        m = piece.numel()
-        b, r = buf[:m], slice(s // per, (s + m) // per)
-        torch.bitwise_right_shift(piece, 16, out=b)
-        torch.sum(b.view(-1, per), 1, dtype=torch.int32, out=hi[r])
-        if pairs:
-            torch.bitwise_left_shift(piece, 16, out=b)
-            b.bitwise_right_shift_(16)
-            torch.sum(b.view(-1, per), 1, dtype=torch.int32, out=lo[r])
-        else:
-            torch.sum(piece.view(-1, per), 1, dtype=torch.int32, out=lo[r])
-    high = hi.to(torch.int64)
-    if pairs:
-        return high + lo
-    high *= 65536
-    return high + ((lo.to(torch.int64) - high) & 0xFFFFFFFF)
-
-
-@functools.lru_cache(maxsize=1)
-def _fast_rows_ok() -> bool:
-    """Whether :func:`_rows_int32` equals the plain int64 sum on this torch (int32 sums that
-    wrap, shifts that sign-extend), on rows of extreme words."""
-    g = torch.Generator().manual_seed(0)
-    for dtype, lo, hi in ((torch.int32, -2**31, 2**31), (torch.int16, -2**15, 2**15)):
-        w = torch.cat([torch.full((ROW,), lo, dtype=dtype), torch.full((ROW,), hi - 1, dtype=dtype),
-                       torch.randint(lo, hi, (6 * ROW,), dtype=dtype, generator=g)])
-        if not torch.equal(_rows_int32(w), w.view(-1, ROW).sum(1, dtype=torch.int64)):
-            return False
-    return True
+def _cpu_digests(ws: List[torch.Tensor], threads: int) -> torch.Tensor:
+    """:func:`digests` of 1-D contiguous CPU words, by gockpt._C (``ws`` keeps them alive
+    for the call)."""
+    n = len(ws)
+    addr = np.fromiter((w.data_ptr() for w in ws), dtype=np.int64, count=n)
+    count = np.fromiter((w.numel() for w in ws), dtype=np.int64, count=n)
+    size = np.fromiter((w.element_size() for w in ws), dtype=np.int64, count=n)
+    return torch.from_numpy(_C.digests(addr, count, size, int(threads)))
 
 
 def digest(t: torch.Tensor) -> Tuple[int, int]:
@@ -238,12 +186,13 @@ class Ticket:
 class LiveDigests:
     """One background thread ("gockpt-digest") that digests live training tensors behind the
     work queued so far, so that the training thread pays only for queueing them: on the CPU it
-    computes them (while the loop runs the next forward/backward); on a GPU it queues the ops
-    on a side stream of the device (``device.behind``) and the next update waits for them
-    there (``device.order_after_digests``)."""
+    computes them (while the loop runs the next forward/backward) on ``threads`` of gockpt's
+    pool -- one by default: the training step has the cores --; on a GPU it queues the ops on
+    a side stream of the device (``device.behind``) and the next update waits for them there
+    (``device.order_after_digests``)."""
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, threads: int = 1):
+        self.device, self.threads = device, threads
         self._queue: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="gockpt-digest", daemon=True)
         self._thread.start()
@@ -267,7 +216,7 @@ class LiveDigests:
             t0 = time.perf_counter()
             try:
                 with self.device.behind(mark) as done:
-                    ticket.result = digests(tensors)
+                    ticket.result = digests(tensors, self.threads)
                 ticket.done_event = done.get("event")
             except BaseException as exc:  # surfaced by Ticket.pairs()
                 ticket.error = exc

@@ -52,15 +52,16 @@ def sample(job: Job, plan: Plan, optimizer: torch.optim.Optimizer, fraction: flo
         job.samples.append((b, direct))
 
 
-def verify(job: Job, plan: Plan, strict: bool, replayed: bool = True) -> Dict:
+def verify(job: Job, plan: Plan, strict: bool, replayed: bool = True, threads: int = 0) -> Dict:
     """After the replay (``replayed``: this mode replays): the sampled direct copies, then the
-    digests; returns the verified digests, (slot, None or state key) -> hex; raises
+    digests (of the staged copy: on ``threads`` of gockpt's pool, 0: every core, as the
+    replay); returns the verified digests, (slot, None or state key) -> hex; raises
     ConsistencyError on a mismatch (sampled copies: warns instead unless ``strict``)."""
     _compare_samples(job, plan, strict)
-    return _compare_digests(job, plan, replayed)
+    return _compare_digests(job, plan, replayed, threads)
 
 
-def _compare_digests(job: Job, plan: Plan, replayed: bool) -> Dict:
+def _compare_digests(job: Job, plan: Plan, replayed: bool, threads: int) -> Dict:
     """The staged host copy's digests against the live ones taken at F."""
     book = job.capture.live_digests
     if book is None:
@@ -70,7 +71,7 @@ def _compare_digests(job: Job, plan: Plan, replayed: bool) -> Dict:
     host = job.host
     staged = as_pairs(digests([plan.slots[si].staged_view(host.param[si] if key is None
                                                           else host.state[si][key])
-                               for si, key in book.entries]))
+                               for si, key in book.entries], threads))
     bad = [e for e, x, y in zip(book.entries, live, staged) if x != y]
     m = job.metrics
     m.verify_tensors, m.verify_mismatches = len(book.entries), len(bad)

@@ -9,20 +9,44 @@ Coordination uses two gloo process groups of gockpt's own, created when the Chec
 built (on every rank, in the same order, as torch.distributed requires): one for the training
 thread (agreeing on K), one for the persist thread (the commit vote), so that the two threads
 never interleave collectives on one group, and neither touches the training's own groups.
+
+Their lifetime is the Checkpointer's. :meth:`Ranks.close` destroys them, so that gloo's worker
+threads are joined while the interpreter is whole (left to the interpreter's finalization, a
+worker that frees a tensor then needs the GIL and ends the process in ``std::terminate``).
+:meth:`Ranks.abandon` is the way out of a process leaving on an exception: every collective of
+ours, waiting or to come, gives up at once (the other ranks may never join it: they may wait for
+this rank in a training collective), and a group with a collective left pending is kept alive
+until the process ends -- destroying it would join a worker blocked in that collective.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import pickle
+import threading
+import time
 import zlib
 from typing import Callable, List, Optional
 
 import torch
 
-from ..core.errors import ConfigError, StorageError
+from ..core.errors import CheckpointFailedError, ConfigError, StorageError
 from ..core.plan import Plan, mark_parallel
 from .format import TMP_PREFIX
 from .schema import PartsManifest, part_name
+
+
+class Abandoned(CheckpointFailedError):
+    """A collective of gockpt's was given up: this process abandons its checkpoints."""
+
+
+def _keep_forever(*objects) -> None:
+    """Never free ``objects`` (a group with a collective left pending, its work and tensors):
+    freed, the group would join a worker blocked in that collective, and a tensor freed last by
+    that worker would need the GIL during the interpreter's finalization."""
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 class Ranks:
@@ -31,6 +55,8 @@ class Ranks:
     def __init__(self):
         self.rank, self.world_size = 0, 1
         self._train_group = self._persist_group = None
+        self._abandoned = threading.Event()
+        self._kept = False  # a group of ours was left with a collective pending
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -50,17 +76,19 @@ class Ranks:
         if not self.several:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
-                                     group=self._train_group)
+        self._run(torch.distributed.all_reduce, self._train_group, t,
+                  op=torch.distributed.ReduceOp.MAX)
         return int(t.item())
 
-    def agree_all(self, ok: bool) -> bool:
-        """Whether ``ok`` holds on every rank (training thread)."""
+    def agree_all(self, ok: bool, timeout: Optional[float] = None) -> Optional[bool]:
+        """Whether ``ok`` holds on every rank (training thread); None when some rank did not
+        join within ``timeout`` seconds."""
         if not self.several:
             return ok
         t = torch.tensor([int(bool(ok))], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
-                                     group=self._train_group)
+        if not self._run(torch.distributed.all_reduce, self._train_group, t, timeout=timeout,
+                         op=torch.distributed.ReduceOp.MIN):
+            return None
         return bool(t.item())
 
     def same(self, value: int) -> bool:
@@ -108,9 +136,8 @@ class Ranks:
         thread, on every rank."""
         if not self.several:
             return [value]
-        out = [None] * self.world_size if self.rank == 0 else None
-        torch.distributed.gather_object(value, out, dst=0, group=self._persist_group)
-        return out
+        every = self._gather_bytes(pickle.dumps(value))
+        return None if every is None else [pickle.loads(b) for b in every]
 
     def gather_if(self, changed: bool, value: Callable[[], object]) -> Optional[List]:
         """``value()`` of every rank, in rank order, on rank 0 when ``changed`` holds on some
@@ -122,14 +149,79 @@ class Ranks:
 
     def _all_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
-                                     group=self._persist_group)
+        self._run(torch.distributed.all_reduce, self._persist_group, t,
+                  op=torch.distributed.ReduceOp.MIN)
         return int(t.item())
 
     def _broadcast(self, values):
         t = torch.tensor(values, dtype=torch.int64)
-        torch.distributed.broadcast(t, src=0, group=self._persist_group)
+        self._run(torch.distributed.broadcast, self._persist_group, t, src=0)
         return [int(v) for v in t.tolist()]
+
+    def _gather_bytes(self, data: bytes) -> Optional[List[bytes]]:
+        """``data`` of every rank, in rank order, on rank 0 (None elsewhere): the sizes to
+        every rank, then the bytes, padded alike, to rank 0 (persist thread)."""
+        dist, group = torch.distributed, self._persist_group
+        mine = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._run(dist.all_gather, group, sizes, mine)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) \
+            if data else padded[:0]
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] \
+            if self.rank == 0 else None
+        self._run(dist.gather, group, padded, out, dst=0)
+        if out is None:
+            return None
+        return [t[:int(n.item())].numpy().tobytes() for t, n in zip(out, sizes)]
+
+    def _run(self, collective, group, *tensors, timeout: Optional[float] = None,
+             **options) -> bool:
+        """``collective(*tensors, group=group, **options)``, waited for (raising its error);
+        True once done. Given up -- and kept pending with its group and tensors until the
+        process ends (see the module's docstring) -- when this process abandons its
+        checkpoints (:meth:`abandon`: Abandoned; not even started once abandoned), or after
+        ``timeout`` seconds (False)."""
+        if self._abandoned.is_set():
+            raise self._abandoned_error()
+        work = collective(*tensors, group=group, async_op=True, **options)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 1e-4
+        while not work.is_completed():
+            if self._abandoned.wait(delay) or (deadline is not None
+                                               and time.monotonic() > deadline):
+                self._kept = True
+                _keep_forever(group, work, *tensors)
+                if self._abandoned.is_set():
+                    raise self._abandoned_error()
+                return False
+            delay = min(2 * delay, 0.02)  # prompt for quick agreements, cheap for slow ones
+        work.wait()
+        return True
+
+    @staticmethod
+    def _abandoned_error() -> Abandoned:
+        return Abandoned("this process abandons its checkpoints (it is leaving on an "
+                         "exception): not waiting for the other ranks")
+
+    def abandon(self) -> None:
+        """Any thread: every collective of ours, waiting or to come, raises Abandoned at
+        once. Then :meth:`close`."""
+        self._abandoned.set()
+
+    def close(self) -> None:
+        """Destroy our groups (joining their workers), unless one was left with a collective
+        pending (:meth:`abandon`); on every rank, once no thread of ours uses them."""
+        groups = [g for g in (self._train_group, self._persist_group) if g is not None]
+        self._train_group = self._persist_group = None
+        if self._kept or not (groups and torch.distributed.is_initialized()):
+            return  # (not initialized any more: the last reference to them goes with ours)
+        for group in groups:
+            try:
+                torch.distributed.destroy_process_group(group)
+            except ValueError:  # destroyed already (destroy_process_group() of every group)
+                pass
 
     def commit(self, root: str, name: str, write_part: Optional[Callable[[str], None]],
                top_manifest: PartsManifest, new_writer: Callable) -> str:

@@ -1,12 +1,12 @@
-"""gockpt.core.digest: the digest of a tensor's bytes through torch -- its definition, the
-batched form equal to one tensor at a time, what it tells apart, and the live-digest thread."""
+"""gockpt.core.digest: the digest of a tensor's bytes -- its definition, the batched form equal
+to one tensor at a time (the CPU's C++ core equal to the definition in torch ops, whatever its
+threads), what it tells apart, and the live-digest thread."""
 
 import numpy as np
 import pytest
 import torch
 
 from gockpt.capture.device import HostDevice
-from gockpt.core import digest as digest_mod
 from gockpt.core.digest import ROW, LiveDigests, as_pairs, digest, digests, is_hex, to_hex
 
 MASK = (1 << 64) - 1
@@ -44,24 +44,39 @@ def test_batched_digests_are_the_definition_of_each_tensor():
     assert digests([]).shape == (0, 2)
 
 
-@pytest.mark.parametrize("dtype, lo, hi", [(torch.int32, -2**31, 2**31), (torch.int16, -2**15, 2**15)])
-def test_fast_row_sums_are_the_plain_int64_sums(dtype, lo, hi):
-    # Several pieces and a short last one; rows of extreme words whose int32 sums overflow.
+@pytest.mark.parametrize("dtype, lo, hi", [(torch.int8, -2**7, 2**7), (torch.int16, -2**15, 2**15),
+                                           (torch.int32, -2**31, 2**31),
+                                           (torch.int64, -2**63, 2**63 - 1)])
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_the_cpu_digests_are_the_torch_definition_whatever_the_threads(dtype, lo, hi, threads):
+    # gockpt._C cuts a tensor into pieces of whole rows spread over its threads: pieces, a
+    # short last row, extreme words whose 64-bit row sums wrap, at odd offsets; against the
+    # definition written in torch ops (the GPU path's arithmetic)
     g = torch.Generator().manual_seed(3)
-    n = 2 * digest_mod._PIECE * (2 if dtype == torch.int16 else 1) + 5 * ROW
+    n = 3 * 256 * ROW + 5 * ROW + 7
     w = torch.randint(lo, hi, (n + 1,), dtype=dtype, generator=g)
     w[:ROW] = lo
     w[ROW:2 * ROW] = hi - 1
     w[-ROW - 1:] = hi - 1
-    assert digest_mod._fast_rows_ok()
-    for view in (w[:n], w[1:]):  # int16 words at an odd offset: the plain sum
-        assert torch.equal(digest_mod.row_sums(view), view.view(-1, ROW).sum(1, dtype=torch.int64))
-    x = torch.cat([w[:n].view(torch.float32 if dtype == torch.int32 else torch.bfloat16), torch.zeros(7, dtype=(
-        torch.float32 if dtype == torch.int32 else torch.bfloat16))])
-    rows = x.view(dtype)[:n].view(-1, ROW).sum(1, dtype=torch.int64)  # the definition, in torch
-    a = int(rows.sum()) & MASK
-    b = int((rows * torch.arange(1, 2 * rows.numel(), 2)).sum()) & MASK
-    assert digest(x) == (a, b)
+    for view in (w[:n], w[1:], w[:ROW - 3], w[:0]):
+        full = view.numel() // ROW * ROW
+        rows = view[:full].view(-1, ROW).sum(1, dtype=torch.int64)
+        if view.numel() > full:
+            rows = torch.cat([rows, view[full:].sum(dtype=torch.int64).reshape(1)])
+        a = int(rows.sum()) & MASK
+        b = int((rows * (2 * torch.arange(rows.numel()) + 1)).sum()) & MASK
+        assert as_pairs(digests([view], threads)) == [(a, b)] == [digest(view)]
+
+
+def test_the_cpu_digests_refuse_what_is_not_words():
+    from gockpt import _C
+    x = torch.zeros(8)
+    with pytest.raises(ValueError, match="element size 3"):
+        _C.digests(np.array([x.data_ptr()]), np.array([8]), np.array([3]), 1)
+    with pytest.raises(ValueError, match="null address"):
+        _C.digests(np.array([0]), np.array([8]), np.array([4]), 1)
+    with pytest.raises(ValueError, match="words"):
+        _C.digests(np.array([x.data_ptr()]), np.array([-1]), np.array([4]), 1)
 
 
 def test_what_the_digest_tells_apart():

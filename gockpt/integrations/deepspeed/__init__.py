@@ -38,12 +38,12 @@ elsewhere); otherwise in fp32.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import warnings
 import weakref
 
 from ...core.config import Config, GradTransport
+from ...exit import first_at_exit
 from ...core.errors import ConfigError, UnsupportedOptimizerError
 from ...core.modes import POLICIES
 from ...replay.adapters import adapter_for
@@ -209,11 +209,11 @@ _WRAPPERS = {"forward": _forward, "backward": _backward, "step": _step,
 
 def _wait_at_exit() -> None:
     """Make the end of the process wait for the patched engines' checkpoints (registered once,
-    by the first install() or patch(): importing the integration changes nothing)."""
-    global _exit_registered
-    if not _exit_registered:
-        atexit.register(wait)
-        _exit_registered = True
+    by the first install() or patch(): importing the integration changes nothing), before
+    gockpt's own exit hook closes what is left (``gockpt.exit``)."""
+    first_at_exit(_close_at_exit)
 
 
-_exit_registered = False
+def _close_at_exit(failing: bool) -> None:
+    for p in list(_patches.values()):
+        p.close_at_exit(failing)

@@ -165,6 +165,21 @@ class EnginePatch:
             self.in_backward = False
             ck.close()
 
+    def close_at_exit(self, failing: bool) -> None:
+        """:meth:`close` at the end of the process (``failing``: on an uncaught exception):
+        the Checkpointer's own exit rule (``Checkpointer.close_at_exit``: on several ranks a
+        failing process abandons what is in flight, and records no boundary first)."""
+        if self.ck is None:
+            return
+        ck, self.ck = self.ck, None
+        try:
+            if self.pending and not (failing and ck.ranks.several):
+                self.pending = False
+                ck.save_checkpoint(self.engine.global_steps)
+        finally:
+            self.in_backward = False
+            ck.close_at_exit(failing)
+
 
 def zero_bf16(engine) -> bool:
     """Whether the engine hands its base optimizer bf16 gradients made fp32 and multiplied by
