@@ -109,13 +109,14 @@ def gockpt_run(mode: str):
     def run(setup: Setup) -> dict:
         from gockpt.integrations import deepspeed as gockpt_ds
         options = {"emulate_link_gbps": setup.link_gbps} if setup.device == "cpu" else {}
-        # interval: the saves to come are known (as the torch runs' Checkpointer knows them),
-        # so that the replay modes start copying K steps ahead -- from the second save on: the
-        # patch's Checkpointer is made at the first
-        gockpt_ds.install(mode=mode, interval=setup.args.every, on_busy="wait", **options)
+        save_dir = os.path.join(setup.work, f"ds-{mode}")
+        # interval and directory: the saves to come are known (as the torch runs' Checkpointer
+        # knows them), so that the patch's Checkpointer is made with the engine and the replay
+        # modes start copying K steps ahead of every save, the first included
+        gockpt_ds.install(mode=mode, interval=setup.args.every, directory=save_dir,
+                          on_busy="wait", **options)
         try:
             engine = build_engine(setup)
-            save_dir = os.path.join(setup.work, f"ds-{mode}")
             timing = train_engine(setup, engine, save_dir)
             patch = gockpt_ds._patches[engine]
             host = patch.ck.host_bytes if patch.ck is not None else 0

@@ -106,10 +106,7 @@ class Checkpointer:
                               "use a fixed interval (or force) and on_busy='wait'")
         if self.config.replicated is None and is_replicated(model):
             self.config.replicated = True  # (None: DTensors replicated as their placements say)
-        self.plan = self.ranks.share(build_plan(model, optimizer, self.config.block_bytes,
-                                                self._min_blocks(), self.ranks.world_size),
-                                     self.config.replicated,
-                                     self.config.global_slices)
+        self.plan = self._new_plan()
         ensure_writable(self.config.directory)
         self.lock = lock_for_ranks(self.config.directory, self.ranks)
         self.adapter = None
@@ -482,6 +479,15 @@ class Checkpointer:
         self.pipeline.begin(job, step, self.loop.boundary, extra_state)
         return job.handle
 
+    def _new_plan(self):
+        """The plan of the model and optimizer as they are, cut among the ranks (training
+        thread, on every rank)."""
+        plan = self.ranks.share(build_plan(self.model, self.optimizer, self.config.block_bytes,
+                                           self._min_blocks(), self.ranks.world_size),
+                                self.config.replicated, self.config.global_slices)
+        plan.mark_step_written(self.config.step_written)
+        return plan
+
     def _min_blocks(self) -> int:
         """Blocks the plan needs: an explicit K of a replay mode needs K groups."""
         return self.config.overlap_steps or 1 if self.policy.replays else 1
@@ -489,11 +495,10 @@ class Checkpointer:
     def _replan(self) -> None:
         """The optimizer's parameters changed: plan again (a replay mode checks the new param
         groups' settings as at construction); host memory is allocated anew."""
-        adapted = {s.name for s in self.plan.slots if s.at_f and not s.static}
-        plan = self.ranks.share(build_plan(self.model, self.optimizer, self.config.block_bytes,
-                                           self._min_blocks(), self.ranks.world_size),
-                                self.config.replicated,
-                                self.config.global_slices)
+        step_written = self.config.step_written or ()
+        adapted = {s.name for s in self.plan.slots if s.at_f and not s.static
+                   or s.name in step_written and not s.step_written}
+        plan = self._new_plan()
         plan.copy_at_f(adapted)
         if self.policy.replays:
             self.adapter.close()

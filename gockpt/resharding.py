@@ -28,8 +28,6 @@ from .replay.adapters import state_keys_of
 from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
                        warn_rng_not_restored)
 from .storage import manifest as manifest_mod
-from .storage import dcp
-from .storage.dcp import GockptReader
 from .storage.manifest import parts_of
 from .storage.reader import read_manifest
 from .storage.schema import Manifest, is_small_tensor
@@ -116,10 +114,11 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
     this rank's part on as many ranks as saved, else from rank 0's; RNG states only on as
     many ranks (a warning says when they are not restored). ``written``: how many ranks
     saved it."""
+    from .storage import dcp  # (torch.distributed.checkpoint: imported only by who uses it)
     rank, world = rank_and_world()
     same_ranks = written == world
     path, manifest = manifest_mod.read(top, rank if same_ranks else 0)
-    reader = GockptReader(top, verify=verify)
+    reader = dcp.GockptReader(top, verify=verify)
     md = reader.read_metadata().state_dict_metadata
     live = model.state_dict()
     clean = Names(model)

@@ -14,7 +14,8 @@ import pytest
 import gockpt
 from gockpt import storage
 
-from tests._support import harness as H, worker_command, worker_env
+from tests._support import harness as H, worker_env
+from tests._support.forked import Forked, run_worker
 
 WORKER = "crash_worker"  # a module of tests._support
 
@@ -25,8 +26,9 @@ def test_kill_9_at_random_instants_never_exposes_a_partial_checkpoint(tmp_path):
     env = worker_env()
     resumed_from = []
     for attempt in range(20):
-        proc = subprocess.Popen(worker_command(WORKER, tmp_path), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
+        # a fresh process each time (forked from the session's server that imported torch
+        # once), killed for real
+        proc = Forked(f"tests._support.{WORKER}", [str(tmp_path)], env, stream=True)
         first = proc.stdout.readline()
         assert first.startswith("resumed"), first + proc.stderr.read()
         resumed_from.append(int(first.split()[1]))
@@ -44,8 +46,7 @@ def test_kill_9_at_random_instants_never_exposes_a_partial_checkpoint(tmp_path):
     assert resumed_from[0] == 0 and resumed_from[-1] > 0
     assert resumed_from == sorted(resumed_from)
     # the last state loads and verifies too
-    final = subprocess.run(worker_command(WORKER, tmp_path, "--check-only"), env=env,
-                           timeout=120, capture_output=True, text=True)
+    final = run_worker(WORKER, tmp_path, "--check-only", env=env, timeout=120)
     assert final.returncode == 0 and final.stdout.startswith("resumed"), final.stderr
 
 

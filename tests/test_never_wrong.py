@@ -315,6 +315,61 @@ def test_in_place_renorm_in_forward_is_refused_then_copied_at_the_boundary(tmp_p
     assert assert_every_commit_is_state_at_f(run, tmp_path, embedding_model) == 3
 
 
+class WithShadow(nn.Module):
+    """A frozen parameter the training's step writes (an average of the trained weight, as
+    DeepSpeed writes its module weights from the fp32 masters): Config.step_written."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 2)
+        self.shadow = nn.Parameter(torch.zeros(2, 16), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x) + 0.1 * (x @ self.shadow.t())
+
+
+def shadow_model():
+    torch.manual_seed(0)
+    model = WithShadow()
+    return model, torch.optim.AdamW(model.lin.parameters(), lr=5e-2)
+
+
+@pytest.mark.parametrize("written_in_forward", [False, True])
+def test_a_step_written_parameter_rides_with_the_last_group(tmp_path, written_in_forward):
+    # written only between the update and the boundary: copied with the last group under the
+    # next forward/backward, each checkpoint the state at F; written in forward instead (what
+    # step_written promises not to do): that window is refused, the parameter is copied at the
+    # boundary from then on, and nothing wrong is committed
+    model, opt = shadow_model()
+    x = torch.randn(24, 5, 16, generator=torch.Generator().manual_seed(2))
+
+    def step_fn(s):
+        if written_in_forward:
+            with torch.no_grad():
+                model.shadow.mul_(0.5)
+        return model(x[s]).square().mean()
+
+    def between(s):
+        with torch.no_grad():
+            model.shadow.mul_(0.9).add_(model.lin.weight, alpha=0.1)
+
+    run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=3, block_bytes=256,
+              step_written=["shadow"], step_fn=step_fn, between=between)
+    plan = run.ck.plan
+    assert not {b.slot for b in plan.blocks_at_f()} & \
+        {si for si, sl in enumerate(plan.slots) if sl.name == "shadow"}
+    if written_in_forward:
+        with pytest.warns(UserWarning, match="shadow"):
+            run.train(0, 20, at={5, 11, 17})
+    else:
+        run.train(0, 20, at={5, 11, 17})
+    run.close()
+    committed = run.committed()
+    assert committed == ([11, 17] if written_in_forward else [5, 11, 17])
+    assert assert_every_commit_is_state_at_f(run, tmp_path, shadow_model) == len(committed)
+    assert any(sl.step_written for sl in plan.slots) != written_in_forward
+
+
 def clamped_model():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))

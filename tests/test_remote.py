@@ -6,7 +6,6 @@ damaged in the store, the training process killed mid-upload and restarted."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,7 +25,8 @@ from gockpt.storage.commit import list_checkpoints, read_latest
 from tests._support import harness as H
 from tests._support import ranks_worker
 from tests._support.dist_ranks import run_ranks
-from tests._support import worker_command, worker_env
+from tests._support import worker_env
+from tests._support.forked import Forked, run_worker
 from tests._support.cli_helpers import run
 from tests._support.s3server import S3Server
 
@@ -158,10 +158,8 @@ def test_a_fresh_process_resumes_from_the_store_bit_for_bit_after_the_local_dire
         tmp_path, url):
     directory = str(tmp_path / "run")
 
-    def run(*args):
-        out = subprocess.run(worker_command("remote_worker", *args), env=worker_env(),
-                             capture_output=True, text=True, timeout=300)
-        return out
+    def run(*args):  # a fresh process (forked: tests._support.forked)
+        return run_worker("remote_worker", *args, env=worker_env(), timeout=300)
 
     trained = run("train", directory, url, 30, 22)
     assert trained.returncode == -9, trained.stderr
@@ -600,9 +598,8 @@ def test_a_training_process_killed_mid_upload_leaves_no_partial_latest_and_the_n
         tmp_path, url):
     directory = str(tmp_path / "run")
     first, second = storage.checkpoint_name(5), storage.checkpoint_name(10)
-    proc = subprocess.Popen(worker_command("remote_worker", "hang", directory, url, 12),
-                            env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = Forked("tests._support.remote_worker", ["hang", directory, url, "12"], worker_env(),
+                  stream=True)
     try:
         line = proc.stdout.readline()  # blocks until the worker is inside the upload
     finally:
@@ -622,8 +619,7 @@ def test_a_training_process_killed_mid_upload_leaves_no_partial_latest_and_the_n
     others = [f"{prefix}/notes/data.safetensors", f"{prefix}/{storage.checkpoint_name(8)}/x.txt"]
     for key in others:
         bucket.put_bytes(key, b"not gockpt's")
-    out = subprocess.run(worker_command("remote_worker", "upload", directory, url),
-                         env=worker_env(), capture_output=True, text=True, timeout=300)
+    out = run_worker("remote_worker", "upload", directory, url, env=worker_env(), timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["uploaded"] == [second]

@@ -2,13 +2,13 @@
 produces bitwise the same losses and final parameters as an uninterrupted run."""
 
 import json
-import subprocess
 
 import pytest
 
 from gockpt import storage
 
-from tests._support import worker_command, worker_env
+from tests._support import worker_env
+from tests._support.forked import run_worker
 
 pytestmark = pytest.mark.slow
 
@@ -17,10 +17,9 @@ TOTAL = 30
 
 
 def run(*args):
-    # The worker imports the gockpt this test imported (this checkout's), not an installed one.
-    proc = subprocess.run(worker_command(WORKER, *args), capture_output=True,
-                          text=True, timeout=300, env=worker_env())
-    return proc
+    # A fresh process (forked from the session's server that imported torch once: a real
+    # SIGKILL, a real restart); it imports the gockpt this test imported, this checkout's.
+    return run_worker(WORKER, *args, env=worker_env(), timeout=300)
 
 
 @pytest.mark.parametrize("mode", ["gockpt-o", "gockpt", "async"])

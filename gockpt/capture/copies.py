@@ -133,10 +133,11 @@ class Capture:
         (:mod:`gockpt.core.digest`) of every tensor this checkpoint stores -- each
         parameter and each aligned optimizer state tensor, read through torch as the
         framework presents them, not by the addresses the copies use -- to be compared with
-        the staged host copy before anything is committed. The slots copied at F (written
-        in place during forward/backward, or not optimized) are digested now, before the
-        next step can write them; the others under the next forward/backward, waited for
-        before the next update (:meth:`LiveDigestBook.wait_before_update`)."""
+        the staged host copy before anything is committed. The slots copied at the boundary
+        of F (written in place during forward/backward, or not optimized) are digested now,
+        before the next step can write them; the others (``step_written`` slots too) under
+        the next forward/backward, waited for before the next update
+        (:meth:`LiveDigestBook.wait_before_update`)."""
         plan, host = job.plan, job.host
         states = self.states.of(job)
         entries: List[Tuple[int, Optional[str]]] = []
@@ -152,8 +153,9 @@ class Capture:
                     if key in st:
                         entries.append((si, key))
                         tensors.append(slot.held_view(local(st[key])))
-        at_f = [i for i, (si, _) in enumerate(entries) if plan.slots[si].at_f]
-        later = [i for i, (si, _) in enumerate(entries) if not plan.slots[si].at_f]
+        now = [s.at_f and not s.step_written for s in plan.slots]  # copied at the boundary
+        at_f = [i for i, (si, _) in enumerate(entries) if now[si]]
+        later = [i for i, (si, _) in enumerate(entries) if not now[si]]
         book = LiveDigestBook(entries, Reads([([si for si, _ in entries], tensors)]))
         for part in (at_f, later):
             if part:

@@ -18,7 +18,7 @@ from ..core.blocks import BlockTable
 from ..core.errors import HookOrderError, UnsupportedOptimizerError
 from ..core.job import Job
 from ..core.lists import has_none
-from ..core.memory import DTensor, flat, local
+from ..core.memory import flat, is_dtensor, local
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
 from ..core.staging import GradPool
@@ -192,7 +192,7 @@ def live_gradients(plan, slots: list) -> Dict[int, torch.Tensor]:
 def local_gradient(slot, grad: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor parameter's gradient, which must be laid out like the
     parameter (the same placements: the elements of the local parameter shard)."""
-    if isinstance(grad, DTensor) and grad.placements != slot.param.placements:
+    if is_dtensor(grad) and grad.placements != slot.param.placements:
         raise UnsupportedOptimizerError(
             f"the gradient of {slot.name!r} has placements {grad.placements}, its parameter "
             f"{slot.param.placements}; the replay needs each rank's gradient shard to match its "

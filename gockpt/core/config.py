@@ -236,6 +236,17 @@ class Config:
     checkpoint's global index (as DeepSpeed ZeRO's flat fp32 partitions are: 1-D slices of
     each flat param group). Loaded on the number of ranks that wrote it."""
 
+    step_written: Optional[Collection[str]] = None
+    """Parameters the attached optimizer does not update but that only the training's own
+    step writes, after ``update_begin`` (DeepSpeed's bf16 module weights, which its step
+    writes from the fp32 masters): instead of being copied at the boundary of F, blocking, like
+    other parameters it does not update (a forward may write those), they are copied with the
+    last capture group under the next forward/backward. The verification against the live
+    state at F catches one written elsewhere (that checkpoint is not committed and the
+    parameter is copied at the boundary from then on). Names as ``replicated``'s; each must be
+    a parameter the optimizer does not update (ConfigError otherwise). Kept as a
+    ``frozenset``."""
+
     storage_writer: Optional[Callable] = None
     """Storage plugin: ``storage_writer(root, name)`` returns the writer of one checkpoint, a
     :class:`gockpt.core.protocols.StorageWriter` (its call order is documented there), usually
@@ -351,6 +362,12 @@ class Config:
             self.replicated = frozenset(self.replicated)
         if self.global_slices is not None:
             self.global_slices = _global_slices(self.global_slices)
+        if self.step_written is not None:
+            if isinstance(self.step_written, (str, bytes)) or not all(
+                    isinstance(n, str) for n in self.step_written):
+                raise ConfigError(f"step_written must be a collection of parameter names, got "
+                                  f"{self.step_written!r}")
+            self.step_written = frozenset(self.step_written)
         if self.storage_writer is not None and not callable(self.storage_writer):
             raise ConfigError(f"storage_writer must be a callable (root, name) -> writer, got "
                               f"{self.storage_writer!r}")

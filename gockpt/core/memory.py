@@ -5,6 +5,7 @@ which is what every stage copies, replays and stores: ``local``, and back: ``lik
 
 from __future__ import annotations
 
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -23,12 +24,13 @@ def memory_order(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
     return dims if t.permute(dims).is_contiguous() else None
 
 
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # a torch built without distributed support has none
-    class DTensor:  # type: ignore[no-redef]
-        pass
-    Shard = None
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor. Looked up in ``sys.modules``, not imported: until something
+    imports ``torch.distributed.tensor`` no DTensor exists, and importing it costs half a
+    second of every process's start (a process that trains without one never pays it)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def local(t):
@@ -36,22 +38,22 @@ def local(t):
     (looked up at each call: FSDP2 may give a parameter a new one, e.g. at its lazy init),
     any other tensor (or None) itself. A DTensor reports ``data_ptr() == 0``: copied by address
     it would be checkpointed as zeros at its global shape."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def like(template: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` (a local shard) as the live ``template`` presents it: a DTensor on its mesh
     with its placements when ``template`` is one (no collective), else ``value`` itself."""
-    if not isinstance(template, DTensor):
+    if not is_dtensor(template):
         return value
-    return DTensor.from_local(value, template.device_mesh, template.placements,
+    return type(template).from_local(value, template.device_mesh, template.placements,
                               run_check=False, shape=template.shape, stride=template.stride())
 
 
 def global_slice(t: torch.Tensor) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
     """(global shape, offsets of this rank's local shard in it, per dimension) of a DTensor,
     as torch.distributed.checkpoint's chunk metadata gives them; None for a plain tensor."""
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return None
     chunks = t.__create_chunk_list__()
     if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(t._local_tensor.shape):
@@ -68,7 +70,7 @@ def replicas_of(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
     where ``t`` is ``Replicate()`` -- HSDP's replicate dimension, tensor parallelism's
     replicated parameters. ``(rank,)`` when it is replicated nowhere; None for a plain tensor
     (or a rank outside the mesh)."""
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return None
     mesh = t.device_mesh
     coordinate = mesh.get_coordinate()
@@ -82,7 +84,7 @@ def replicas_of(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
 def check_addressable(name: str, p: torch.Tensor) -> None:
     """UnsupportedTensorError unless parameter ``name`` owns plain memory that gockpt can copy
     by address (a DTensor: its local shard does)."""
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
         check_addressable(name, p._local_tensor)
         global_slice(p)
         return

@@ -5,8 +5,10 @@ exp_avg_sq, and the gradient used by the replay); a *block* is a contiguous elem
 slot, the same range in every one of those tensors, so that they travel and replay together.
 Parameters that the attached optimizer does not update (frozen, or trained by another
 optimizer) are *static* slots. Static slots, and slots found written outside the optimizer,
-are copied directly at the boundary of F (``at_f``); the others are spread over the window's
-groups and replayed.
+are copied directly at the boundary of F (``at_f``) -- but the static slots that only the
+training's step writes (``step_written``: DeepSpeed's module weights) ride with the last
+group, under the next forward/backward; the others are spread over the window's groups and
+replayed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class Slot:
     at_f: bool = False             # copied directly at the boundary of F, never replayed
     param_at_f: bool = False       # its parameter copied at F (the replay does not reproduce
     #                                its update), its moments replayed over the window
+    step_written: bool = False     # static, written only by the training's step: copied with
+    #                                the last group (at version F, under the next forward/
+    #                                backward), not at the boundary
     extent: Tuple[int, int] = (0, -1)  # elements [lo, hi) in memory order this rank holds
     replicated: bool = True        # the same on every replica: split among them when the ranks
     #                                take shares (False: this rank's own, kept whole)
@@ -125,8 +130,26 @@ class Plan:
     def at_f_table(self) -> BlockTable:
         """:meth:`blocks_at_f` as a BlockTable (built once, until copy_at_f changes it)."""
         if self._at_f_table is None:
-            self._at_f_table = BlockTable([b for b in self.blocks if self.slots[b.slot].at_f])
+            self._at_f_table = BlockTable([b for b in self.blocks if self.slots[b.slot].at_f
+                                           and not self.slots[b.slot].step_written])
         return self._at_f_table
+
+    def mark_step_written(self, names) -> None:
+        """``Config.step_written``: these static slots ride with the last group (ConfigError
+        for a name that is no parameter, or one the optimizer updates)."""
+        names = set(names or ())
+        known = {s.name: s for s in self.slots}
+        for name in sorted(names):
+            if name not in known:
+                raise ConfigError(f"step_written names {name!r}, which is not a parameter of "
+                                  f"the model (known: {', '.join(sorted(known)[:5])}, ...)")
+            if not known[name].static:
+                raise ConfigError(f"step_written names {name!r}, which the optimizer updates "
+                                  "(its copies are spread over the window and replayed)")
+        for s in self.slots:
+            s.step_written = s.name in names
+        self._at_f_table = None
+        self._windows.clear()
 
     def copy_param_at_f(self, names) -> List[str]:
         """From now on, copy the parameters of the slots named ``names`` at F (with the last
@@ -146,8 +169,8 @@ class Plan:
         not already."""
         changed = []
         for s in self.slots:
-            if s.name in names and not s.at_f:
-                s.at_f = True
+            if s.name in names and (not s.at_f or s.step_written):
+                s.at_f, s.step_written = True, False
                 changed.append(s.name)
         if changed:  # what depends on which slots are copied at F
             self._at_f_table = None
@@ -247,6 +270,8 @@ class Plan:
     def _window(self, k: int) -> tuple:
         if k not in self._windows:
             groups = self._split(k)
+            groups[-1] = groups[-1] + [b for b in self.blocks  # (at version F, as the group)
+                                       if self.slots[b.slot].step_written]
             tables = [BlockTable(g) for g in groups]
             params = tables
             if any(s.param_at_f for s in self.slots):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..core.lists import has_none
-from ..core.memory import DTensor, local
+from ..core.memory import is_dtensor, local
 from ..core.modes import NO_REPLAY_MODES
 from ..core.errors import UnsupportedOptimizerError
 from . import arithmetic
@@ -57,7 +57,7 @@ class AdamAdapter:
         self.device = _device_of(optimizer)
         self._not_replayed: Dict[int, str] = {}  # id(param) -> why (see params_not_replayed)
         self._like = next((p for g in optimizer.param_groups for p in g["params"]
-                           if isinstance(p, DTensor)), None)  # FSDP2: the probe steps DTensors
+                           if is_dtensor(p)), None)  # FSDP2: the probe steps DTensors
         for gi, g in enumerate(optimizer.param_groups):
             for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
                 if g.get(flag, False):

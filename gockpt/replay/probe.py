@@ -10,7 +10,7 @@ from typing import Dict, Optional
 import torch
 
 from . import arithmetic
-from ..core.memory import DTensor, Shard, local
+from ..core.memory import local
 from ..core.records import GroupScalars, Kernel
 from .claims import moments_weight_decay
 
@@ -40,6 +40,7 @@ def _flat_placements(like: torch.Tensor) -> tuple:
     """``like``'s placements for the probe's 1-D tensors: a sharded dimension becomes dimension
     0 (the update is elementwise: which dimension is split does not change a shard's
     arithmetic; a row-parallel Shard(1) cannot place a 1-D tensor)."""
+    from torch.distributed.tensor import Shard  # (like is a DTensor: imported already)
     return tuple(Shard(0) if p.is_shard() else p for p in like.placements)
 
 
@@ -51,7 +52,7 @@ def _run_probe(cls, sc: GroupScalars, device: torch.device, moments_only: bool =
     n = _N - 1 if device.type == "cpu" or moments_only else _N
 
     def placed(t: torch.Tensor) -> torch.Tensor:  # as the training's parameters are
-        return t if like is None else DTensor.from_local(t, like.device_mesh, placements,
+        return t if like is None else type(like).from_local(t, like.device_mesh, placements,
                                                          run_check=False)
 
     p = torch.nn.Parameter(placed((torch.rand(n, generator=gen) - 0.5).to(device)))

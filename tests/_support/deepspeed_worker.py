@@ -3,7 +3,7 @@ tests/_support/dist_ranks.py): trains a tiny model with a DeepSpeed engine on it
 (the CPU here, CUDA on a GPU machine) and writes what the test compares.  Scenario keys beyond
 the run: "stage", "steps", "save_at" (a step or a list of steps), "gas", "clip", "options",
 "gockpt_section", "fp32_accumulation", "two_groups", "torch_adam" (torch's AdamW as base
-optimizer), "betas" (AdamW's), "fp16" (with dynamic loss scaling), "inf_at" (a step whose loss
+optimizer), "early" (the save run's directory and interval given to install()), "betas" (AdamW's), "fp16" (with dynamic loss scaling), "inf_at" (a step whose loss
 is multiplied by inf: an overflow step under fp16), "width" (of the hidden layer, 48 by
 default), "chunk_bytes" (of the checkpoint's checksum chunks).
 
@@ -150,7 +150,11 @@ def main():
         from gockpt import storage
         writer = functools.partial(storage.CheckpointWriter, chunk_bytes=sc["chunk_bytes"])
     if run in ("patched", "save", "resume", "native-load", "kill", "refused"):
-        gockpt_ds.install(**sc.get("options", {}),
+        # "early": the saves' directory and spacing given to install(), so that the patch's
+        # Checkpointer is made with the engine and the first save is copied ahead too
+        early = {"directory": ck_dir, "interval": sc["save_at"][1] - sc["save_at"][0]} \
+            if sc.get("early") and run == "save" else {}
+        gockpt_ds.install(**sc.get("options", {}), **early,
                           **({"storage_writer": writer} if writer else {}))
     engine = build(sc)
     out = {"losses": []}

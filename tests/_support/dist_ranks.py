@@ -1,13 +1,14 @@
-"""Starts a job of several ranks (gloo subprocesses running ``python -m
-tests._support.dist_worker``, as torchrun would) and checks that every rank finished; shared by
-the storage and CLI tests."""
+"""Starts a job of several ranks (gloo processes running ``tests._support.dist_worker`` or
+another worker, as torchrun would start them, forked from the session's server that imported
+torch and DeepSpeed once: tests._support.forked) and checks that every rank finished; shared
+by the storage, CLI, DeepSpeed and many-ranks tests."""
 
 import json
 import os
 import socket
-import subprocess
 
-from tests._support import worker_command, worker_env
+from tests._support import worker_env
+from tests._support.forked import Forked
 
 WORKER = "dist_worker"  # a module of tests._support
 
@@ -36,15 +37,14 @@ def cpu_info_env() -> dict:
 
 
 def start_ranks(directory, scenario, world=2, worker=WORKER):
-    """Start ``python -m tests._support.<worker> DIRECTORY SCENARIO`` as ``world`` gloo ranks;
-    returns their processes (stdout and stderr piped, text)."""
+    """Start ``python -m tests._support.<worker> DIRECTORY SCENARIO`` as ``world`` gloo ranks,
+    forked from the session's server that imported torch and DeepSpeed once
+    (:mod:`tests._support.forked`); returns their processes (``Popen``-like, text output)."""
     port = free_port()
     extra = cpu_info_env() if worker == "deepspeed_worker" else {}
-    return [subprocess.Popen(worker_command(worker, directory, scenario),
-                             env=worker_env(RANK=str(rank), WORLD_SIZE=str(world),
-                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                            **extra),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return [Forked(f"tests._support.{worker}", [str(directory), scenario],
+                   worker_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port), **extra))
             for rank in range(world)]
 
 

@@ -45,6 +45,26 @@ def _block_bytes(plan, b):
     return b.numel * (slot.param.element_size() + (0 if slot.static else 8))
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_step_written_static_slots_ride_with_the_last_group(k):
+    # Config.step_written (DeepSpeed's module weights): not copied at the boundary of F but
+    # with the last group, at version F; a write found elsewhere puts them back at F
+    model, opt, _ = H.build(optim="adam")  # the frozen layer is static
+    plan = build_plan(model, opt, block_bytes=256)
+    plan.mark_step_written(["frozen.weight"])
+    late = [b for b in plan.blocks if plan.slots[b.slot].name == "frozen.weight"]
+    assert late and not set(late) & set(plan.blocks_at_f())
+    groups = plan.groups(k)
+    assert groups[-1][-len(late):] == late and not any(set(late) & set(g) for g in groups[:-1])
+    assert set(plan.group_param_tables(k)[-1].blocks) == set(groups[-1])
+    assert plan.copy_at_f(["frozen.weight"]) == ["frozen.weight"]
+    assert set(late) <= set(plan.blocks_at_f()) and late[0] not in plan.groups(k)[-1]
+    with pytest.raises(ConfigError, match="which the optimizer updates"):
+        plan.mark_step_written(["inp.weight"])
+    with pytest.raises(ConfigError, match="not a parameter"):
+        plan.mark_step_written(["nope"])
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_shares_split_every_block_once_in_order_by_bytes(n):
     """The replicas' shares: disjoint, covering every block (static ones too), each in

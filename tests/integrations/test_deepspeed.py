@@ -44,7 +44,8 @@ GOCKPT_O = {"mode": "gockpt-o", "overlap_steps": 3, "block_bytes": 2048}  # wind
     (2, 1, {"gas": 2, "gockpt_section": {"keep_last": 2}}),
     (0, 1, {"options": GOCKPT_O}),                  # the replay of DeepSpeed's CPU Adam
     (0, 2, {"options": GOCKPT_O}),                  # replicas: everything in shares
-    (1, 2, {"options": GOCKPT_O}),                  # module weights in shares, fp32 partitions
+    (1, 2, {"options": GOCKPT_O, "early": True}),   # module weights in shares, fp32 partitions;
+                                                    # the Checkpointer made with the engine
     (2, 2, {"options": GOCKPT_O}),
     (1, 4, {"options": GOCKPT_O}),                  # ... on 4 ranks (replicas alone on 4:
                                                     # test_many_ranks' DDP)
@@ -326,7 +327,7 @@ def test_gradients_cross_in_bf16_by_default_where_a_link_carries_them(monkeypatc
     (fake_engine(), {"mode": "gockpt-o"}, "cannot replay"),
     (fake_engine(section={"mode": "gockpt"}), {}, "cannot replay"),
     (fake_engine(), {"block_bytes": -1}, "block_bytes"),
-    (fake_engine(), {"directory": "/tmp/x"}, "save_dir"),
+    (fake_engine(), {"directory": 5}, "directory must be a path"),  # (a path: made with the engine)
 ])
 def test_what_cannot_be_checkpointed_exactly_is_refused_at_patch_time(engine, options, match):
     with pytest.raises(ConfigError, match=match):

@@ -23,7 +23,11 @@ module's weights, each rank its fp32 partition as its slice of the flat group.
 Options (keyword arguments of :func:`patch`/:func:`install`, or a ``"gockpt": {...}`` section of
 the DeepSpeed config; arguments win) are :class:`gockpt.Config` fields: ``mode`` (default
 ``"async-o"``), ``block_bytes``, ``keep_last``, ``on_busy``, ``max_host_bytes``, ...; the
-directory is the ``save_dir`` of each call.  Modes ``sync``, ``async`` and ``async-o`` copy
+directory is the ``save_dir`` of each call.  Give ``directory`` (the ``save_dir`` your saves
+will name) with ``interval`` (their spacing) to have the Checkpointer made with the engine, at
+its first ``forward``: the first checkpoint is then copied ahead like every other one (without
+it the Checkpointer is made at the first save, which is copied under the next step at once); a
+save to another ``save_dir`` moves to a Checkpointer there.  Modes ``sync``, ``async`` and ``async-o`` copy
 the state; the replay modes (``gockpt``, ``gockpt-o``: the state copied over K steps, the fp32
 gradients of the steps between replayed on the CPU) need a bitwise replay of the base
 optimizer: DeepSpeed's ``FusedAdam`` on the CPU (its CPU Adam op), on CUDA its moments (built
@@ -121,8 +125,6 @@ def _options(engine, options: dict) -> dict:
     merged = {**section, **options}
     fallback = bool(merged.pop("fallback", False))
     merged.setdefault("mode", DEFAULT_MODE)
-    if merged.get("directory") is not None:
-        raise ConfigError("gockpt_ds: the directory is the save_dir of engine.save_checkpoint()")
     if engine.zero_optimization_stage() == 3:
         raise ConfigError("gockpt_ds: ZeRO stage 3 is not supported (parameters partitioned "
                           "across ranks); use stage 0, 1 or 2, or DeepSpeed's own checkpoints")
@@ -140,7 +142,7 @@ def _options(engine, options: dict) -> dict:
                               "pass fallback=True to get async-o with a warning")
         warnings.warn(f"{why}; using async-o", stacklevel=3)
         merged["mode"] = DEFAULT_MODE
-    Config(directory=".", **merged)  # every other option checked here, not at the first save
+    Config(**{"directory": ".", **merged})  # every option checked here, not at the first save
     return merged
 
 

@@ -25,9 +25,8 @@ from ...loading import load
 from ...core.paths import directory_to_read, real_directory
 from ...resharding import rank_and_world, written_by
 from ...storage.commit import is_committed, read_latest
-from .reshard import load_at_another_degree, needs_resharding
 from .state import (EngineState, base_optimizer, check_record, engine_record, fp32_layout,
-                    parallel_options, relink, restore_engine, warm_cpu_adam)
+                    parallel_options, relink, restore_engine, step_written, warm_cpu_adam)
 
 
 class EnginePatch:
@@ -37,6 +36,8 @@ class EnginePatch:
         # weak: the registry maps the engine to this patch, and a strong reference back
         # would keep every patched engine (and its model) alive for the whole process
         self._engine = weakref.ref(engine)
+        options = dict(options)
+        self.directory = options.pop("directory", None)  # known before the first save
         self.options = options
         self.ck: Optional[Checkpointer] = None
         self.state: Optional[EngineState] = None
@@ -61,6 +62,8 @@ class EnginePatch:
 
     def before_forward(self) -> None:
         self.flush()
+        if self.ck is None and self.directory is not None:
+            self._open(self._resolved(self.directory))  # made with the engine: F copies ahead
 
     def before_backward(self) -> None:
         self.flush()
@@ -96,19 +99,12 @@ class EnginePatch:
             warnings.warn("gockpt: save_latest=False is ignored: naming the checkpoint in "
                           "'latest' is how gockpt commits it", stacklevel=3)
             self.warned_latest = True
-        try:  # as Config resolves it (gockpt.core.paths): the same directory, the same Checkpointer
-            directory = real_directory(save_dir)
-        except OSError:
-            directory = os.fspath(save_dir)  # the Checkpointer's ConfigError says why
+        directory = self._resolved(save_dir)
         if self.ck is not None and self.ck.config.directory != directory:
             self.close()
         fresh = self.ck is None
         if fresh:
-            self.state = EngineState(self.engine)
-            self.layout = fp32_layout(self.engine)
-            options = {**parallel_options(self.engine, self.state), **self.options}
-            self.ck = Checkpointer(self.state, base_optimizer(self.engine), directory,
-                                   scheduler=self.engine.lr_scheduler, **options)
+            self._open(directory)
         elif not self.pending:
             raise ConfigError("engine.save_checkpoint() must follow engine.step(): a second "
                               "save at the same step, or a save before the first step")
@@ -119,6 +115,24 @@ class EnginePatch:
                                          force=True,
                                          name=None if tag is None else str(tag))
         return handle is not None
+
+    @staticmethod
+    def _resolved(directory) -> str:
+        """``directory`` as Config resolves it (gockpt.core.paths): the same directory, the
+        same Checkpointer."""
+        try:
+            return real_directory(directory)
+        except OSError:
+            return os.fspath(directory)  # the Checkpointer's ConfigError says why
+
+    def _open(self, directory: str) -> None:
+        """The Checkpointer of this engine's state in ``directory``."""
+        self.state = EngineState(self.engine)
+        self.layout = fp32_layout(self.engine)
+        options = {**parallel_options(self.engine, self.state),
+                   "step_written": step_written(self.engine, self.state), **self.options}
+        self.ck = Checkpointer(self.state, base_optimizer(self.engine), directory,
+                               scheduler=self.engine.lr_scheduler, **options)
 
     def load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
              load_module_only):
@@ -131,6 +145,7 @@ class EnginePatch:
                               None if tag is None else str(tag))
         written, world = written_by(top), rank_and_world()[1]
         self.read_bytes = None
+        from .reshard import load_at_another_degree, needs_resharding  # (DCP: on use)
         if needs_resharding(top, engine, written, world):
             restored, self.read_bytes = load_at_another_degree(
                 top, engine, with_optimizer=with_optimizer, scheduler=scheduler,

@@ -55,6 +55,16 @@ class EngineState(torch.nn.Module):
         self.module = engine.module
 
 
+def step_written(engine, state: EngineState) -> list:
+    """The module's parameters the base optimizer does not update (``Config.step_written``):
+    DeepSpeed's step writes the trained ones from their fp32 masters, nothing writes the
+    frozen ones -- no forward or backward does (ZeRO 0-2) -- so their copies ride with the
+    last capture group under the next forward/backward instead of blocking the save."""
+    updated = {id(p) for group in base_optimizer(engine).param_groups for p in group["params"]}
+    return [n for n, p in state.named_parameters() if n.startswith("module.")
+            and id(p) not in updated]
+
+
 def parallel_options(engine, state: EngineState) -> dict:
     """What the ranks hold alike (``Config.replicated``) and where each rank's fp32 partition
     lies (``Config.global_slices``) when every rank is a data-parallel replica: ZeRO 0 holds

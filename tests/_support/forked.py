@@ -1,0 +1,148 @@
+"""Rank processes forked from one server that imported torch (with torch._dynamo, which the
+first optimizer imports) and DeepSpeed once per test session: a rank's process then starts in
+a tenth of a second instead of 4-6 s of imports, which were most of the multi-rank tests' time.
+
+Each is still its own process -- fresh memory, its own torch.distributed state, DeepSpeed's
+per-process CPU Adam state made anew (the resumes across processes stay real resumes) -- run as
+``python -m tests._support.<worker> ARGS`` would be: ``sys.argv``, the environment, stdout and
+stderr of its own, an uncaught exception printed with its traceback (``sys.last_value`` set) and
+exit status 1, ``SystemExit``'s status, then the ``atexit`` handlers. What it does not reproduce
+is the interpreter's own finalization after those: the tests of what a process does at its end
+(tests/test_exit.py) start real interpreters (:func:`tests._support.worker_command`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import runpy
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from typing import Optional
+
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "numpy", "deepspeed"]
+
+_context = None
+
+
+def _forkserver():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload([m for m in PRELOAD if _importable(m)])
+    return _context
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _child(module: str, args: list, env: dict, out_path: str, err_path: str) -> None:
+    """In the forked process: the worker as ``python -m`` would run it."""
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    os.environ.clear()
+    os.environ.update(env)
+    for path in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
+        if path and path not in sys.path:
+            sys.path.insert(0, path)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.argv = [module, *args]
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # as the interpreter does with an uncaught exception
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+class Forked:
+    """One forked worker, used like the ``subprocess.Popen`` of it (text output; with
+    ``stream``, ``stdout`` is a pipe read as it writes, as ``stdout=PIPE`` gives)."""
+
+    def __init__(self, module: str, args: list, env: dict, stream: bool = False):
+        self._dir = tempfile.mkdtemp(prefix="gockpt-rank-")
+        self._out = os.path.join(self._dir, "stdout")
+        self._err = os.path.join(self._dir, "stderr")
+        if stream:
+            os.mkfifo(self._out)
+        self._proc = _forkserver().Process(target=_child,
+                                           args=(module, list(args), dict(env), self._out,
+                                                 self._err))
+        self._proc.start()
+        self.pid = self._proc.pid
+        self.returncode: Optional[int] = None
+        # (opening a pipe waits for its writer: the child opens it first thing)
+        self.stdout = open(self._out, errors="replace") if stream else None
+
+    @property
+    def stderr(self):
+        """What it wrote to stderr so far, as a file to read."""
+        return open(self._err, errors="replace")
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and not self._proc.is_alive():
+            self._proc.join()
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._proc.join(timeout)
+        if self.poll() is None:
+            import subprocess
+            raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout)
+        return self.returncode
+
+    def communicate(self, timeout: Optional[float] = None):
+        """Wait for the end, then (stdout, stderr) as text."""
+        self.wait(timeout)
+        out = self.stdout.read() if self.stdout is not None else self._read(self._out)
+        return out, self._read(self._err)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            self._proc.kill()
+            deadline = time.monotonic() + 30
+            while self.poll() is None and time.monotonic() < deadline:
+                self._proc.join(0.1)
+
+    @staticmethod
+    def _read(path: str) -> str:
+        with open(path, errors="replace") as f:
+            return f.read()
+
+
+def run_worker(worker: str, *args, env: dict, timeout: float):
+    """``subprocess.run(worker_command(worker, *args), capture_output=True, text=True)``,
+    forked (:class:`Forked`): a ``CompletedProcess``."""
+    import subprocess
+    proc = Forked(f"tests._support.{worker}", [str(a) for a in args], env)
+    try:
+        out, err = proc.communicate(timeout)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess([worker, *map(str, args)], proc.returncode, out, err)
