@@ -4,6 +4,8 @@
 // does not depend on how the work was cut).
 #include "digest.h"
 
+#include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -101,6 +103,49 @@ void digest_batch(const uint64_t* addr, const int64_t* words, const int64_t* els
     out[2 * i] = static_cast<int64_t>(a[i]);
     out[2 * i + 1] = static_cast<int64_t>(b[i]);
   }
+}
+
+}  // namespace gockpt
+
+namespace gockpt {
+
+namespace {
+
+inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+inline float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// float -> bfloat16 as torch 2.13's CPU kernels round it: to nearest even, every NaN to 0xFFFF
+// (what .to(torch.bfloat16) gives there; an image is valid only if it gives its gradient back
+// anyway, so another NaN image could only send that step in fp32)
+inline uint16_t to_bf16(float x) {
+  if (std::isnan(x)) return 0xFFFF;
+  const uint32_t u = bits_of(x);
+  return static_cast<uint16_t>((u + (((u >> 16) & 1) + 0x7FFFu)) >> 16);
+}
+
+}  // namespace
+
+bool bf16_images(const float* g, uint16_t* out, int64_t n, bool with_mul, float mul) {
+  // IEEE division and product, one rounding each (the file is built with
+  // -ffp-contract=off): what the replay computes from the image, compared bit for bit
+  uint32_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = g[i];
+    const uint16_t image = to_bf16(with_mul ? x / mul : x);
+    out[i] = image;
+    const float back = float_of(static_cast<uint32_t>(image) << 16);
+    wrong |= bits_of(with_mul ? back * mul : back) ^ bits_of(x);
+  }
+  return wrong == 0;
 }
 
 }  // namespace gockpt

@@ -16,3 +16,12 @@ void digest_batch(const uint64_t* addr, const int64_t* words, const int64_t* els
                   int threads, int64_t* out);
 
 }  // namespace gockpt
+
+namespace gockpt {
+
+// The bf16 gradient transport's image on the CPU (gockpt/capture/transport.py), one pass:
+// out[i] = bf16(g[i] / mul) rounded to nearest even as torch rounds (with_mul false: bf16(g[i])),
+// and whether every float(out[i]) * mul (float(out[i])) gives g[i] back bit for bit.
+bool bf16_images(const float* g, uint16_t* out, int64_t n, bool with_mul, float mul);
+
+}  // namespace gockpt

@@ -458,6 +458,17 @@ void bind_digests(py::module_& m) {
       "Digests (a, b) of n regions of words (gockpt/core/digest.py's definition): region i "
       "is words[i] signed words of elsize[i] bytes at addr[i]; an (n, 2) int64 array. "
       "threads: gockpt's pool (<= 0: every core), never torch's.");
+  m.def(
+      "bf16_images",
+      [](uintptr_t g, uintptr_t out, int64_t n, bool with_mul, float mul) {
+        if (n < 0) throw std::invalid_argument("bf16_images: negative count");
+        py::gil_scoped_release release;
+        return bf16_images(reinterpret_cast<const float*>(g), reinterpret_cast<uint16_t*>(out),
+                           n, with_mul, mul);
+      },
+      py::arg("g"), py::arg("out"), py::arg("n"), py::arg("with_mul"), py::arg("mul"),
+      "The bf16 gradient transport's images of n float32 at g into out (bf16), one pass "
+      "(csrc/digest.h); whether every image times mul gives its gradient back bit for bit.");
 }
 
 void bind_batch(py::module_& m) {

@@ -74,6 +74,10 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="training steps per run")
     ap.add_argument("--every", type=int, default=None, help="checkpoint interval in steps")
     ap.add_argument("--k", type=int, default=4, help="K of the fixed-K gockpt runs")
+    ap.add_argument("--ds-grad-transport", choices=("auto", "fp32", "bf16"), default="auto",
+                    help="how the DeepSpeed replay runs' gradients cross (auto: the patch's "
+                         "default, bf16 across a link; on the CPU its encoding runs on the "
+                         "training thread, where a GPU queues it on the device)")
     ap.add_argument("--runs", default=None,
                     help="comma-separated runs (default: the size's; all: " + ", ".join(ALL) + ")")
     ap.add_argument("--markdown", metavar="OUT", help="write the table as markdown")

@@ -109,6 +109,8 @@ def gockpt_run(mode: str):
     def run(setup: Setup) -> dict:
         from gockpt.integrations import deepspeed as gockpt_ds
         options = {"emulate_link_gbps": setup.link_gbps} if setup.device == "cpu" else {}
+        if setup.args.ds_grad_transport != "auto":
+            options["grad_transport"] = setup.args.ds_grad_transport
         save_dir = os.path.join(setup.work, f"ds-{mode}")
         # interval and directory: the saves to come are known (as the torch runs' Checkpointer
         # knows them), so that the patch's Checkpointer is made with the engine and the replay

@@ -44,7 +44,7 @@ from .loop import BACKWARD, IDLE, UPDATE, Loop
 from .replay.adapters import attach_adapter, state_keys_of
 from .replay.replayer import Replayer
 from .pipeline import Pipeline
-from .schedule import Busy, Schedule
+from .schedule import MAX_K, Busy, Schedule
 from .storage.commit import check_new_name, cleanup_temporaries, ensure_writable
 from .storage.lock import lock_for_ranks
 from .storage import remote
@@ -482,8 +482,12 @@ class Checkpointer:
     def _new_plan(self):
         """The plan of the model and optimizer as they are, cut among the ranks (training
         thread, on every rank)."""
+        # a K measured later (up to MAX_K) must find as many blocks to spread (one flat
+        # partition of DeepSpeed's is otherwise a few blocks of block_bytes)
+        measured = self.policy.replays and self.config.fixed_overlap_steps() is None
         plan = self.ranks.share(build_plan(self.model, self.optimizer, self.config.block_bytes,
-                                           self._min_blocks(), self.ranks.world_size),
+                                           self._min_blocks(), self.ranks.world_size,
+                                           want_blocks=MAX_K if measured else 1),
                                 self.config.replicated, self.config.global_slices)
         plan.mark_step_written(self.config.step_written)
         return plan

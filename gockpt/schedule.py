@@ -21,7 +21,7 @@ log = logging.getLogger("gockpt")
 _HISTORY = 16  # measurements kept (the medians ignore a few outliers)
 # Longest window: the paper finds the best K near 7 on GPUs; beyond, the gradient traffic
 # grows faster than what one more step of overlap saves.
-_MAX_K = 8
+MAX_K = 8
 
 
 class Busy(enum.Enum):
@@ -182,12 +182,12 @@ class Schedule:
         if not self.fwd_bwd_times:
             return 2  # nothing measured yet
         per_pass = statistics.median(self.fwd_bwd_times) * (bandwidth or _probe_bandwidth())
-        for k in range(1, _MAX_K + 1):
+        for k in range(1, MAX_K + 1):
             if k * per_pass >= state_bytes + grad_bytes * (k - 1) / 2:
                 return k
-        # The link cannot keep up even at _MAX_K (gradients nearly fill it): the longest
+        # The link cannot keep up even at MAX_K (gradients nearly fill it): the longest
         # window still blocks least.
-        return _MAX_K
+        return MAX_K
 
     def _update_auto_interval(self) -> None:
         """Recompute N* from the stalls and step time measured so far (after each checkpoint)."""

@@ -37,6 +37,8 @@ class Bf16Transport:
         mul = self.multiplier() if self.multiplier is not None else None
         if mul is not None:
             mul = torch.as_tensor(mul).reshape(()).to(torch.float32)
+        if all(g.device.type == "cpu" and g.is_contiguous() for g in grads.values()):
+            return _cpu_images(grads, mul, self)
         images, wrong = {}, []
         for si, g in grads.items():
             m = None if mul is None else mul.to(g.device)
@@ -46,9 +48,28 @@ class Bf16Transport:
             images[si] = image
         # one device read for the whole step (not one per tensor)
         if bool(torch.stack(wrong).any()):
-            self.fallbacks += 1
-            if self.fallbacks == 1:
-                log.info("gockpt: a step's gradients are not bf16 values times one scale; "
-                         "carried in fp32 (grad_transport='bf16' falls back per step)")
-            return None
+            return self._fall_back()
         return images, 1.0 if mul is None else float(mul)
+
+    def _fall_back(self) -> None:
+        """This step's images are not exact: it goes in fp32 (said once)."""
+        self.fallbacks += 1
+        if self.fallbacks == 1:
+            log.info("gockpt: a step's gradients are not bf16 values times one scale; "
+                     "carried in fp32 (grad_transport='bf16' falls back per step)")
+
+
+def _cpu_images(grads: Dict[int, torch.Tensor], mul: Optional[torch.Tensor], transport):
+    """:meth:`Bf16Transport.encode` of CPU gradients: each image made and checked in one pass
+    of gockpt's C++ core (``csrc/digest.cpp``; the same rounding and arithmetic as the torch
+    ops a device runs, and the check is what makes an image valid), not six torch ops on the
+    training thread."""
+    from .. import _C
+    m = 1.0 if mul is None else float(mul)
+    images = {}
+    for si, g in grads.items():
+        image = torch.empty(g.shape, dtype=torch.bfloat16)
+        if not _C.bf16_images(g.data_ptr(), image.data_ptr(), g.numel(), mul is not None, m):
+            return transport._fall_back()
+        images[si] = image
+    return images, m

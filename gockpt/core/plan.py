@@ -286,8 +286,16 @@ class Plan:
     def _split(self, k: int) -> List[List[Block]]:
         blocks = [b for b in self.blocks if not self.slots[b.slot].at_f]
         k = max(1, min(k, len(blocks))) if blocks else 1
-        # the parameter and its two moments
-        return split_by_weight(blocks, [b.numel * 3 for b in blocks], k)
+        weights = [b.numel * 3 for b in blocks]  # the parameter and its two moments (fp32)
+        # the last group also copies the step_written slots: it takes as much less of these
+        # (a weight at the end of the split, in the same units of 4 bytes, then left out)
+        late = sum(b.numel * self.slots[b.slot].local.element_size() for b in self.blocks
+                   if self.slots[b.slot].step_written) / 4
+        if not late or k == 1:
+            return split_by_weight(blocks, weights, k)
+        groups = split_by_weight(blocks + [None], weights + [late], k)
+        groups[-1] = [b for b in groups[-1] if b is not None]
+        return groups
 
     def shares(self, n: int, replicas: Optional[Tuple[int, ...]] = None) -> List[List[Block]]:
         """The blocks of the replicated slots held by ``replicas`` (:attr:`Slot.replicas`;
@@ -381,12 +389,15 @@ def split_by_weight(items: list, weights: List[int], k: int) -> List[list]:
 
 
 def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               block_bytes: int, min_blocks: int = 1, ranks: int = 1) -> Plan:
+               block_bytes: int, min_blocks: int = 1, ranks: int = 1,
+               want_blocks: int = 1) -> Plan:
     """Map the optimizer's parameters to model names and cut everything into blocks of
     ``block_bytes`` -- smaller where the optimized parameters would otherwise make fewer than
     ``min_blocks`` blocks (an explicit K needs K groups: one flat partition of DeepSpeed's
-    would be one block), or, as far as they have elements, fewer than ``min_blocks`` per rank
-    of ``ranks`` (replicas split the blocks into shares: each share needs K groups too)."""
+    would be one block; ConfigError where they have fewer elements), or than ``want_blocks``
+    as far as they have elements (a K measured later can be up to that), or, as far as they
+    have elements, fewer than that per rank of ``ranks`` (replicas split the blocks into
+    shares: each share needs K groups too)."""
     canonical: Dict[int, str] = {}
     aliases: Dict[str, str] = {}
     names = Names(model)  # stored without wrapper prefixes (DDP's module., compile's _orig_mod.)
@@ -416,6 +427,7 @@ def build_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             slots.append(Slot(name, p, None, None, dims=layout_of(name, p)))
 
     sizes = [s.numel for s in slots if not s.static]
+    min_blocks = max(min_blocks, min(want_blocks, sum(sizes)))
     elems = _block_elems(max(1, block_bytes // 4), sizes, min_blocks)
     per_rank = min(min_blocks * ranks, sum(sizes))
     if sum(-(-n // elems) for n in sizes) < per_rank:

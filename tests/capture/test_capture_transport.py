@@ -45,3 +45,23 @@ def test_negative_zero_inf_and_bf16_nan_are_carried_bit_for_bit():
     images, _ = Bf16Transport().encode({0: g})
     assert torch.equal(images[0].float().view(torch.int32), g.view(torch.int32))
     assert Bf16Transport().encode({0: torch.tensor([float("nan")])}) is None
+
+
+def test_the_cpu_images_are_the_ones_torch_makes():
+    # on the CPU one C++ pass makes and checks each image (not six torch ops on the training
+    # thread): the same rounding -- to nearest even, ties included, NaN as torch gives it --
+    # and the same verdict; a gradient that is not contiguous goes through torch
+    coef = torch.tensor(0.37, dtype=torch.float32)
+    g = bf16_valued(4099, 5) * coef
+    images, _ = Bf16Transport(lambda: coef).encode({0: g})
+    assert torch.equal(images[0].view(torch.int16), (g / coef).to(torch.bfloat16).view(torch.int16))
+    ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), float("nan")])
+    transport = Bf16Transport()
+    assert transport.encode({0: ties}) is None and transport.fallbacks == 1
+    from gockpt import _C
+    out = torch.empty(4, dtype=torch.bfloat16)
+    assert not _C.bf16_images(ties.data_ptr(), out.data_ptr(), 4, False, 1.0)
+    assert torch.equal(out.view(torch.int16), ties.to(torch.bfloat16).view(torch.int16))
+    strided = bf16_valued(200, 6).reshape(20, 10).t()
+    images, _ = Bf16Transport().encode({0: strided})
+    assert torch.equal(images[0].float(), strided)
