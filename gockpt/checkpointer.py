@@ -360,8 +360,8 @@ class Checkpointer:
         try:
             if job is not None and job.error is None and not job.progress.durable.is_set():
                 log.warning("gockpt: the checkpoint of step %d is abandoned (the process is "
-                            "leaving); %s stays the latest", job.handle.final_step,
-                            "the previous checkpoint")
+                            "leaving); the previous checkpoint stays the latest",
+                            job.handle.final_step)
                 if job.capturing:
                     job.drop()
                 else:

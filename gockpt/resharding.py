@@ -69,6 +69,13 @@ def needs_resharding(top: str, model: torch.nn.Module, written: int) -> bool:
     return any_rank(differs) if world > 1 and dtensors else differs
 
 
+# The tensors of the last collectives of ours on the training's own group, kept from being
+# freed by the gloo worker that ran one (it drops its reference after the caller returns): a
+# worker freeing the last reference needs the GIL, and a process whose interpreter is being
+# torn down right then ends in std::terminate (a load right before the end of a script).
+_KEPT: "collections.deque" = collections.deque(maxlen=16)
+
+
 def any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on any rank (a collective: every rank calls it; ``flag`` itself
     without torch.distributed)."""
@@ -81,12 +88,6 @@ def any_rank(flag: bool) -> bool:
     _KEPT.append(t)
     return bool(t.item())
 
-
-# The tensors of the last collectives of ours on the training's own group, kept from being
-# freed by the gloo worker that ran one (it drops its reference after the caller returns): a
-# worker freeing the last reference needs the GIL, and a process whose interpreter is being
-# torn down right then ends in std::terminate (a load right before the end of a script).
-_KEPT: "collections.deque" = collections.deque(maxlen=16)
 
 
 def _elsewhere(m: Manifest, name: str, ref, t: Optional[torch.Tensor]) -> bool:

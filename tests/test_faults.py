@@ -28,7 +28,7 @@ def test_kill_9_at_random_instants_never_exposes_a_partial_checkpoint(tmp_path):
     for attempt in range(20):
         # a fresh process each time (forked from the session's server that imported torch
         # once), killed for real
-        proc = Forked(f"tests._support.{WORKER}", [str(tmp_path)], env, stream=True)
+        proc = Forked(WORKER, [str(tmp_path)], env, stream=True)
         first = proc.stdout.readline()
         assert first.startswith("resumed"), first + proc.stderr.read()
         resumed_from.append(int(first.split()[1]))

@@ -598,8 +598,7 @@ def test_a_training_process_killed_mid_upload_leaves_no_partial_latest_and_the_n
         tmp_path, url):
     directory = str(tmp_path / "run")
     first, second = storage.checkpoint_name(5), storage.checkpoint_name(10)
-    proc = Forked("tests._support.remote_worker", ["hang", directory, url, "12"], worker_env(),
-                  stream=True)
+    proc = Forked("remote_worker", ["hang", directory, url, "12"], worker_env(), stream=True)
     try:
         line = proc.stdout.readline()  # blocks until the worker is inside the upload
     finally:

@@ -16,6 +16,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from .. import _C
+
 log = logging.getLogger("gockpt")
 
 
@@ -38,7 +40,7 @@ class Bf16Transport:
         if mul is not None:
             mul = torch.as_tensor(mul).reshape(()).to(torch.float32)
         if all(g.device.type == "cpu" and g.is_contiguous() for g in grads.values()):
-            return _cpu_images(grads, mul, self)
+            return self._cpu_images(grads, mul)
         images, wrong = {}, []
         for si, g in grads.items():
             m = None if mul is None else mul.to(g.device)
@@ -51,6 +53,21 @@ class Bf16Transport:
             return self._fall_back()
         return images, 1.0 if mul is None else float(mul)
 
+    def _cpu_images(self, grads: Dict[int, torch.Tensor], mul: Optional[torch.Tensor]):
+        """:meth:`encode` of CPU gradients: each image made and checked in one pass of gockpt's
+        C++ core (``csrc/digest.cpp``; the same rounding and arithmetic as the torch ops a
+        device runs, and the check is what makes an image valid), not six torch ops on the
+        training thread."""
+        m = 1.0 if mul is None else float(mul)
+        images = {}
+        for si, g in grads.items():
+            image = torch.empty(g.shape, dtype=torch.bfloat16)
+            if not _C.bf16_images(g.data_ptr(), image.data_ptr(), g.numel(), mul is not None,
+                                  m):
+                return self._fall_back()
+            images[si] = image
+        return images, m
+
     def _fall_back(self) -> None:
         """This step's images are not exact: it goes in fp32 (said once)."""
         self.fallbacks += 1
@@ -58,18 +75,3 @@ class Bf16Transport:
             log.info("gockpt: a step's gradients are not bf16 values times one scale; "
                      "carried in fp32 (grad_transport='bf16' falls back per step)")
 
-
-def _cpu_images(grads: Dict[int, torch.Tensor], mul: Optional[torch.Tensor], transport):
-    """:meth:`Bf16Transport.encode` of CPU gradients: each image made and checked in one pass
-    of gockpt's C++ core (``csrc/digest.cpp``; the same rounding and arithmetic as the torch
-    ops a device runs, and the check is what makes an image valid), not six torch ops on the
-    training thread."""
-    from .. import _C
-    m = 1.0 if mul is None else float(mul)
-    images = {}
-    for si, g in grads.items():
-        image = torch.empty(g.shape, dtype=torch.bfloat16)
-        if not _C.bf16_images(g.data_ptr(), image.data_ptr(), g.numel(), mul is not None, m):
-            return transport._fall_back()
-        images[si] = image
-    return images, m

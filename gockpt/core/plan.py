@@ -270,8 +270,6 @@ class Plan:
     def _window(self, k: int) -> tuple:
         if k not in self._windows:
             groups = self._split(k)
-            groups[-1] = groups[-1] + [b for b in self.blocks  # (at version F, as the group)
-                                       if self.slots[b.slot].step_written]
             tables = [BlockTable(g) for g in groups]
             params = tables
             if any(s.param_at_f for s in self.slots):
@@ -284,17 +282,18 @@ class Plan:
         return self._windows[k]
 
     def _split(self, k: int) -> List[List[Block]]:
+        """The replayed blocks in ``k`` groups of about equal weight, the last one also
+        copying the step_written blocks (at version F, as the group) and taking as much less
+        of the others: their weight, in the same units of 4 bytes, ends the split."""
         blocks = [b for b in self.blocks if not self.slots[b.slot].at_f]
         k = max(1, min(k, len(blocks))) if blocks else 1
         weights = [b.numel * 3 for b in blocks]  # the parameter and its two moments (fp32)
-        # the last group also copies the step_written slots: it takes as much less of these
-        # (a weight at the end of the split, in the same units of 4 bytes, then left out)
-        late = sum(b.numel * self.slots[b.slot].local.element_size() for b in self.blocks
-                   if self.slots[b.slot].step_written) / 4
-        if not late or k == 1:
+        late = [b for b in self.blocks if self.slots[b.slot].step_written]
+        if not late:
             return split_by_weight(blocks, weights, k)
-        groups = split_by_weight(blocks + [None], weights + [late], k)
-        groups[-1] = [b for b in groups[-1] if b is not None]
+        reserve = sum(b.numel * self.slots[b.slot].local.element_size() for b in late) / 4
+        groups = split_by_weight(blocks + [None], weights + [reserve], k)
+        groups[-1] = [b for b in groups[-1] if b is not None] + late
         return groups
 
     def shares(self, n: int, replicas: Optional[Tuple[int, ...]] = None) -> List[List[Block]]:

@@ -167,8 +167,7 @@ class Ranks:
         self._run(dist.all_gather, group, sizes, mine)
         longest = max(int(s.item()) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) \
-            if data else padded[:0]
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (a pickle)
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] \
             if self.rank == 0 else None
         self._run(dist.gather, group, padded, out, dst=0)
@@ -202,8 +201,8 @@ class Ranks:
 
     @staticmethod
     def _abandoned_error() -> Abandoned:
-        return Abandoned("this process abandons its checkpoints (it is leaving on an "
-                         "exception): not waiting for the other ranks")
+        return Abandoned("this process abandons its checkpoints (it is leaving): not waiting "
+                         "for the other ranks")
 
     def abandon(self) -> None:
         """Any thread: every collective of ours, waiting or to come, raises Abandoned at

@@ -42,7 +42,7 @@ def start_ranks(directory, scenario, world=2, worker=WORKER):
     (:mod:`tests._support.forked`); returns their processes (``Popen``-like, text output)."""
     port = free_port()
     extra = cpu_info_env() if worker == "deepspeed_worker" else {}
-    return [Forked(f"tests._support.{worker}", [str(directory), scenario],
+    return [Forked(worker, [str(directory), scenario],
                    worker_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(port), **extra))
             for rank in range(world)]

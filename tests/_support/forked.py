@@ -17,7 +17,9 @@ import atexit
 import multiprocessing
 import os
 import runpy
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +29,7 @@ from typing import Optional
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "numpy", "deepspeed"]
 
 _context = None
+_outputs = None  # the folder of the workers' outputs, removed when this process ends
 
 
 def _forkserver():
@@ -80,12 +83,22 @@ def _child(module: str, args: list, env: dict, out_path: str, err_path: str) -> 
     os._exit(code)
 
 
-class Forked:
-    """One forked worker, used like the ``subprocess.Popen`` of it (text output; with
-    ``stream``, ``stdout`` is a pipe read as it writes, as ``stdout=PIPE`` gives)."""
+def _output_dir() -> str:
+    global _outputs
+    if _outputs is None:
+        _outputs = tempfile.mkdtemp(prefix="gockpt-forked-")
+        atexit.register(shutil.rmtree, _outputs, True)
+    return tempfile.mkdtemp(dir=_outputs)
 
-    def __init__(self, module: str, args: list, env: dict, stream: bool = False):
-        self._dir = tempfile.mkdtemp(prefix="gockpt-rank-")
+
+class Forked:
+    """``python -m tests._support.<worker> ARGS`` forked, used like its ``subprocess.Popen``
+    (text output; with ``stream``, ``stdout`` is a pipe read as it writes, as ``stdout=PIPE``
+    gives)."""
+
+    def __init__(self, worker: str, args: list, env: dict, stream: bool = False):
+        module = f"{__package__}.{worker}"
+        self._dir = _output_dir()
         self._out = os.path.join(self._dir, "stdout")
         self._err = os.path.join(self._dir, "stderr")
         if stream:
@@ -113,7 +126,6 @@ class Forked:
     def wait(self, timeout: Optional[float] = None) -> int:
         self._proc.join(timeout)
         if self.poll() is None:
-            import subprocess
             raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout)
         return self.returncode
 
@@ -139,8 +151,7 @@ class Forked:
 def run_worker(worker: str, *args, env: dict, timeout: float):
     """``subprocess.run(worker_command(worker, *args), capture_output=True, text=True)``,
     forked (:class:`Forked`): a ``CompletedProcess``."""
-    import subprocess
-    proc = Forked(f"tests._support.{worker}", [str(a) for a in args], env)
+    proc = Forked(worker, [str(a) for a in args], env)
     try:
         out, err = proc.communicate(timeout)
     finally:

@@ -218,4 +218,4 @@ def _wait_at_exit() -> None:
 
 def _close_at_exit(failing: bool) -> None:
     for p in list(_patches.values()):
-        p.close_at_exit(failing)
+        p.close(failing)

@@ -167,23 +167,11 @@ class EnginePatch:
         self.restored = restored
         return restored.path, record["client_state"]
 
-    def close(self) -> None:
-        """Record a pending boundary, finish every checkpoint (durable), re-raise errors."""
-        if self.ck is None:
-            return
-        ck, self.ck = self.ck, None
-        try:
-            if self.pending:
-                self.pending = False
-                ck.save_checkpoint(self.engine.global_steps)
-        finally:
-            self.in_backward = False
-            ck.close()
-
-    def close_at_exit(self, failing: bool) -> None:
-        """:meth:`close` at the end of the process (``failing``: on an uncaught exception):
-        the Checkpointer's own exit rule (``Checkpointer.close_at_exit``: on several ranks a
-        failing process abandons what is in flight, and records no boundary first)."""
+    def close(self, failing: Optional[bool] = None) -> None:
+        """Record a pending boundary, finish every checkpoint (durable), re-raise errors. At
+        the end of the process (``failing`` given: on an uncaught exception or not) the
+        Checkpointer's own exit rule instead (``Checkpointer.close_at_exit``: on several ranks
+        a failing process abandons what is in flight, and records no boundary first)."""
         if self.ck is None:
             return
         ck, self.ck = self.ck, None
@@ -193,7 +181,10 @@ class EnginePatch:
                 ck.save_checkpoint(self.engine.global_steps)
         finally:
             self.in_backward = False
-            ck.close_at_exit(failing)
+            if failing is None:
+                ck.close()
+            else:
+                ck.close_at_exit(failing)
 
 
 def zero_bf16(engine) -> bool:
