@@ -33,3 +33,21 @@ if [ -z "$SO" ] || [ ! -f "$VENV/bin/gockpt" ] \
     (cd "$ROOT" && "$VPY" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1 \
         || "$VPY" -m pip install --no-build-isolation --no-deps -e .)
 fi
+# DeepSpeed's CPU ops that the tests use (FusedAdam, shared-memory collectives) are compiled on
+# first use, about a minute and a half: build them once here, into the folder tests/conftest.py
+# points torch at, so that no rank process of a test compiles them under its time limit. A lock
+# left by a build that was killed is removed first (torch would wait on it forever).
+EXT="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
+if [ ! -f "$EXT/deepspeed_shm_comm/deepspeed_shm_comm.so" ] \
+        || [ ! -f "$EXT/fused_adam/fused_adam.so" ]; then
+    echo "[setup] building DeepSpeed's CPU ops into $EXT (once, about 1.5 minutes)"
+    rm -f "$EXT"/*/lock
+    TORCH_EXTENSIONS_DIR="$EXT" PATH="$VENV/bin:$PATH" "$VPY" - <<'PY'
+from deepspeed.accelerator import get_accelerator
+
+accelerator = get_accelerator()
+if accelerator.device_name() == "cpu":  # (a GPU's ops are built for its own tests' runs)
+    for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+        accelerator.create_op_builder(name).load(verbose=False)
+PY
+fi

@@ -6,6 +6,7 @@ by the storage, CLI, DeepSpeed and many-ranks tests."""
 import json
 import os
 import socket
+import time
 
 from tests._support import worker_env
 from tests._support.forked import Forked
@@ -48,12 +49,34 @@ def start_ranks(directory, scenario, world=2, worker=WORKER):
             for rank in range(world)]
 
 
+# Once one rank has failed, how long the others get to end by themselves (as gockpt's exit
+# work makes them) before they are killed: a failed rank fails the test at once, not after
+# ``timeout``, with what every rank printed.
+AFTER_A_FAILURE_S = 60
+
+
 def run_ranks(directory, scenario, world=2, worker=WORKER, timeout=240):
     """:func:`start_ranks` and check that every rank finished; returns (stdout, stderr)
     each."""
     procs = start_ranks(directory, scenario, world, worker)
-    outs = [p.communicate(timeout=timeout) for p in procs]
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            running = [p for p in procs if p.poll() is None]
+            if not running:
+                break
+            if any(p.returncode for p in procs):
+                deadline = min(deadline, time.monotonic() + AFTER_A_FAILURE_S)
+            if time.monotonic() >= deadline:
+                break
+            running[0].join(min(1.0, max(0.0, deadline - time.monotonic())))
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [p.communicate() for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {rank}:\n{out}\n{err}"
+        assert p.returncode == 0, (f"rank {rank} ended with {p.returncode} (-9: killed "
+                                   f"after {timeout} s, or {AFTER_A_FAILURE_S} s after another "
+                                   f"rank failed):\n{out}\n{err}")
         assert f"rank {rank}: ok" in out
     return outs

@@ -123,6 +123,10 @@ class Forked:
             self.returncode = self._proc.exitcode
         return self.returncode
 
+    def join(self, timeout: float) -> None:
+        """Wait until it ends or ``timeout`` seconds pass, whichever is first."""
+        self._proc.join(timeout)
+
     def wait(self, timeout: Optional[float] = None) -> int:
         self._proc.join(timeout)
         if self.poll() is None:
