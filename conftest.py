@@ -3,7 +3,23 @@ package ``tests._support`` (``tests`` and its folders are packages; pytest puts 
 on ``sys.path``).
 
 Tiers: ``pytest -m "not slow" tests`` is the inner loop of development (a few minutes on a
-2-core machine); ``./run test`` runs all of ``tests/``, the ``slow`` tests included."""
+2-core machine); ``./run test`` runs all of ``tests/``, the ``slow`` tests included.
+
+The session's environment, inherited by every worker process: DeepSpeed compiles some of its
+ops the first time a process uses them (on the CPU its FusedAdam and shared-memory collectives,
+about a minute and a half); scripts/bootstrap.sh builds them once into ``torch_extensions``
+beside this interpreter (the venv), and the tests look there, so that no rank compiles them
+under a test's time limit nor waits forever on the lock of a build that was killed. Torch
+builds with ``ninja``, which pip installs into the venv's ``bin``: that folder goes first on
+``PATH`` even where the venv is not activated."""
+
+import os
+import sys
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+_BIN = os.path.dirname(sys.executable)
+if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = os.pathsep.join([_BIN, os.environ.get("PATH", "")])
 
 
 def pytest_configure(config):

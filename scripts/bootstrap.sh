@@ -34,7 +34,7 @@ if [ -z "$SO" ] || [ ! -f "$VENV/bin/gockpt" ] \
         || "$VPY" -m pip install --no-build-isolation --no-deps -e .)
 fi
 # DeepSpeed's CPU ops that the tests use (FusedAdam, shared-memory collectives) are compiled on
-# first use, about a minute and a half: build them once here, into the folder tests/conftest.py
+# first use, about a minute and a half: build them once here, into the folder conftest.py
 # points torch at, so that no rank process of a test compiles them under its time limit. A lock
 # left by a build that was killed is removed first (torch would wait on it forever).
 EXT="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
