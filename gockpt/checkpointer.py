@@ -27,6 +27,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .capture.copies import Capture
+from .core import runlog
 from .core.digest import LiveDigests
 from .capture.devices import device_for
 from .core.names import is_replicated
@@ -160,6 +161,10 @@ class Checkpointer:
         self._step_hooks = StepHooks(optimizer, self.loop, lambda: self._job, self.pipeline,
                                      self.staging, self.device, self.policy.replays,
                                      self._blocked)
+        self._progress = runlog.Progress(self.config.directory, self.ranks.rank == 0)
+        if self.ranks.rank == 0:  # a process of the job started: goodput's attempts
+            runlog.record(self.config.directory, "start", world_size=self.ranks.world_size,
+                          mode=self.config.mode)
         log.info("gockpt: %s mode, %d tensors in %d blocks, %.1f MiB host staging planned",
                  self.config.mode, len(self.plan.slots), len(self.plan.blocks),
                  self.planned_host_bytes / 2**20)
@@ -213,6 +218,7 @@ class Checkpointer:
         check_step(step)
         loop = self.loop
         self.schedule.reached_boundary(loop.reach_boundary(step))
+        self._progress.boundary(step)
         handle = None
         with self._blocked("save_checkpoint"):
             asked = force or self.schedule.due(step)
@@ -337,6 +343,7 @@ class Checkpointer:
                 self.replicator.close(self.config.remote_wait_s)
         finally:
             self._stop()
+        self._progress.end()  # (a killed process records none)
         self.loop.raise_pending()
 
     def abort(self) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Optional
 
 import torch
 
 from . import storage
+from .core import runlog
 from .core.digest import as_pairs, digests, to_hex
 from .replay.adapters import state_keys_of
 from .core.names import Names, is_replicated
@@ -16,7 +19,7 @@ from .core.errors import CorruptCheckpointError, GockptError, LoadError
 from .resharding import load_resharded, needs_resharding, written_by
 from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
                        warn_rng_not_restored)
-from .core.paths import directory_to_read
+from .core.paths import directory_to_read, is_remote
 from .storage.format import MANIFEST_FILE
 from .storage.schema import Manifest, is_small_tensor
 from .storage.statedict import optimizer_state_dict
@@ -50,12 +53,32 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         CorruptCheckpointError: a checksum, file or manifest is wrong (names file and tensor).
         LoadError: the checkpoint does not fit ``model`` / ``optimizer``.
     """
+    started = time.time()
     top = storage.resolve(directory_to_read(directory), tag)  # the kernel's rule: gockpt.core.paths
     written = written_by(top)
     if rank is None and needs_resharding(top, model, written):
-        return load_resharded(top, model, optimizer, scheduler=scheduler,
-                              restore_rng=restore_rng, verify=verify, map_location=map_location,
-                              written=written)
+        restored = load_resharded(top, model, optimizer, scheduler=scheduler,
+                                  restore_rng=restore_rng, verify=verify,
+                                  map_location=map_location, written=written)
+    else:
+        restored = _load_own(top, written, model, optimizer, scheduler, restore_rng, verify,
+                             map_location, rank)
+    _record_load(top, restored.step, started)
+    return restored
+
+
+def _record_load(top: str, step: int, started: float) -> None:
+    """Rank 0 notes the load in the run directory's metrics.jsonl (goodput's restore time
+    and the step a restart goes on from: :mod:`gockpt.core.runlog`); not for a remote one."""
+    dist = torch.distributed
+    if is_remote(top) or (dist.is_available() and dist.is_initialized() and dist.get_rank()):
+        return
+    runlog.record(os.path.dirname(top), "load", quiet=True, step=step, time_start=started)
+
+
+def _load_own(top: str, written: int, model, optimizer, scheduler, restore_rng: bool,
+              verify: bool, map_location, rank: Optional[int]) -> Restored:
+    """:func:`load` on the shape that saved it (or one rank's part, ``rank``)."""
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1

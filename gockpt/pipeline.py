@@ -133,6 +133,7 @@ class Pipeline:
                 "assigned)", adapt=Adaptation.NEW_STATE))
             return
         freeze_small_state(self.capture, job, step, extra_state)
+        job.metrics.final_time = time.time()  # (goodput: when the state it holds was reached)
         if self.replayer is not None:
             selfcheck.sample(job, job.plan, self.capture.optimizer, self.config.self_check)
         if self.digester is not None:

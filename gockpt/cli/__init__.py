@@ -8,6 +8,7 @@ Subcommands::
     gockpt export  PATH --to deepspeed OUT_DIR [--ds-config CONFIG] [--force]
     gockpt list    DIR  [--json]              checkpoints, which is latest, ranks, leftovers
     gockpt clean   DIR                        remove leftovers of processes that died
+    gockpt goodput DIR  [--json] [--plot FILE] a run's goodput and badput by category
 
 ``PATH`` is a checkpoint directory or a run directory (then: its latest checkpoint).
 
@@ -42,6 +43,7 @@ from ..core.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpoi
                            GockptError)
 from .common import PROG, BadCheckpoint, UsageError, one_line
 from .export import cmd_export
+from .goodput import cmd_goodput
 from .inspect import cmd_inspect
 from .listing import cmd_clean, cmd_list
 from .pipe import quiet_on_broken_pipe
@@ -114,6 +116,14 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("clean", help="remove .tmp-* leftovers of writers that died")
     s.add_argument("dir", metavar="DIR")
     s.set_defaults(func=cmd_clean)
+
+    s = sub.add_parser("goodput", help="a run's goodput: its wall time by category (productive, "
+                                       "checkpoint, restore, wasted, other) across restarts")
+    s.add_argument("dir", metavar="DIR", help="the run directory (its metrics.jsonl)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--plot", metavar="FILE",
+                   help="also draw progress against wall time and the categories (PNG or SVG)")
+    s.set_defaults(func=cmd_goodput)
     return p
 
 

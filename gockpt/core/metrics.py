@@ -45,6 +45,10 @@ class CheckpointMetrics:
     written_bytes: int = 0        # the size of this rank's data file
     rank: int = 0                 # which rank's record (several ranks: one record each)
     world_size: int = 1
+    final_time: float = 0.0       # wall clock at the boundary of its step (the state it holds)
+    time: float = 0.0             # wall clock when durable
+    pid: int = 0                  # the process that took it (a restart is another: the
+    process_start: float = 0.0    # goodput accounting's attempts, gockpt.core.runlog)
 
     def add_blocked(self, hook: str, seconds: float) -> None:
         self.blocked_s += seconds
@@ -75,21 +79,25 @@ def _append_line(directory: str, record: dict) -> None:
         f.write(line)
 
 
-def append_record(directory: str, record: dict) -> None:
+def append_record(directory: str, record: dict, quiet: bool = False) -> None:
     """Append a record of another kind than a checkpoint's (``record["record"]`` says which,
-    e.g. ``"upload"`` for the remote tier); a failure to write it is logged, not raised."""
+    e.g. ``"upload"`` for the remote tier, ``"start"`` for :mod:`gockpt.core.runlog`); a failure
+    to write it is logged (at debug level with ``quiet``), not raised."""
     try:
         _append_line(directory, record)
     except OSError as exc:
-        logging.getLogger("gockpt").warning("gockpt: cannot append to %s/metrics.jsonl: %s",
-                                            directory, exc)
+        logging.getLogger("gockpt").log(logging.DEBUG if quiet else logging.WARNING,
+                                        "gockpt: cannot append to %s/metrics.jsonl: %s",
+                                        directory, exc)
 
 
-def read(directory: str, rank: Optional[int] = None, record: str = "checkpoint") -> List[dict]:
+def read(directory: str, rank: Optional[int] = None,
+         record: Optional[str] = "checkpoint") -> List[dict]:
     """The metrics records of a checkpoint directory, oldest first (blank lines skipped); with
     ``rank``, only that rank's (a checkpoint of several ranks has one record per rank).
-    ``record``: which kind -- ``"checkpoint"`` (one per rank and checkpoint) or ``"upload"``
-    (one per checkpoint copied to the remote tier).
+    ``record``: which kind -- ``"checkpoint"`` (one per rank and checkpoint), ``"upload"``
+    (one per checkpoint copied to the remote tier), a process's ``"start"``, ``"load"``,
+    ``"progress"`` or ``"end"`` (:mod:`gockpt.core.runlog`), or None for every record.
 
     Raises FileNotFoundError when ``<directory>/metrics.jsonl`` does not exist, and
     ValueError naming the file and line (``.../metrics.jsonl:2: not valid JSON (...)``) when
@@ -106,7 +114,7 @@ def read(directory: str, rank: Optional[int] = None, record: str = "checkpoint")
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
             if not isinstance(entry, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            if entry.get("record", "checkpoint") == record and (
+            if record in (None, entry.get("record", "checkpoint")) and (
                     rank is None or entry.get("rank", 0) == rank):
                 records.append(entry)
     return records

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..core import metrics as metrics_mod
+from ..core import metrics as metrics_mod, runlog
 from ..core.blocks import Block
 from ..core.plan import Plan
 from ..core.config import Config
@@ -243,6 +243,7 @@ class Persister:
                 path = self._write(job, None, name, t0, writer=writer)
             m = job.metrics
             m.time_to_durable_s = time.perf_counter() - job.t_start
+            m.time = time.time()
             every = self.ranks.gather(m)  # one line per rank: what each copied and wrote
             if self.ranks.rank == 0:
                 for record in every:
@@ -287,6 +288,8 @@ class Persister:
             m.step_time_s = self.step_time()
             m.host_bytes = self.host_bytes()
             m.rank, m.world_size = self.ranks.rank, self.ranks.world_size
+            me = runlog.identity()
+            m.pid, m.process_start = me["pid"], me["process_start"]
             m.written_bytes = writer_bytes
             manifest = Manifest(
                 step=job.handle.final_step, start_step=m.start_step, mode=self.config.mode,

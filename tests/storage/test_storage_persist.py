@@ -199,11 +199,13 @@ def test_commit_writes_the_typed_manifest_and_metrics(rig):
     assert (m.metrics["step_time_s"], m.metrics["host_bytes"]) == (0.25, 1234)
     records = metrics.read(rig.dir)
     assert [r["final_step"] for r in records] == [7]
-    # the same record, but time_to_durable_s: the manifest is written before the commit ends
-    drop = {"time_to_durable_s"}
+    # the same record, but time_to_durable_s and time (when durable): the manifest is written
+    # before the commit ends
+    drop = {"time_to_durable_s", "time"}
     assert {k: v for k, v in records[0].items() if k not in drop} == \
         {k: v for k, v in m.metrics.items() if k not in drop}
     assert records[0]["time_to_durable_s"] >= m.metrics["time_to_durable_s"]
+    assert records[0]["time"] >= m.metrics["time"]
 
 
 @pytest.mark.parametrize("fail_at", [
