@@ -81,8 +81,8 @@ def attempts(records: List[dict]) -> List[Attempt]:
             [r["final_step"] for r in kinds.get("checkpoint", [])]
         end = max(r["time"] for r in recs)
         boundary = [r["boundary_time"] for r in kinds.get("end", []) if r.get("boundary_time")]
-        out.append(Attempt(
-            pid=pid, process_start=started, train_start=max(ready) if ready else started,
+        out.append(Attempt(  # (one that never trained: all of its life restored it)
+            pid=pid, process_start=started, train_start=max(ready) if ready else end,
             end=end, restored_step=loads[-1]["step"] if loads else 0,
             last_step=max(steps) if steps else None, ended=bool(kinds.get("end")),
             trained_until=min(boundary[-1], end) if boundary else end,

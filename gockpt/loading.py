@@ -55,6 +55,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     """
     started = time.time()
     top = storage.resolve(directory_to_read(directory), tag)  # the kernel's rule: gockpt.core.paths
+    _record_load(top, "loading")
     written = written_by(top)
     if rank is None and needs_resharding(top, model, written):
         restored = load_resharded(top, model, optimizer, scheduler=scheduler,
@@ -63,17 +64,18 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     else:
         restored = _load_own(top, written, model, optimizer, scheduler, restore_rng, verify,
                              map_location, rank)
-    _record_load(top, restored.step, started)
+    _record_load(top, "load", step=restored.step, time_start=started)
     return restored
 
 
-def _record_load(top: str, step: int, started: float) -> None:
-    """Rank 0 notes the load in the run directory's metrics.jsonl (goodput's restore time
-    and the step a restart goes on from: :mod:`gockpt.core.runlog`); not for a remote one."""
+def _record_load(top: str, kind: str, **fields) -> None:
+    """Rank 0 notes a load's start (``loading``: a process that dies in it still counts) and
+    its end (``load``: the step a restart goes on from) in the run directory's metrics.jsonl
+    (goodput's restore time: :mod:`gockpt.core.runlog`); not for a remote checkpoint."""
     dist = torch.distributed
     if is_remote(top) or (dist.is_available() and dist.is_initialized() and dist.get_rank()):
         return
-    runlog.record(os.path.dirname(top), "load", quiet=True, step=step, time_start=started)
+    runlog.record(os.path.dirname(top), kind, quiet=True, **fields)
 
 
 def _load_own(top: str, written: int, model, optimizer, scheduler, restore_rng: bool,

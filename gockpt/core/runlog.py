@@ -1,7 +1,8 @@
 """What a run's processes record in ``metrics.jsonl`` beside the checkpoints, for the goodput
-accounting (:mod:`gockpt.goodput`): each process's start, each load and its duration, its
-progress (a step every ``PROGRESS_EVERY_S`` at most, so that the steps a killed process computed
-after its last checkpoint are known), and its end. Written by rank 0 only (one line per event:
+accounting (:mod:`gockpt.goodput`): each process's ``start`` (its Checkpointer built), each
+load's start (``loading``) and end (``load``, with the step restored), its ``progress`` (a step
+every ``PROGRESS_EVERY_S`` at most, so that the steps a killed process computed after its last
+checkpoint are known), and its ``end`` (``close()``). Written by rank 0 only (one line per event:
 the accounting follows one rank; the ranks of a job step together).
 
 Every record carries ``time`` (wall clock, seconds since the epoch), ``pid`` and
