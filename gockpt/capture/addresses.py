@@ -39,14 +39,21 @@ def live_bases(plan: Plan, states: list, slots: np.ndarray, roles) -> Tuple[Dict
                 tensors = [t for t in tensors if t is not None]
         columns.append((have, tensors))
         base = bases[key] = np.zeros(n, dtype=np.int64)
-        base[have] = [t.data_ptr() for t in in_memory_order(plan, have, tensors, copies)]
+        base[have] = data_ptrs(in_memory_order(plan, have, tensors, copies))
     return bases, Reads(columns), copies
+
+
+def data_ptrs(tensors: list) -> np.ndarray:
+    """The address of each of ``tensors``, as an int64 array (one C-level pass)."""
+    return np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors))
 
 
 def in_memory_order(plan: Plan, slots: list, tensors: list, keep: list) -> list:
     """``tensors`` (one per slot of ``slots``) each laid out as its parameter was planned: the
     tensor itself, or (rare: a state tensor or gradient with other strides) a flat copy in the
     parameter's memory order, also appended to ``keep`` (alive until its copy has run)."""
+    if plan.contiguous and all(map(torch.Tensor.is_contiguous, tensors)):
+        return tensors  # the usual case, found without reading every tensor's strides
     planned = plan.strides
     if [t.stride() for t in tensors] == [planned[si] for si in slots]:
         return tensors
@@ -91,4 +98,4 @@ class Zeros:
         return self.buffer.data_ptr()
 
 
-__all__: List[str] = ["live_bases", "in_memory_order", "Reads", "Zeros"]
+__all__: List[str] = ["live_bases", "data_ptrs", "in_memory_order", "Reads", "Zeros"]

@@ -22,7 +22,7 @@ from ..core.memory import flat, is_dtensor, local
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
 from ..core.staging import GradPool
-from .addresses import in_memory_order
+from .addresses import data_ptrs, in_memory_order
 from .states import StateWatch
 from .transfer import GRADIENT, CopyEngine
 from .transport import Bf16Transport
@@ -62,7 +62,8 @@ class GradientCopies:
         table = job.capture.captured_table()  # only these gradients are replayed
         grads = live_gradients(plan, table.slots[plan.in_groups(groups)[table.slots]].tolist())
         steps = adapter.step_counts(grads, self.states.of(job))
-        table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))
+        if len(grads) < len(table.slots):  # (else every captured slot is stepped now)
+            table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))
         # bf16: images made on the device now, so the copy reads them and not .grad (a
         # snapshot); fp32 when the transport is off or this step's images are not exact
         encoded = self.transport.encode({si: grads[si] for si in table.slots.tolist()}) \
@@ -164,7 +165,7 @@ def _bases(job: Job, table: BlockTable, grads):
     live = np.zeros(len(plan.slots), dtype=np.int64)
     slots = table.slots.tolist()
     tensors = in_memory_order(plan, slots, [grads[si] for si in slots], keep)
-    live[table.slots] = [g.data_ptr() for g in tensors]
+    live[table.slots] = data_ptrs(tensors)
     return live, keep
 
 
