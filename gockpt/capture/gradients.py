@@ -9,6 +9,7 @@ one multiplier made on the device (:mod:`.transport`; 2 bytes per element instea
 
 from __future__ import annotations
 
+import operator
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -26,6 +27,8 @@ from .addresses import data_ptrs, in_memory_order
 from .states import StateWatch
 from .transfer import GRADIENT, CopyEngine
 from .transport import Bf16Transport
+
+_DTYPE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
 
 
 class GradientCopies:
@@ -180,7 +183,7 @@ def live_gradients(plan, slots: list) -> Dict[int, torch.Tensor]:
     if has_none(tensors):  # not trained at this step: not stepped either
         slots = [si for si, g in zip(slots, tensors) if g is not None]
         tensors = [g for g in tensors if g is not None]
-    if {(g.dtype, g.layout) for g in tensors} - {(torch.float32, torch.strided)}:
+    if set(map(_DTYPE, tensors)) - {torch.float32} or set(map(_LAYOUT, tensors)) - {torch.strided}:
         si, g = next((si, g) for si, g in zip(slots, tensors) if g.dtype != torch.float32
                      or g.layout != torch.strided)  # the replay modes: fp32 params
         layout = "dense" if g.layout == torch.strided else str(g.layout).replace("torch.", "")
