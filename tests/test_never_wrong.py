@@ -88,6 +88,31 @@ def test_a_layout_change_mid_training_is_a_clear_error(tmp_path):
     assert run.handles == [] and storage.list_checkpoints(str(tmp_path)) == []
 
 
+@pytest.mark.parametrize("mode,k", [("gockpt", 2), ("gockpt-o", 3)])
+@pytest.mark.parametrize("what", ["param", "state"])
+def test_tensors_moved_to_new_memory_inside_a_window_are_read_where_they_are(tmp_path, mode,
+                                                                               k, what):
+    """``p.data = ...`` (FSDP does it; the Parameter object stays, its memory does not) or an
+    optimizer state tensor put back as a copy, at every boundary of every window: each group
+    copies what the tensors hold when it is queued, never through an address kept from an
+    earlier group (that memory is freed by then) -- every checkpoint is the state at F."""
+    model, opt = small_model()
+
+    def move(step):
+        for p in model.parameters():
+            if what == "param":
+                p.data = p.data.clone()
+            elif p in opt.state:
+                opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].clone()
+
+    run = Run(model, opt, tmp_path, mode=mode, overlap_steps=k, block_bytes=64,
+              between=move, step_fn=lambda s: model(torch.randn(4, 6)).square().mean())
+    run.train(0, 12, at={6, 10})
+    run.close()
+    assert not run.errors
+    assert assert_every_commit_is_state_at_f(run, tmp_path, small_model) == 2
+
+
 def test_a_non_dense_parameter_is_refused_with_what_to_do(tmp_path):
     model = nn.Linear(4, 4)
     model.weight = nn.Parameter(torch.randn(4, 8)[:, ::2])  # holes: not dense

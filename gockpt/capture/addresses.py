@@ -8,6 +8,7 @@ an in-place write outside the optimizer during the copy is found when it lands.
 
 from __future__ import annotations
 
+import operator
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -39,14 +40,21 @@ def live_bases(plan: Plan, states: list, slots: np.ndarray, roles) -> Tuple[Dict
                 tensors = [t for t in tensors if t is not None]
         columns.append((have, tensors))
         base = bases[key] = np.zeros(n, dtype=np.int64)
-        base[have] = [t.data_ptr() for t in in_memory_order(plan, have, tensors, copies)]
+        base[have] = data_ptrs(in_memory_order(plan, have, tensors, copies))
     return bases, Reads(columns), copies
+
+
+def data_ptrs(tensors: list) -> np.ndarray:
+    """The address of each of ``tensors``, as an int64 array (one C-level pass)."""
+    return np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors))
 
 
 def in_memory_order(plan: Plan, slots: list, tensors: list, keep: list) -> list:
     """``tensors`` (one per slot of ``slots``) each laid out as its parameter was planned: the
     tensor itself, or (rare: a state tensor or gradient with other strides) a flat copy in the
     parameter's memory order, also appended to ``keep`` (alive until its copy has run)."""
+    if plan.contiguous and all(map(torch.Tensor.is_contiguous, tensors)):
+        return tensors  # the usual case, found without reading every tensor's strides
     planned = plan.strides
     if [t.stride() for t in tensors] == [planned[si] for si in slots]:
         return tensors
@@ -60,21 +68,30 @@ def in_memory_order(plan: Plan, slots: list, tensors: list, keep: list) -> list:
 
 class Reads:
     """The live tensors some queued copies (or digests) read, role by role as
-    ``columns = [(slot indices, tensors), ...]``, with their versions when queued: an
-    in-place write since then (outside the optimizer) is found by :meth:`written`."""
+    ``columns = [(slot indices, tensors), ...]``, with their versions and addresses when
+    queued: an in-place write since then (outside the optimizer), or a tensor moved to other
+    memory (``p.data = ...``, which leaves its version as it was), is found by
+    :meth:`written`."""
 
     def __init__(self, columns: list):
         self.columns = columns
-        self.versions = [[t._version for t in tensors] for _, tensors in columns]
+        self.versions = [list(map(_VERSION, tensors)) for _, tensors in columns]
+        self.addresses = [data_ptrs(tensors) for _, tensors in columns]
 
     def written(self) -> set:
-        """The slots of the tensors written since they were queued."""
+        """The slots of the tensors written or moved since they were queued."""
         out = set()
-        for (slots, tensors), before in zip(self.columns, self.versions):
-            now = [t._version for t in tensors]
+        for (slots, tensors), before, at in zip(self.columns, self.versions, self.addresses):
+            now = list(map(_VERSION, tensors))
             if now != before:
                 out.update(si for si, a, b in zip(slots, now, before) if a != b)
+            moved = data_ptrs(tensors) != at
+            if moved.any():
+                out.update(np.asarray(slots)[moved].tolist())
         return out
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 class Zeros:
@@ -91,4 +108,4 @@ class Zeros:
         return self.buffer.data_ptr()
 
 
-__all__: List[str] = ["live_bases", "in_memory_order", "Reads", "Zeros"]
+__all__: List[str] = ["live_bases", "data_ptrs", "in_memory_order", "Reads", "Zeros"]

@@ -202,7 +202,8 @@ class Capture:
             raise ConsistencyError(
                 f"{', '.join(written[:5])} {'was' if len(written) == 1 else 'were'} written "
                 f"during the training step in which gockpt copied {'it' if len(written) == 1 else 'them'}"
-                " (an in-place write outside the optimizer, e.g. nn.Embedding(max_norm=...)); "
+                " (an in-place write outside the optimizer, e.g. nn.Embedding(max_norm=...), "
+                "or moved to other memory: p.data = ...); "
                 "the checkpoint is not committed and these tensors are copied at the step "
                 "boundary from now on", adapt=Adaptation.COPY_AT_F, tensors=written)
         book.captured.extend(book.groups[j - 1])

@@ -9,6 +9,7 @@ one multiplier made on the device (:mod:`.transport`; 2 bytes per element instea
 
 from __future__ import annotations
 
+import operator
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -22,10 +23,12 @@ from ..core.memory import flat, is_dtensor, local
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
 from ..core.staging import GradPool
-from .addresses import in_memory_order
+from .addresses import data_ptrs, in_memory_order
 from .states import StateWatch
 from .transfer import GRADIENT, CopyEngine
 from .transport import Bf16Transport
+
+_DTYPE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
 
 
 class GradientCopies:
@@ -62,7 +65,8 @@ class GradientCopies:
         table = job.capture.captured_table()  # only these gradients are replayed
         grads = live_gradients(plan, table.slots[plan.in_groups(groups)[table.slots]].tolist())
         steps = adapter.step_counts(grads, self.states.of(job))
-        table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))
+        if len(grads) < len(table.slots):  # (else every captured slot is stepped now)
+            table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))
         # bf16: images made on the device now, so the copy reads them and not .grad (a
         # snapshot); fp32 when the transport is off or this step's images are not exact
         encoded = self.transport.encode({si: grads[si] for si in table.slots.tolist()}) \
@@ -164,7 +168,7 @@ def _bases(job: Job, table: BlockTable, grads):
     live = np.zeros(len(plan.slots), dtype=np.int64)
     slots = table.slots.tolist()
     tensors = in_memory_order(plan, slots, [grads[si] for si in slots], keep)
-    live[table.slots] = [g.data_ptr() for g in tensors]
+    live[table.slots] = data_ptrs(tensors)
     return live, keep
 
 
@@ -179,7 +183,7 @@ def live_gradients(plan, slots: list) -> Dict[int, torch.Tensor]:
     if has_none(tensors):  # not trained at this step: not stepped either
         slots = [si for si, g in zip(slots, tensors) if g is not None]
         tensors = [g for g in tensors if g is not None]
-    if {(g.dtype, g.layout) for g in tensors} - {(torch.float32, torch.strided)}:
+    if set(map(_DTYPE, tensors)) - {torch.float32} or set(map(_LAYOUT, tensors)) - {torch.strided}:
         si, g = next((si, g) for si, g in zip(slots, tensors) if g.dtype != torch.float32
                      or g.layout != torch.strided)  # the replay modes: fp32 params
         layout = "dense" if g.layout == torch.strided else str(g.layout).replace("torch.", "")

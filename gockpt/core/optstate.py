@@ -4,9 +4,12 @@ and put back in place when one is loaded (:func:`expand_columns`)."""
 
 from __future__ import annotations
 
+import operator
 from typing import Dict
 
 import torch
+
+_DTYPE = operator.attrgetter("dtype")
 
 
 def expand_columns(small: dict) -> dict:
@@ -51,7 +54,7 @@ def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys, known=None) 
     for keys, entries in _by_keys(items, aligned_keys).items():
         for key in keys:
             values = [st[key] for _, st in entries]
-            dtypes = {v.dtype for v in values} if set(map(type, values)) == {torch.Tensor} \
+            dtypes = set(map(_DTYPE, values)) if set(map(type, values)) == {torch.Tensor} \
                 else ()
             if len(dtypes) == 1:  # the usual case: checked as a whole when stacked below
                 group = gathered.setdefault((key, dtypes.pop()), ([], []))

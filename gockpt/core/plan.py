@@ -218,6 +218,12 @@ class Plan:
         return self._in_groups[key]
 
     @cached_property
+    def contiguous(self) -> bool:
+        """Whether every slot was planned contiguous (its memory order: the tensor's own):
+        then a tensor is laid out like its parameter exactly when it is contiguous."""
+        return not any(s.dims for s in self.slots)
+
+    @cached_property
     def strides(self) -> List[Tuple[int, ...]]:
         """Every slot's planned strides, as a list."""
         return [s.strides for s in self.slots]

@@ -133,6 +133,32 @@ def test_an_in_place_write_during_the_copy_is_found_before_f(tmp_path, monkeypat
     assert all(_difference(tmp_path, h, live, _embedding) is None for h in handles)
 
 
+def _resharded(seed: int = 0):
+    """Forward moves the first layer's weight to new memory, as FSDP1 does (``p.data = ...``:
+    the Parameter object stays, its version too), and the memory it leaves is reused (here:
+    filled with NaN) -- what a copy still reading the old address would get."""
+    model, opt = _build(seed)
+
+    def move(module, args):
+        old = module.weight.data
+        module.weight.data = old.clone()
+        old.fill_(float("nan"))
+    model[0].register_forward_pre_hook(move)
+    return model, opt
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_a_tensor_moved_during_the_copy_is_found_before_f(tmp_path, monkeypatch, setting):
+    # The copy queued at the boundary reads the weight's old address when it runs; the move
+    # leaves the version as it was, so the address is compared too: the step is taken again,
+    # copied at the boundary -- even with the digests off (a wrong checkpoint otherwise).
+    monkeypatch.setenv("GOCKPT_SIMULATED_DEVICE", setting)
+    with pytest.warns(UserWarning, match=r"0\.weight.*copied directly at the step boundary"):
+        handles, live, _ = _train(tmp_path, "gockpt-o", build=_resharded, verify=False)
+    assert [h.final_step for h in handles if h.error is None] == [4, 8, 12]
+    assert all(_difference(tmp_path, h, live, _resharded) is None for h in handles)
+
+
 # ---------------------------------------------------------------- it catches ordering bugs
 
 class _ForgetsToWait(SimulatedAsyncDevice):
