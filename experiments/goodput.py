@@ -46,6 +46,7 @@ import torch  # noqa: E402
 from gockpt import goodput as gp  # noqa: E402
 from gockpt.cli.goodput import plot  # noqa: E402
 from gockpt.testing import first_difference  # noqa: E402
+from goodput_worker import model_config  # noqa: E402
 from model import ModelConfig, build, num_params  # noqa: E402
 
 SCHEMES = ("none", "sync", "async", "async-o", "gockpt-o", "gockpt-o-auto", "dcp")
@@ -63,12 +64,12 @@ def torchrun(args, directory: str, scheme: str, steps: int, final: str, link_gbp
            f"--nproc-per-node={args.ranks}", "--max-restarts=1000", "--monitor-interval=0.1",
            os.path.join(HERE, "goodput_worker.py"), directory, "--scheme", scheme,
            "--steps", str(steps), "--every", str(args.every), "--k", str(args.k),
-           "--final", final]
+           "--dim", str(args.dim), "--layers", str(args.layers), "--final", final]
     if link_gbps:
         cmd += ["--link-gbps", f"{link_gbps:.6g}"]
     if mtbf:
         cmd += ["--mtbf", str(mtbf)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.ranks)),
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                PYTHONWARNINGS="ignore", **RESTARTABLE)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -225,7 +226,7 @@ def where(p: dict, death: float, every: int, k: int) -> str:
     if not done:
         return "first step"
     step, _, _, committed = done[-1]
-    if step - step % every > max(committed, p["restored"]):
+    if every and step - step % every > max(committed, p["restored"]):
         return "checkpoint in flight"
     return "window" if k > 1 and step % every >= every - (k - 1) else "training"
 
@@ -246,14 +247,21 @@ def exact(directory: str, reference: str, ranks: int) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mtbf", default="20", help="seconds; several, comma-separated: a sweep")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--mtbf", default="12", help="seconds; several, comma-separated: a sweep")
+    ap.add_argument("--steps", type=int, default=700)
+    ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--dim", type=int, default=128,
+                    help="the model's width (the demo's model: 256, with --layers 4)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                    help="torch threads per rank (default: half the cores, the other half for "
+                         "the checkpointers' threads and the launcher; a preempted intra-op "
+                         "thread stalls every parallel region of a step)")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-wall", type=float, default=75.0,
+    ap.add_argument("--max-wall", type=float, default=90.0,
                     help="seconds a job may run (a scheme that cannot finish is cut there)")
     ap.add_argument("--out", default=os.path.join(ROOT, "goodput-out"))
     args = ap.parse_args(argv)
@@ -271,7 +279,7 @@ def main(argv=None) -> int:
     shutil.move(ref["directory"], reference)
     steps_t = [t for s, t, _, _ in ref["logs"][0]["steps"]]
     step_s = (steps_t[-1] - steps_t[0]) / max(1, len(steps_t) - 1)
-    state_bytes = 12 * num_params(build()[0])
+    state_bytes = 12 * num_params(build(model_config(args.dim, args.layers))[0])
     link_gbps = state_bytes / (LINK_STEPS * step_s) / 1e9
     print(f"  step {step_s * 1e3:.0f} ms, state {state_bytes / 1e6:.0f} MB, emulated link "
           f"{link_gbps:.3f} GB/s (a full copy in {LINK_STEPS} steps)", flush=True)
@@ -287,8 +295,9 @@ def main(argv=None) -> int:
         rows = {}
         for scheme in schemes:
             job = run_job(args, scheme, mtbf, failures, link_gbps, args.out, args.max_wall)
-            mine, landed, curves = account(
-                job, args.every, args.k if scheme.startswith("gockpt-o") else 1)
+            mine, landed, curves = account(  # (none: no checkpoint ever in flight)
+                job, args.every if scheme != "none" else 0,
+                args.k if scheme.startswith("gockpt-o") else 1)
             row = {"bench": mine.to_dict(), "landed": landed, "finished": job["finished"],
                    "kills": len(job["kills"])}
             row["exact"] = exact(job["directory"], reference, args.ranks) \

@@ -59,8 +59,8 @@ def main() -> int:
     ap.add_argument("--mtbf", type=float, default=None)
     ap.add_argument("--link-gbps", type=float, default=None)
     ap.add_argument("--final", default=None, help="where to save the final snapshots")
-    ap.add_argument("--small", action="store_true",
-                    help="a model of 2 layers of width 64 (the suite's tests)")
+    ap.add_argument("--dim", type=int, default=ModelConfig.dim, help="the model's width")
+    ap.add_argument("--layers", type=int, default=ModelConfig.layers)
     ap.add_argument("--die", default="",
                     help="where rank 0 kills itself (SIGKILL), one point per attempt (the "
                          "launcher's restart count), comma-separated: window@STEP (at that "
@@ -76,8 +76,7 @@ def main() -> int:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     plan = args.die.split(",") if args.die else []
     die = Die(plan[attempt] if rank == 0 and attempt < len(plan) else "-", log)
-    cfg = ModelConfig(dim=64, layers=2, hidden=172) if args.small else None
-    model, opt, sched = build(cfg, total_steps=args.steps)
+    model, opt, sched = build(model_config(args.dim, args.layers), total_steps=args.steps)
     net = torch.nn.parallel.DistributedDataParallel(model) if several else model
     scheme = Scheme(args, net, opt, sched, several, die)
     start = scheme.restore()
@@ -104,6 +103,11 @@ def main() -> int:
     if several:
         dist.destroy_process_group()
     return 0
+
+
+def model_config(dim: int, layers: int) -> ModelConfig:
+    """The demo's LLaMA-style model at another width and depth (SwiGLU width 8/3 of it)."""
+    return ModelConfig(dim=dim, layers=layers, hidden=(8 * dim // 3 + 7) // 8 * 8)
 
 
 def model_loss(net, step: int):

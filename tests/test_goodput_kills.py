@@ -34,7 +34,8 @@ def torchrun(directory, ranks, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={ranks}", "--max-restarts=5", "--monitor-interval=0.1",
            os.path.join(REPO, "experiments", "goodput_worker.py"), str(directory),
-           "--steps", str(STEPS), "--every", str(EVERY), "--k", str(K), "--small",
+           "--steps", str(STEPS), "--every", str(EVERY), "--k", str(K), "--dim", "64",
+           "--layers", "2",
            "--final", str(directory), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **bench.RESTARTABLE)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
