@@ -178,6 +178,8 @@ def account(job: dict, every: int, k: int = 1):
         nxt = procs[i + 1] if i + 1 < len(procs) else None
         limit = nxt["process_start"] if nxt else float("inf")
         death = next((k for k in kills if p["process_start"] <= k < limit), p.get("died"))
+        if death is None and p["end"] is None:  # ended by another rank's failure: last seen
+            death = p["steps"][-1][1] if p["steps"] else (p["ready"] or p["process_start"])
         ready = p["ready"] if p["ready"] is not None else death
         if p["end"] is not None:
             stop, trained = p["end"]["t"], p["end"]["boundary_t"]
@@ -189,14 +191,18 @@ def account(job: dict, every: int, k: int = 1):
         blocked = sum(b for _, _, b, _ in p["steps"])
         sec["checkpoint"] += blocked
         if nxt is not None:
-            keep = nxt["restored"]
+            sec["other"] += max(0.0, nxt["process_start"] - stop)
+        # kept: what the next process that trained went on from (as gockpt.goodput counts)
+        resumed = next((q for q in procs[i + 1:] if q["ready"] is not None), None)
+        if resumed is None and p["end"] is not None:
+            kept_until, kept_blocked = trained, blocked
+        else:
+            keep = resumed["restored"] if resumed is not None else max(
+                [c for *_, c in p["steps"]] or [p["restored"]])
             at = next((t for s, t, _, _ in p["steps"] if s == keep), None) \
                 if keep > p["restored"] else None
             kept_until = at if at is not None else ready
             kept_blocked = sum(b for s, _, b, _ in p["steps"] if s <= keep) if at else 0.0
-            sec["other"] += max(0.0, nxt["process_start"] - stop)
-        else:
-            kept_until, kept_blocked = trained, blocked
         sec["productive"] += max(0.0, kept_until - ready - kept_blocked)
         sec["wasted"] += max(0.0, (trained - ready - blocked) - max(0.0, kept_until - ready -
                                                                    kept_blocked))

@@ -166,7 +166,7 @@ class Scheme:
     def __init__(self, args, net, opt, sched, several: bool, die: Die):
         self.args, self.net, self.opt, self.sched, self.die = args, net, opt, sched, die
         self.ck, self.future, self.pending, self.last_committed = None, None, None, None
-        self.name = args.scheme
+        self.name, self.several, self.dcp_group = args.scheme, several, None
 
     # -------------------------------------------------------------- restore
     def restore(self) -> int:
@@ -186,6 +186,9 @@ class Scheme:
                 keep_last=2, storage_writer=self.die.writer())
             self.ck.plan_checkpoint(a.steps)  # the last step is kept too
         elif self.name == "dcp":
+            # its own group: the save's collectives run on a thread beside DDP's all-reduces,
+            # which on one shared gloo group wait for each other forever
+            self.dcp_group = dist.new_group(backend="gloo") if self.several else None
             start = self._dcp_load()
         self.last_committed = start
         return start
@@ -235,7 +238,7 @@ class Scheme:
                 self.future.result()
                 self._dcp_done()
             self.future = dcp.async_save(self._dcp_state(step), checkpoint_id=os.path.join(
-                self.args.directory, f"step-{step}"))
+                self.args.directory, f"step-{step}"), process_group=self.dcp_group)
             self.future_step = step
         return time.perf_counter() - t0
 

@@ -40,6 +40,7 @@ class Attempt:
     last_step: Optional[int]  # the last step it recorded
     ended: bool               # it recorded its end (close()); False: killed or failed
     trained_until: float      # its last step boundary where it recorded its end, else ``end``
+    trained: bool             # it got to train (its Checkpointer built or its load done)
     checkpoints: List[dict] = field(default_factory=list)  # its committed checkpoints
 
 
@@ -86,6 +87,7 @@ def attempts(records: List[dict]) -> List[Attempt]:
             end=end, restored_step=loads[-1]["step"] if loads else 0,
             last_step=max(steps) if steps else None, ended=bool(kinds.get("end")),
             trained_until=min(boundary[-1], end) if boundary else end,
+            trained=bool(ready),
             checkpoints=sorted(kinds.get("checkpoint", []), key=lambda r: r["final_time"])))
     return out
 
@@ -101,11 +103,19 @@ def account(records: List[dict]) -> Goodput:
         seconds["restore"] += run.train_start - run.process_start
         blocked = [(c["final_time"], c["blocked_s"]) for c in run.checkpoints]
         seconds["checkpoint"] += sum(b for _, b in blocked)
-        if i + 1 < len(runs):  # what the next process went on from was kept, the rest redone
-            kept_until = _reached(run, runs[i + 1].restored_step)
+        if i + 1 < len(runs):
             seconds["other"] += max(0.0, runs[i + 1].process_start - run.end)
-        else:
+        # kept: what the next process that trained went on from (one that died starting or
+        # loading restored nothing); the last one's steps, where it ended; else what a restart
+        # would load, its last checkpoint
+        resumed = next((r for r in runs[i + 1:] if r.trained), None)
+        if resumed is not None:
+            kept_until = _reached(run, resumed.restored_step)
+        elif run.ended:
             kept_until = run.trained_until
+        else:
+            kept_until = _reached(run, max([c["final_step"] for c in run.checkpoints],
+                                           default=run.restored_step))
         # its close() completing the last checkpoint blocked the job's end
         seconds["checkpoint"] += run.end - run.trained_until
         training = run.trained_until - run.train_start - sum(b for _, b in blocked)

@@ -91,3 +91,22 @@ def test_a_process_knows_when_it_started():
     me = runlog.identity()
     assert me["pid"] == os.getpid()
     assert 0 < me["process_start"] <= __import__("time").time()
+
+
+def test_a_process_that_died_loading_does_not_decide_what_was_kept():
+    # between process 1 and 2, one started at 11.5 s and died loading at 11.8 s: what process
+    # 1 kept is still what process 2 went on from (step 20), and that process's life is restore
+    died = rec("loading", 3, 11.5, 11.8)
+    g = goodput.account(RUN + [died])
+    base = goodput.account(RUN)
+    assert (g.attempts, g.failures) == (3, 2)
+    assert g.seconds["productive"] == pytest.approx(base.seconds["productive"])
+    assert g.seconds["wasted"] == pytest.approx(base.seconds["wasted"])
+    assert g.seconds["restore"] == pytest.approx(base.seconds["restore"] + 0.3)
+    assert sum(g.seconds.values()) == pytest.approx(g.wall_s)
+
+
+def test_a_job_cut_after_a_failure_keeps_its_last_checkpoint():
+    g = goodput.account([r for r in RUN if r.get("pid") == 1])  # process 1 only, killed
+    assert g.seconds["productive"] == pytest.approx(9.0 - 2.0 - 1.0)  # to step 20's boundary
+    assert g.seconds["wasted"] == pytest.approx(11.0 - 9.0)
