@@ -42,6 +42,7 @@ class Attempt:
     trained_until: float      # its last step boundary where it recorded its end, else ``end``
     trained: bool             # it got to train (its Checkpointer built or its load done)
     checkpoints: List[dict] = field(default_factory=list)  # its committed checkpoints
+    records: List[dict] = field(default_factory=list, repr=False)  # all of its records
 
 
 @dataclass
@@ -88,7 +89,8 @@ def attempts(records: List[dict]) -> List[Attempt]:
             last_step=max(steps) if steps else None, ended=bool(kinds.get("end")),
             trained_until=min(boundary[-1], end) if boundary else end,
             trained=bool(ready),
-            checkpoints=sorted(kinds.get("checkpoint", []), key=lambda r: r["final_time"])))
+            checkpoints=sorted(kinds.get("checkpoint", []), key=lambda r: r["final_time"]),
+            records=recs))
     return out
 
 
@@ -144,16 +146,14 @@ def progress(records: List[dict]) -> List[List[Tuple[float, int]]]:
     out = []
     for run in runs:
         points = [(run.train_start, run.restored_step)]
-        for r in records:
-            if r.get("rank", 0) == 0 and \
-                    (r.get("pid"), r.get("process_start")) == (run.pid, run.process_start):
-                kind = r.get("record", "checkpoint")
-                if kind == "progress":
-                    points.append((r["time"], r["step"]))
-                elif kind == "checkpoint":
-                    points.append((r["final_time"], r["final_step"]))
-                elif kind == "end" and r.get("step") is not None:
-                    points.append((run.trained_until, r["step"]))
+        for r in run.records:
+            kind = r.get("record", "checkpoint")
+            if kind == "progress":
+                points.append((r["time"], r["step"]))
+            elif kind == "checkpoint":
+                points.append((r["final_time"], r["final_step"]))
+            elif kind == "end" and r.get("step") is not None:
+                points.append((run.trained_until, r["step"]))
         out.append([(t - t0, step) for t, step in sorted(points)])
     return out
 

@@ -96,8 +96,9 @@ def read(directory: str, rank: Optional[int] = None,
     """The metrics records of a checkpoint directory, oldest first (blank lines skipped); with
     ``rank``, only that rank's (a checkpoint of several ranks has one record per rank).
     ``record``: which kind -- ``"checkpoint"`` (one per rank and checkpoint), ``"upload"``
-    (one per checkpoint copied to the remote tier), a process's ``"start"``, ``"load"``,
-    ``"progress"`` or ``"end"`` (:mod:`gockpt.core.runlog`), or None for every record.
+    (one per checkpoint copied to the remote tier), a process's ``"start"``, ``"loading"``,
+    ``"load"``, ``"progress"`` or ``"end"`` (:mod:`gockpt.core.runlog`), or None for every
+    record.
 
     Raises FileNotFoundError when ``<directory>/metrics.jsonl`` does not exist, and
     ValueError naming the file and line (``.../metrics.jsonl:2: not valid JSON (...)``) when

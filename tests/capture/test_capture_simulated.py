@@ -121,18 +121,6 @@ def test_every_checkpoint_is_the_live_state_on_the_simulated_device(tmp_path, mo
         assert late and all(n > 0 for n in late)
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
-def test_an_in_place_write_during_the_copy_is_found_before_f(tmp_path, monkeypatch, setting):
-    # An enqueued copy reads its source when it runs: forward's in-place renorm tears it. The
-    # version watch finds that at update_begin, so the step is taken again, copied at the
-    # boundary -- even with the digests off (before, a wrong checkpoint was committed).
-    monkeypatch.setenv("GOCKPT_SIMULATED_DEVICE", setting)
-    with pytest.warns(UserWarning, match=r"0\.weight.*copied directly at the step boundary"):
-        handles, live, _ = _train(tmp_path, "gockpt-o", build=_embedding, verify=False)
-    assert [h.final_step for h in handles if h.error is None] == [4, 8, 12]
-    assert all(_difference(tmp_path, h, live, _embedding) is None for h in handles)
-
-
 def _resharded(seed: int = 0):
     """Forward moves the first layer's weight to new memory, as FSDP1 does (``p.data = ...``:
     the Parameter object stays, its version too), and the memory it leaves is reused (here:
@@ -148,15 +136,19 @@ def _resharded(seed: int = 0):
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_a_tensor_moved_during_the_copy_is_found_before_f(tmp_path, monkeypatch, setting):
-    # The copy queued at the boundary reads the weight's old address when it runs; the move
-    # leaves the version as it was, so the address is compared too: the step is taken again,
-    # copied at the boundary -- even with the digests off (a wrong checkpoint otherwise).
+@pytest.mark.parametrize("build", [_embedding, _resharded], ids=["written", "moved"])
+def test_a_tensor_written_or_moved_during_the_copy_is_found_before_f(tmp_path, monkeypatch,
+                                                                      setting, build):
+    # An enqueued copy reads its source when it runs: forward's in-place renorm tears it
+    # (found by the version watch), or forward moved the weight and its old address holds
+    # something else (the version stays: found by the address watch). Either is found at
+    # update_begin, so the step is taken again, copied at the boundary -- even with the
+    # digests off (before, a wrong checkpoint was committed).
     monkeypatch.setenv("GOCKPT_SIMULATED_DEVICE", setting)
     with pytest.warns(UserWarning, match=r"0\.weight.*copied directly at the step boundary"):
-        handles, live, _ = _train(tmp_path, "gockpt-o", build=_resharded, verify=False)
+        handles, live, _ = _train(tmp_path, "gockpt-o", build=build, verify=False)
     assert [h.final_step for h in handles if h.error is None] == [4, 8, 12]
-    assert all(_difference(tmp_path, h, live, _resharded) is None for h in handles)
+    assert all(_difference(tmp_path, h, live, build) is None for h in handles)
 
 
 # ---------------------------------------------------------------- it catches ordering bugs
