@@ -45,6 +45,7 @@ class Schedule:
         self._t_boundary = time.perf_counter()
         self._last_asked: Optional[int] = None  # step of the last checkpoint taken
         self._learned: Optional[int] = None     # spacing of the last two forced saves
+        self._last_announced = False            # the last save was announced by plan_checkpoint
         self._announced: set = set()            # steps announced by plan_checkpoint()
         self._stalls: List[float] = []          # blocked time of the last durable checkpoints
         self._durable = 0                       # checkpoints committed so far ...
@@ -102,6 +103,7 @@ class Schedule:
 
     def asked(self, step: int) -> None:
         """A checkpoint of ``step`` was taken (due, announced or forced)."""
+        self._last_announced = step in self._announced
         self._announced.discard(step)
         if self._last_asked is not None and step > self._last_asked:
             self._learned = step - self._last_asked
@@ -109,11 +111,13 @@ class Schedule:
 
     def expected(self, step: int) -> bool:
         """Whether a checkpoint is expected at ``step``: it is due, or -- without an interval
-        -- the forced saves so far came every D steps and ``step`` is the next one."""
+        -- the forced saves so far came every D steps and ``step`` is the next one. A loop that
+        announced its last save announces the next one too: nothing is guessed after it (a
+        guess after a loop's last planned save would copy a window for nothing)."""
         if self.due(step):
             return True
         return self.config.interval is None and self._learned is not None \
-            and step == self._last_asked + self._learned
+            and not self._last_announced and step == self._last_asked + self._learned
 
     def spacing(self) -> Optional[int]:
         """Steps between two checkpoints as known now (the interval, N*, or the learned

@@ -145,4 +145,7 @@ def test_the_spacing_of_the_users_saves_is_learned():
     s.announce(33)
     assert s.due(33) and s.expected(33)
     s.asked(33)
-    assert not s.due(33) and s.spacing() == 13 and s.expected(46)
+    assert not s.due(33) and s.spacing() == 13
+    assert not s.expected(46)  # announced saves are announced: the next one is not guessed
+    s.asked(46)  # ... until a save comes unannounced again
+    assert s.spacing() == 13 and s.expected(59)
