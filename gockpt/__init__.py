@@ -18,7 +18,7 @@ from .core.config import Config, RemoteOptions
 from .core.errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError,
                      ConsistencyError, CorruptCheckpointError, DirectoryInUseError, GockptError,
                      HookOrderError, LayoutChangedError, LoadError, StorageError,
-                     UnsupportedOptimizerError, UnsupportedTensorError)
+                     UnsupportedOptimizerError, UnsupportedTensorError, WaitTimeoutError)
 from .loading import Restored, load
 from .core.modes import MODES
 from .replay.arithmetic import replay_arithmetics, replay_step
@@ -34,7 +34,7 @@ __all__ = [
     "GockptError", "ConfigError", "UnsupportedOptimizerError", "HookOrderError",
     "CheckpointNotFoundError", "CorruptCheckpointError", "StorageError", "LoadError",
     "ConsistencyError", "CheckpointFailedError", "DirectoryInUseError", "LayoutChangedError",
-    "UnsupportedTensorError",
+    "UnsupportedTensorError", "WaitTimeoutError",
     "replay_step",
     "replay_arithmetics",
 ]

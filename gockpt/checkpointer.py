@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -154,6 +154,8 @@ class Checkpointer:
                                  digester=self.digester)
         self.loop = Loop()
         self._thread = threading.get_ident()  # the training thread: it builds the Checkpointer
+        self._loop_thread = threading.current_thread()
+        self._completing = threading.Lock()
         self._job: Optional[Job] = None
         self._last_asked: Optional[Job] = None  # the last checkpoint whose step was reached
         self._windows_off = False  # the replay could not follow: copied at the step from now
@@ -265,6 +267,7 @@ class Checkpointer:
                 self.schedule.measured_k(self.plan, self.engine.bandwidth(), self.policy.replays))
         self._last_asked = job
         job.progress.on_wait = lambda: self._complete_on_wait(job)
+        job.progress.pending = lambda: self._pending(job)
         return job.handle
 
     def _maybe_start_window(self, step: int) -> None:
@@ -306,17 +309,35 @@ class Checkpointer:
         self.loop.raise_pending()
 
     def _complete_on_wait(self, job: Job) -> None:
-        """``job`` was asked for and is still being copied: copy the rest now, on the training
-        thread, while the state is still the one of its step (no update since: in phase IDLE
-        or BACKWARD). From another thread, or later, the training loop completes it."""
+        """``job`` was asked for and is still being copied: copy the rest now, while the state
+        is still the one of its step (no update since: in phase IDLE or BACKWARD), on the
+        training thread -- or on any thread once that thread has ended (no hook can run
+        beside it any more; the device's queued work is waited for first). From another thread
+        while the loop runs, the training loop completes it."""
+        loop_ended = not self._loop_thread.is_alive()
         if not (job.capturing and job.error is None and self._job is job
                 and self.loop.boundary >= job.f_boundary and self.loop.phase != UPDATE
-                and threading.get_ident() == self._thread):
+                and (threading.get_ident() == self._thread or loop_ended)):
             return
-        with self._blocked("wait"):
-            self.capture.copy_rest(job)
-            job.accounts_closed.set()
-            self.pipeline.finish_capture(job)
+        with self._completing:  # (several waiting threads: one completes it)
+            if not job.capturing or job.error is not None:
+                return
+            if loop_ended:
+                self.device.settle()  # the ended thread's queued work
+            with self._blocked("wait"):
+                self.capture.copy_rest(job)
+                job.accounts_closed.set()
+                self.pipeline.finish_capture(job)
+
+    def _pending(self, job: Job) -> str:
+        """Any thread: what ``job`` still waits for, in words."""
+        if job.capturing:
+            return (f"its last copies, which the training loop's thread "
+                    f"({self._loop_thread.name!r}) makes at its next update_begin() or close()")
+        if not job.progress.staged.is_set():
+            return "the optimizer replay of its window (thread gockpt-replay)"
+        return "its writes and commit (thread gockpt-persist)" + (
+            ", with the other ranks'" if self.ranks.several else "")
 
     def close(self) -> None:
         """Finish or drop in-flight work, stop every thread, and re-raise background errors.

@@ -393,6 +393,87 @@ def test_a_checkpoint_due_while_the_previous_persists(tmp_path, monkeypatch, pol
         assert records[1]["blocked_by_hook_s"]["save_checkpoint_busy_wait"] > 0
 
 
+def test_a_wait_that_times_out_says_what_the_checkpoint_waits_for(tmp_path):
+    GatedWriter.gate = threading.Event()  # its commit is held: it cannot be durable meanwhile
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="async", scheduler=sched,
+                             storage_writer=GatedWriter)
+    handles, snaps = [], {}
+    H.train_steps(model, opt, sched, 0, 2, ck, force={2}, on_boundary=lambda s, h: h and (
+        handles.append(h), snaps.update({s: H.snapshot(model, opt, sched)})))
+    [h] = handles
+    with pytest.raises(gockpt.WaitTimeoutError, match="step 2 is not durable after 0.05 s: "
+                       "it waits for its writes and commit") as caught:
+        h.wait(0.05)  # returned as if durable before
+    assert caught.value.final_step == 2 and isinstance(caught.value, TimeoutError)
+    assert not h.done()
+    GatedWriter.gate.set()
+    h.wait()  # the checkpoint went on
+    ck.close()
+    H.assert_same(snaps[2], load_snapshot(tmp_path, None)[1])
+
+
+def _at_f_with_copies_left(tmp_path):
+    """gockpt-o, K=3, a checkpoint announced at step 4, trained to step 4: its last copies
+    are left to the loop's next update_begin."""
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=3,
+                             scheduler=sched)
+    handles = []
+    H.train_steps(model, opt, sched, 0, 4, ck, at=(4,), on_boundary=lambda s, h: h and
+                  handles.append(h))
+    [h] = handles
+    assert ck._job is not None and ck._job.capturing  # (what the tests below are about)
+    return model, opt, sched, ck, h, H.snapshot(model, opt, sched)
+
+
+def test_a_wait_from_another_thread_waits_for_the_loop_and_says_so_at_its_timeout(tmp_path):
+    model, opt, sched, ck, h, at_f = _at_f_with_copies_left(tmp_path)
+    outcome = {}
+
+    def waiter(timeout):
+        try:
+            h.wait(timeout)
+            outcome[timeout] = "durable"
+        except gockpt.GockptError as exc:
+            outcome[timeout] = exc
+
+    t = threading.Thread(target=waiter, args=(0.05,))
+    t.start()
+    t.join(60)
+    assert isinstance(outcome[0.05], gockpt.WaitTimeoutError), outcome
+    assert "its last copies, which the training loop's thread ('MainThread') makes at its " \
+        "next update_begin() or close()" in str(outcome[0.05])
+    t = threading.Thread(target=waiter, args=(None,))
+    t.start()
+    H.train_steps(model, opt, sched, 4, 5, ck)  # the loop's next update_begin copies the rest
+    t.join(60)
+    assert outcome[None] == "durable"
+    ck.close()
+    H.assert_same(at_f, load_snapshot(tmp_path, None)[1])
+
+
+def test_a_wait_completes_the_checkpoint_once_the_loops_thread_has_ended(tmp_path):
+    """The loop ran in a thread that ended without close() after the step asked for: a wait
+    from another thread copies the rest itself instead of waiting for hooks that will never
+    come (it hung until close() before)."""
+    out = {}
+    loop = threading.Thread(target=lambda: out.update(zip(
+        ("model", "opt", "sched", "ck", "h", "at_f"), _at_f_with_copies_left(tmp_path))),
+        name="training-loop")
+    loop.start()
+    loop.join(120)
+    assert not loop.is_alive() and out["ck"]._job.capturing
+    waiter = threading.Thread(target=out["h"].wait, kwargs={"timeout": 60})
+    waiter.start()
+    waiter.join(90)
+    assert out["h"].done() and out["h"].error is None
+    out["ck"].close()
+    H.assert_same(out["at_f"], load_snapshot(tmp_path, None)[1])
+
+
 def _python_calls_in_hooks(tmp_path, block_bytes: int) -> int:
     """Python calls made by gockpt's own code inside the hooks (and the optimizer-step hooks)
     during a steady-state checkpoint of gockpt-o K=2 (the second one: the first allocates)."""

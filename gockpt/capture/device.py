@@ -110,9 +110,16 @@ class Device(Protocol):
         """Complete every queued copy and stop the device's own threads. Called once, by
         ``CopyEngine.close`` when the Checkpointer closes; nothing is submitted after."""
 
+    def settle(self) -> None:
+        """Any thread: wait until the training work queued on the device so far is done, so
+        that another thread can go on where the training loop's thread (ended) left off."""
+
 
 class HostDevice:
     """Training tensors on the CPU: host buffers are ordinary memory, copies are memcpy."""
+
+    def settle(self) -> None:
+        pass  # training work on the CPU is done when its call returns
 
     kind = "cpu"
     overlap_needs_snapshot = True  # nothing can be queued behind a copy: snapshot, go on
@@ -184,6 +191,9 @@ class AsyncDevice:
 
     overlap_needs_snapshot = False  # the compute stream waits for the copies instead
 
+    def settle(self) -> None:
+        """(The simulated device: training work on the CPU is done when its call returns.)"""
+
     def submit(self, engine, group: CopyGroup, priority: int) -> Ticket:
         """Enqueue the group's tensor copies on the stream of ``priority``; the ticket holds
         their event (the device keeps the sources alive until the copies have read them)."""
@@ -250,6 +260,9 @@ class CudaDevice(AsyncDevice):
 
         return pinned_exact(numel, dtype, register, unregister,
                             lambda: torch.empty(numel, dtype=dtype, pin_memory=True))
+
+    def settle(self) -> None:
+        torch.cuda.synchronize(self.device)
 
     def wait_event(self, event) -> None:
         """Kernels queued on the compute stream from now on wait for ``event`` (on the GPU;

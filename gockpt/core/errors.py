@@ -83,3 +83,12 @@ class CheckpointFailedError(GockptError):
     def __init__(self, message, final_step=None):
         super().__init__(message)
         self.final_step = final_step
+
+
+class WaitTimeoutError(GockptError, TimeoutError):
+    """A wait for a checkpoint ended at its timeout (or could never end); the message says
+    what the checkpoint still waits for. The checkpoint itself goes on."""
+
+    def __init__(self, message, final_step=None):
+        super().__init__(message)
+        self.final_step = final_step

@@ -17,6 +17,7 @@ the state and releases the handle's events (its :class:`Progress`).
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,14 @@ import torch
 
 from . import metrics as metrics_mod
 from .blocks import Block, BlockTable
-from .errors import CheckpointFailedError
+from .errors import CheckpointFailedError, WaitTimeoutError
+
+log = logging.getLogger("gockpt")
+
+# A wait looks every WAIT_SLICE_S at whether it can complete the checkpoint itself (the loop's
+# thread has ended); one that lasts LONG_WAIT_S says once in the log what it is waiting for.
+WAIT_SLICE_S = 1.0
+LONG_WAIT_S = 60.0
 
 
 class State(enum.Enum):
@@ -44,8 +52,9 @@ class Progress:
     only writer): ``staged`` and ``durable`` events, the ``error`` it failed with, whether that
     error was ``reported`` already, and ``on_wait``: set by the Checkpointer once the
     checkpoint's step is reached, it copies what is left right away when a wait is called
-    from the training loop's thread, so that a wait never hangs on steps that will not come
-    (a save at the last step)."""
+    where the training loop cannot make them any more -- a wait from its own thread, or once
+    that thread has ended --, so that a wait never hangs on steps that will not come (a save at
+    the last step); ``pending``: what the checkpoint still waits for, in words."""
 
     def __init__(self):
         self.staged = threading.Event()
@@ -53,6 +62,7 @@ class Progress:
         self.error: Optional[BaseException] = None
         self.reported = False
         self.on_wait: Optional[Callable[[], None]] = None
+        self.pending: Optional[Callable[[], str]] = None
 
 
 class CheckpointHandle:
@@ -73,17 +83,40 @@ class CheckpointHandle:
         return self.progress.durable.is_set()
 
     def wait_staged(self, timeout: Optional[float] = None) -> None:
-        """Block until version F is complete and consistent in host memory."""
-        self._wait(self.progress.staged, timeout)
+        """Block until version F is complete and consistent in host memory (see :meth:`wait`)."""
+        self._wait(self.progress.staged, timeout, "staged")
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until the checkpoint is written, fsynced and committed; re-raise its error."""
-        self._wait(self.progress.durable, timeout)
+        """Block until the checkpoint is written, fsynced and committed; re-raise its error.
 
-    def _wait(self, event: threading.Event, timeout: Optional[float]) -> None:
-        if self.progress.on_wait is not None:
-            self.progress.on_wait()
-        event.wait(timeout)
+        From any thread. With ``timeout`` (seconds), :class:`~gockpt.WaitTimeoutError` at its end
+        says what the checkpoint still waits for (it goes on). A checkpoint whose last copies
+        the training loop makes (at its next ``update_begin()``, or ``close()``) is completed
+        by the wait itself from the loop's own thread, or from any thread once the loop's
+        thread has ended; a wait from another thread while the loop runs waits for the loop
+        (and says so in the log after a minute)."""
+        self._wait(self.progress.durable, timeout, "durable")
+
+    def _wait(self, event: threading.Event, timeout: Optional[float], what: str) -> None:
+        start = time.monotonic()
+        told = False
+        while True:
+            if self.progress.on_wait is not None:
+                self.progress.on_wait()  # (at each slice: the loop's thread may have ended)
+            waited = time.monotonic() - start
+            if event.is_set() or self.error is not None:
+                break
+            pending = self.progress.pending() if self.progress.pending else ""
+            if timeout is not None and waited >= timeout:
+                raise WaitTimeoutError(
+                    f"checkpoint of step {self.final_step} is not {what} after {timeout:g} s"
+                    + (f": it waits for {pending}" if pending else ""), self.final_step)
+            if waited >= LONG_WAIT_S and pending and not told:
+                told = True
+                log.warning("gockpt: waiting %.0f s for the checkpoint of step %d: it waits "
+                            "for %s", waited, self.final_step, pending)
+            event.wait(WAIT_SLICE_S if timeout is None else
+                       max(0.0, min(WAIT_SLICE_S, timeout - waited)))
         if self.error is not None:
             self.progress.reported = True
             raise CheckpointFailedError(
