@@ -2,6 +2,7 @@
 side in one run, on the demo's model.
 
     python experiments/bench_verify.py [--steps 40] [--every 10] [--reps 3] [--k 4]
+                                       [--modes sync,...] [--threads N]
 
 Each mode runs with the verification on (the default: every stored tensor digested live at F
 and staged, compared before the commit) and off, interleaved with runs without checkpointing,
@@ -11,7 +12,10 @@ the difference on - off, and the digests' time per checkpoint from gockpt's metr
 (``verify_live_s``: the live tensors at F on gockpt's digest thread; ``verify_s`` minus that:
 the staged copy on the replay's threads) -- the digests run in gockpt's C++ core, one pass
 over memory each, never on torch's intra-op threads. ``gockpt-o link`` paces the copies like a
-device link on which one full copy takes 3 steps (as the demo's table does).
+device link on which one full copy takes 3 steps (as the demo's table does). ``--threads``
+sets torch's intra-op threads (default: torch's, one per core): with every core in the step's
+parallel regions, each moment a checkpoint thread takes a core stalls the other training
+thread at the region's end as well, so the same background work costs about twice its time.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
 
 import gockpt  # noqa: E402
 from demo_phases import train_loop  # noqa: E402
@@ -65,7 +71,13 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--modes", default=",".join(m[0].replace(" ", "-") for m in MODES),
+                    help="comma-separated, of: %(default)s")
+    ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = [m for m in MODES if m[0].replace(" ", "-") in args.modes.split(",")]
     due = list(range(args.every, args.steps - args.every + 1, args.every))
     root = tempfile.mkdtemp(prefix="gockpt-verify-")
     try:
@@ -76,9 +88,11 @@ def main(argv=None) -> int:
         link = None
         step_t, digests = {}, {}
         for rep in range(args.reps):
-            for label, mode, k, emulated in MODES:
+            for label, mode, k, emulated in modes:
                 if emulated and link is None:  # from the state size and the first step time
-                    link = bytes_per_ckpt / (LINK_STEPS * statistics.mean(base)) / 1e9
+                    state = bytes_per_ckpt or 12 * sum(  # fp32 weights and two moments
+                        p.numel() for p in build(total_steps=1)[0].parameters())
+                    link = state / (LINK_STEPS * statistics.mean(base)) / 1e9
                 for verify in (True, False):
                     d = os.path.join(root, f"{label}-{verify}".replace(" ", "-"))
                     step_t.setdefault((label, verify), []).append(timed_run(
@@ -96,11 +110,11 @@ def main(argv=None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     none = statistics.mean(base)
     print(f"{args.steps} steps per run, checkpoints at {', '.join(map(str, due))}, "
-          f"{bytes_per_ckpt / 1e6:.1f} MB of state, {args.reps} repetitions interleaved; "
-          f"no checkpointing {none * 1e3:.1f} ms per step")
+          f"{bytes_per_ckpt / 1e6:.1f} MB of state, {args.reps} repetitions interleaved, "
+          f"{torch.get_num_threads()} torch threads; no checkpointing {none * 1e3:.1f} ms per step")
     print(f"{'mode':<14} {'verify on':>10} {'verify off':>10} {'on - off':>9}  "
           f"{'live digests':>12} {'staged digests':>14}  (per checkpoint)")
-    for label, *_ in MODES:
+    for label, *_ in modes:
         on = statistics.mean(step_t[(label, True)])
         off = statistics.mean(step_t[(label, False)])
         live = statistics.median(d[0] for d in digests[label]) * 1e3
