@@ -6,14 +6,16 @@ failure times, counted from its job's start), each restart loading the latest ch
     python experiments/goodput.py                     # one MTBF, every scheme, 1 rank
     python experiments/goodput.py --ranks 2           # DDP on 2 gloo ranks
     python experiments/goodput.py --mtbf 15,30,60     # a sweep
+    python experiments/goodput.py --ranks 2 --failure raise   # exceptions on the last rank
 
 Schemes (experiments/goodput_worker.py): ``none`` (a failure restarts from step 0), gockpt's
 ``sync``, ``async``, ``async-o``, ``gockpt-o`` (every ``--every`` steps, K = ``--k``),
 ``gockpt-o-auto`` (``interval="auto"`` with the MTBF; one rank only: several ranks need a
 fixed interval) and ``dcp`` (``torch.distributed.checkpoint.async_save`` every ``--every``
-steps). gockpt's copies cross an emulated device link on which a full copy of the state takes
-``LINK_STEPS`` training steps (the regime of a GPU); DCP's staging copies at host memory speed
-(this machine has no GPU to pin memory for), which favours it.
+steps, staged as PyTorch's zero-overhead checkpointing stages: on a background thread while the
+next forward/backward runs, the optimizer step waiting for it). Both cross the same emulated
+device link, on which a full copy of the state takes ``LINK_STEPS`` training steps (the regime
+of a GPU, where DCP's pinned stager copies across PCIe as gockpt does).
 
 The accounting is Google's categories (:mod:`gockpt.goodput`), computed here from what the
 benchmark saw -- its kill times and each process's own log (one line per step) -- and, for
@@ -75,12 +77,12 @@ def torchrun(args, directory: str, scheme: str, steps: int, final: str, link_gbp
                             text=True, start_new_session=True)
 
 
-def rank0_worker(agent: subprocess.Popen):
-    """The agent's worker process of rank 0, if one is running."""
+def rank_worker(agent: subprocess.Popen, rank: int):
+    """The agent's worker process of ``rank``, if one is running."""
     try:
         for child in psutil.Process(agent.pid).children(recursive=True):
             try:
-                if child.environ().get("RANK") == "0" and "goodput_worker" in " ".join(
+                if child.environ().get("RANK") == str(rank) and "goodput_worker" in " ".join(
                         child.cmdline()):
                     return child
             except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -122,10 +124,13 @@ def run_job(args, scheme: str, mtbf: float, failures: list, link_gbps, out: str,
             break
         if pending and now >= pending[0]:
             pending.pop(0)
-            worker = rank0_worker(agent)
+            worker = rank_worker(agent, 0 if args.failure == "kill" else args.ranks - 1)
             if worker is not None:
                 try:
-                    worker.kill()
+                    if args.failure == "kill":
+                        worker.kill()
+                    else:
+                        worker.send_signal(signal.SIGUSR1)
                     kills.append({"t": time.time(), "pid": worker.pid})
                 except psutil.NoSuchProcess:
                     pass
@@ -267,6 +272,10 @@ def main(argv=None) -> int:
                          "thread stalls every parallel region of a step)")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--failure", choices=("kill", "raise"), default="kill",
+                    help="kill: SIGKILL of rank 0; raise: the last rank raises an exception "
+                         "at the next point of its loop (after its forward pass or its "
+                         "optimizer step), the others end on their failed collective")
     ap.add_argument("--max-wall", type=float, default=90.0,
                     help="seconds a job may run (a scheme that cannot finish is cut there)")
     ap.add_argument("--out", default=os.path.join(ROOT, "goodput-out"))

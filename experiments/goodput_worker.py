@@ -9,7 +9,15 @@ checkpoint's commit). At the last step every rank saves its state snapshot
 Schemes: ``none`` (a restart begins again at step 0), gockpt's ``sync``, ``async``, ``async-o``,
 ``gockpt-o`` (a fixed interval) and ``gockpt-o-auto`` (``interval="auto"`` with the MTBF), and
 ``dcp`` (``torch.distributed.checkpoint.async_save`` at the same interval; the RNG state and
-the step in its state dict, the latest complete one -- its ``.metadata`` written -- loaded).
+the step in its state dict, the latest complete one -- its ``.metadata`` written -- loaded)
+with the staging of PyTorch's zero-overhead checkpointing (:class:`LinkStager`: copied on a
+background thread while the next forward/backward runs, the optimizer step waiting for it)
+across the same emulated link as gockpt's copies.
+
+SIGUSR1 (the benchmark's ``--failure raise``) makes the rank raise an exception at the next
+point of its own loop (after the forward pass, or after the optimizer step): a failure that is
+not a SIGKILL, with whatever checkpoint is in flight then; the process leaves on it as a
+user's script does, and the other ranks end on their failed collective.
 """
 
 from __future__ import annotations
@@ -34,6 +42,63 @@ from model import ModelConfig, batch, build  # noqa: E402
 
 GOCKPT_MODES = {"sync": "sync", "async": "async", "async-o": "async-o", "gockpt-o": "gockpt-o",
                 "gockpt-o-auto": "gockpt-o"}
+
+
+class InjectedFailure(RuntimeError):
+    """The exception ``--failure raise`` asks for."""
+
+
+class Raise:
+    """SIGUSR1 arms it; the loop's next :meth:`point` raises :class:`InjectedFailure` (in
+    the loop's own code, as a user's check would, not inside a library call)."""
+
+    def __init__(self, log):
+        self.armed, self.log = False, log
+        signal.signal(signal.SIGUSR1, lambda *_: setattr(self, "armed", True))
+
+    def point(self, where: str) -> None:
+        if self.armed:
+            self.log(ev="raise", t=time.time(), at=where)
+            raise InjectedFailure(f"failure injected by the benchmark ({where})")
+
+
+class LinkStager:
+    """DCP's zero-overhead staging as on a GPU: ``stage`` copies the state dict on a background
+    thread (training goes on; the step that changes the state waits for the copy) at the
+    emulated link's rate, as DCP's pinned, non-blocking stager copies across PCIe there. (An
+    ``AsyncStager`` for ``async_save``: it returns a future, so async_save answers with the
+    staging's completion beside the upload's.)"""
+
+    should_synchronize_after_execute = False
+
+    def __init__(self, gbps):
+        from concurrent.futures import ThreadPoolExecutor
+        self.gbps = gbps
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-staging")
+
+    def stage(self, state_dict):
+        return self.pool.submit(self._copy, state_dict)
+
+    def _copy(self, state_dict):
+        from torch.utils._pytree import tree_map
+        t0, nbytes = time.perf_counter(), 0
+
+        def clone(x):
+            nonlocal nbytes
+            if isinstance(x, torch.Tensor):
+                nbytes += x.nbytes
+                return x.detach().clone()
+            return x
+        copy = tree_map(clone, state_dict)
+        if self.gbps:  # the rest of the transfer time (the pacing of an emulated link)
+            time.sleep(max(0.0, nbytes / (self.gbps * 1e9) - (time.perf_counter() - t0)))
+        return copy
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 class Log:
@@ -73,6 +138,7 @@ def main() -> int:
     rank = dist.get_rank() if several else 0
     log = Log(args.directory, rank)
     log(ev="start", pid=os.getpid(), process_start=runlog.process_start_time())
+    fail = Raise(log)  # (from the start: a SIGUSR1 while restoring raises at the first point)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     plan = args.die.split(",") if args.die else []
     die = Die(plan[attempt] if rank == 0 and attempt < len(plan) else "-", log)
@@ -84,6 +150,7 @@ def main() -> int:
     for step in range(start, args.steps):
         t_ckpt = 0.0
         loss = model_loss(net, step)
+        fail.point("after the forward pass")
         t_ckpt += scheme.timed("backward_begin")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -91,6 +158,7 @@ def main() -> int:
         opt.step()
         sched.step()
         opt.zero_grad()
+        fail.point("after the optimizer step")
         t_ckpt += scheme.boundary(step + 1)
         die.at_boundary(step + 1)
         log(ev="step", step=step + 1, t=time.time(), blocked=t_ckpt,
@@ -167,6 +235,7 @@ class Scheme:
         self.args, self.net, self.opt, self.sched, self.die = args, net, opt, sched, die
         self.ck, self.future, self.pending, self.last_committed = None, None, None, None
         self.name, self.several, self.dcp_group = args.scheme, several, None
+        self.staging = None  # DCP: the staging in progress (the next update waits for it)
 
     # -------------------------------------------------------------- restore
     def restore(self) -> int:
@@ -189,6 +258,7 @@ class Scheme:
             # its own group: the save's collectives run on a thread beside DDP's all-reduces,
             # which on one shared gloo group wait for each other forever
             self.dcp_group = dist.new_group(backend="gloo") if self.several else None
+            self.stager = LinkStager(a.link_gbps)
             start = self._dcp_load()
         self.last_committed = start
         return start
@@ -220,10 +290,12 @@ class Scheme:
 
     # -------------------------------------------------------------- the loop's calls
     def timed(self, hook: str) -> float:
-        if self.ck is None:
-            return 0.0
         t0 = time.perf_counter()
-        getattr(self.ck, hook)()
+        if self.ck is not None:
+            getattr(self.ck, hook)()
+        elif hook == "update_begin" and self.staging is not None:
+            self.staging.result()  # DCP: the state may change only once it is staged
+            self.staging = None
         return time.perf_counter() - t0
 
     def boundary(self, step: int) -> float:
@@ -237,8 +309,10 @@ class Scheme:
             if self.future is not None:  # DCP's previous save must finish first
                 self.future.result()
                 self._dcp_done()
-            self.future = dcp.async_save(self._dcp_state(step), checkpoint_id=os.path.join(
-                self.args.directory, f"step-{step}"), process_group=self.dcp_group)
+            saving = dcp.async_save(self._dcp_state(step), checkpoint_id=os.path.join(
+                self.args.directory, f"step-{step}"), process_group=self.dcp_group,
+                async_stager=self.stager)
+            self.staging, self.future = saving.staging_completion, saving.upload_completion
             self.future_step = step
         return time.perf_counter() - t0
 
@@ -264,6 +338,8 @@ class Scheme:
         if self.future is not None:
             self.future.result()
             self._dcp_done()
+        if self.name == "dcp":
+            self.stager.close()
 
 
 if __name__ == "__main__":

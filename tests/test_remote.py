@@ -4,6 +4,7 @@ fresh process bit for bit, and the faults -- the server killed or paused mid-upl
 damaged in the store, the training process killed mid-upload and restarted."""
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -397,6 +398,64 @@ def test_uploads_that_fall_behind_say_so_once(tmp_path, url, caplog):
     assert queued.pending == names[1:] and status.superseded == []
     assert status.uploaded == names and stored == names
     assert caplog.text.count("fall behind the checkpoints (3 committed ones wait)") == 1
+
+
+def test_close_uploads_what_is_left_and_says_how_far_it_is(tmp_path, url, monkeypatch,
+                                                           caplog):
+    """The job's last checkpoint must leave the node before the job ends: close() (default
+    remote_wait_s) waits for its upload, held here until close() has said how far the uploads
+    are; the store then holds it (close() left it to a next run before)."""
+    directory = str(tmp_path / "run")
+    last = storage.checkpoint_name(4)
+    said = threading.Event()
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            if "close() waits for the uploads" in record.getMessage():
+                said.set()
+
+    monkeypatch.setattr(replicate, "PROGRESS_S", 0.05)
+    logging.getLogger("gockpt").addHandler(handler := Said())
+    remote.register(url, fast()["remote_options"],
+                    factory=faulty(last, lambda bucket, key: said.wait(60), lambda bucket: None))
+    try:
+        model, opt = big_model()
+        ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
+        train(model, opt, ck, 4)
+        ck.wait()  # committed locally; its upload held until close() says it waits for it
+        ck.close()
+    finally:
+        logging.getLogger("gockpt").removeHandler(handler)
+    assert said.is_set() and f"uploading {last}" in caplog.text
+    assert read_latest(url)[0] == last
+    H.assert_same(loads_equal(url)[1], loads_equal(directory)[1])
+
+
+def test_close_gives_up_on_a_failing_store_and_says_what_is_left(tmp_path, url, server):
+    """A store that stops answering while close() waits: close() returns after the failed
+    upload (the job must end) with a warning naming the checkpoint left, which the next
+    Checkpointer of the directory uploads."""
+    directory = str(tmp_path / "run")
+    last = storage.checkpoint_name(4)
+    remote.register(url, fast()["remote_options"],
+                    factory=faulty(last, lambda bucket, key: server.pause(),
+                                   lambda bucket: server.resume()))
+    model, opt = big_model()
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
+    try:
+        train(model, opt, ck, 4)
+        ck.wait()
+        with pytest.warns(UserWarning, match=f"close\\(\\) leaves checkpoints not uploaded: "
+                          f".*not uploaded: {last}"):
+            ck.close()
+    finally:
+        server.resume()
+    assert read_latest(url)[0] == storage.checkpoint_name(2)
+    remote.register(url, fast()["remote_options"], factory=remote.Bucket)
+    model, opt = big_model()
+    gockpt.Checkpointer(model, opt, directory, remote=url, **fast()).close()  # the next run
+    assert read_latest(url)[0] == last
+    H.assert_same(loads_equal(url)[1], loads_equal(directory)[1])
 
 
 def test_a_checkpoint_deleted_locally_mid_upload_leaves_nothing_in_the_store(tmp_path, url):

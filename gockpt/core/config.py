@@ -275,10 +275,13 @@ class Config:
     """Seconds before a failed upload is tried again, doubled after each failure (up to 5
     minutes) and reset by a success."""
 
-    remote_wait_s: Optional[float] = 0.0
-    """How long ``close()`` waits for the uploads still running or queued: ``0``: not at all
-    (what is left is uploaded by the next Checkpointer of this directory), ``None``: until
-    done, else at most that many seconds. ``wait_remote()`` waits when you ask."""
+    remote_wait_s: Optional[float] = None
+    """How long ``close()`` (and the exit of a process that did not call it) waits for the
+    uploads still running or queued -- the job's last checkpoints must leave the node before
+    it ends: ``None``: until they are uploaded, or until an upload fails meanwhile (the store
+    is down: the job still ends); else at most that many seconds (``0``: not at all). It says
+    how far the uploads are every 30 s, and what is left in a warning; the next Checkpointer
+    of this directory uploads that. ``wait_remote()`` waits when you ask."""
 
     exit_wait_s: float = 60.0
     """On several ranks, when the interpreter exits with this Checkpointer still open (no

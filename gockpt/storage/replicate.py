@@ -41,6 +41,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -57,6 +58,7 @@ log = logging.getLogger("gockpt")
 MAX_RETRY_S = 300.0
 MAX_HOLD_S = 10.0  # the longest the uploads pause for one checkpoint's copies, in all
 UPLOAD_NICE = 19  # the CPU priority of the uploads' threads (Linux nice: the lowest)
+PROGRESS_S = 30.0  # a close() waiting for the uploads says how far they are this often
 
 
 @dataclass
@@ -100,6 +102,7 @@ class Replicator:
         self._status = RemoteStatus(self.url)
         self._stop = False
         self._waiters = 0  # threads in wait(): the uploads do not pause for training then
+        self._failures = 0  # failed upload attempts so far (close() gives up on a new one)
         self._warned_behind = False
         self._held: Optional[threading.Event] = None  # the copies the uploads last paused for
         self._held_until = 0.0  # ... and until when at most
@@ -161,23 +164,56 @@ class Replicator:
             finally:
                 self._waiters -= 1
 
-    def close(self, timeout: Optional[float] = 0.0) -> RemoteStatus:
-        """Stop after waiting up to ``timeout`` seconds (``None``: until done) for the uploads;
-        what is left is uploaded by the next Checkpointer of this directory."""
+    def close(self, timeout: Optional[float] = None) -> RemoteStatus:
+        """Stop once the uploads still queued or running are done: at most ``timeout`` seconds
+        (``0``: at once; ``None``: until done, or until an upload fails meanwhile -- the store
+        is down or refuses, and the job must still end), saying how far they are every
+        ``PROGRESS_S``. What is left is said in a warning; the next Checkpointer of this
+        directory uploads it."""
         if self._stop:
             return self.status()
         if timeout is None or timeout > 0:
-            self.wait(timeout)
+            self._wait_closing(timeout)
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         status = self.status()
         if status.pending or status.uploading:
-            log.warning("gockpt: %s (uploaded by the next run of this directory)",
-                        status.describe())
+            message = (f"gockpt: close() leaves checkpoints not uploaded: {status.describe()}. "
+                       "The next Checkpointer of this directory uploads them (or "
+                       "Config.remote_wait_s longer)")
+            log.warning(message)
+            warnings.warn(message, stacklevel=3)
         else:
             log.info("gockpt: %s", status.describe())
         return status
+
+    def _wait_closing(self, timeout: Optional[float]) -> None:
+        """close(): wait for the uploads (see there)."""
+        start = time.monotonic()
+        with self._cv:
+            self._waiters += 1  # (the uploads do not pause for training meanwhile)
+            failures, next_line = self._failures, PROGRESS_S
+            try:
+                while self._queue or self._status.uploading:
+                    waited = time.monotonic() - start
+                    if timeout is not None and waited >= timeout:
+                        return
+                    if timeout is None and self._failures > failures:
+                        return  # the store fails: what is left stays for the next run
+                    if waited >= next_line:
+                        next_line += PROGRESS_S
+                        log.warning("gockpt: close() waits for the uploads to %s: %s, %d "
+                                    "more queued (%.0f s so far%s)", self.url,
+                                    f"uploading {self._status.uploading}"
+                                    if self._status.uploading else "looking for what is left",
+                                    sum(n is not _RESUME and n != self._status.uploading
+                                        for n in self._queue), waited,
+                                    "" if timeout is None else f", at most {timeout:g} s")
+                    until = next_line if timeout is None else min(next_line, timeout)
+                    self._cv.wait(until - waited)  # (woken by every upload's end)
+            finally:
+                self._waiters -= 1
 
     # ------------------------------------------------------------ background
 
@@ -204,6 +240,7 @@ class Replicator:
                 with self._cv:
                     self._status.error = str(exc)
                     self._status.attempts += 1
+                    self._failures += 1
                     self._status.uploading = None
                     if isinstance(exc, CorruptCheckpointError):  # never retried: not uploadable
                         self._queue.popleft()
