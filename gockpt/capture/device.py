@@ -118,11 +118,11 @@ class Device(Protocol):
 class HostDevice:
     """Training tensors on the CPU: host buffers are ordinary memory, copies are memcpy."""
 
-    def settle(self) -> None:
-        pass  # training work on the CPU is done when its call returns
-
     kind = "cpu"
     overlap_needs_snapshot = True  # nothing can be queued behind a copy: snapshot, go on
+
+    def settle(self) -> None:
+        pass  # training work on the CPU is done when its call returns
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat host staging buffer."""

@@ -86,8 +86,8 @@ class CheckpointFailedError(GockptError):
 
 
 class WaitTimeoutError(GockptError, TimeoutError):
-    """A wait for a checkpoint ended at its timeout (or could never end); the message says
-    what the checkpoint still waits for. The checkpoint itself goes on."""
+    """A wait for a checkpoint ended at its timeout; the message says what the checkpoint
+    still waits for. The checkpoint itself goes on."""
 
     def __init__(self, message, final_step=None):
         super().__init__(message)
