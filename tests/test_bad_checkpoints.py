@@ -87,6 +87,23 @@ def test_a_flipped_byte_that_keeps_the_manifest_valid_json_is_named(run):
     assert not report.ok and "damaged" in report.checkpoints[0].problems[0]
 
 
+def test_a_damaged_manifest_of_the_latest_is_named_not_blamed_on_the_pointer(run, capsys):
+    """The damage is the manifest's: no warning that ``latest`` does not match it first, and
+    ``gockpt list`` does not call the pointer missing or stale."""
+    import warnings
+    from gockpt.cli import main as gockpt_cli
+    path = step_dir(run) / storage.MANIFEST_FILE
+    raw = path.read_bytes()
+    i = raw.index(b'"lr":') + 6
+    path.write_bytes(raw[:i] + bytes([raw[i] ^ 0x01]) + raw[i + 1:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        load_untouched(run, r"step-000000006.*manifest.json: damaged: its bytes do not match "
+                       "its seal")
+    gockpt_cli(["list", str(run)])
+    assert "missing or stale" not in capsys.readouterr().out
+
+
 def test_latest_flipped_to_name_another_checkpoint_is_not_followed(run, template):
     _, states = template
     name, seal = read_latest(str(run))

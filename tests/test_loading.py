@@ -47,6 +47,22 @@ def fresh():
     return H.build(seed=123)
 
 
+def test_a_checkpoints_own_directory_loads_as_the_tools_take_it(saved):
+    root, snaps = saved
+    model, opt, sched = fresh()
+    restored = gockpt.load(os.path.join(root, "step-000000002"), model, opt, scheduler=sched)
+    assert restored.step == 2 and restored.path == os.path.join(root, "step-000000002")
+    H.assert_same(snaps[2], H.snapshot(model, opt, sched))
+
+
+def test_a_file_given_as_the_directory_is_named_a_file(saved):
+    root, _ = saved
+    model, opt, sched = fresh()
+    with pytest.raises(gockpt.CheckpointNotFoundError, match="metrics.jsonl' is a file, not a "
+                       "directory: give the run directory"):
+        gockpt.load(os.path.join(root, "metrics.jsonl"), model, opt, scheduler=sched)
+
+
 def test_load_restores_everything_exactly(saved):
     root, snaps = saved
     model, opt, sched = fresh()

@@ -756,8 +756,11 @@ def test_the_tools_take_s3_urls(tmp_path, url, capsys):
     assert rc == 0 and storage.checkpoint_name(2) in out and storage.checkpoint_name(4) in out
     rc, out, _ = run(capsys, "inspect", url)
     assert rc == 0 and "0.weight" in out
+    # the URL as written (not a local path under the working directory), its commit's date
+    assert f"checkpoint   {url}/{storage.checkpoint_name(4)}" in out, out
+    assert "written      20" in out, out
     rc, out, _ = run(capsys, "verify", url)
-    assert rc == 0, out
+    assert rc == 0 and f"OK       {url}/{storage.checkpoint_name(4)} (step 4)" in out, out
     exported = str(tmp_path / "model.safetensors")
     rc, out, err = run(capsys, "export", url, "--to", "safetensors", exported)
     assert rc == 0, err

@@ -5,15 +5,17 @@ built by :mod:`gockpt.integrations.deepspeed`, which knows DeepSpeed's layout)."
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 
 from .. import storage
+from ..core.paths import shown
 from ..loading import check_digests
 from ..storage import shares
 from ..storage.commit import replace_file
-from ..storage.manifest import parse as parse_manifest
+from ..storage.manifest import parse as parse_manifest, read as read_part
 from ..storage.schema import Manifest
 from ..storage.verify import read_parts
 from ..integrations.deepspeed import export as ds_export
@@ -70,7 +72,7 @@ def cmd_export(args) -> int:
         (" (every rank's share, put together)" if shared is not None else "")
     if args.to == "safetensors":
         meta = {"format": "pt", "gockpt_step": str(m.step), "gockpt_mode": str(m.mode),
-                "gockpt_source": os.path.abspath(path)}
+                "gockpt_source": shown(path)}
         if part:
             meta.update(gockpt_rank=str(part[0]), gockpt_world_size=str(part[1]))
         written, what, notes = _save_safetensors(args.out, sd, aliases, meta, shard_size)
@@ -80,7 +82,7 @@ def cmd_export(args) -> int:
             obj["rank"], obj["world_size"] = part[0], part[1]
         written, what, notes = _save_torch(args.out, obj, path, m, tensors)
     nbytes = sum(t.numel() * t.element_size() for t in written.values())
-    print(f"wrote {args.out}: {what} of step {m.step} from {os.path.abspath(path)}{source} "
+    print(f"wrote {args.out}: {what} of step {m.step} from {shown(path)}{source} "
           f"({len(written)} model tensors, {human(nbytes)})")
     for n in notes:
         print(f"note: {n}")
@@ -91,8 +93,7 @@ def _export_whole(out: str, top: str, shard_size) -> int:
     """A checkpoint whose parameters are slices of global tensors (FSDP2's shards, HSDP's
     shares of them), every tensor put together through the DCP reader: each stored slice read
     once, every chunk's checksum checked."""
-    from ..storage import dcp
-    from ..storage.manifest import read as read_part
+    from ..storage import dcp  # (here: DCP costs every other command half a second to import)
     _, m = read_part(top, 0)
     reader = dcp.GockptReader(top)
     md = reader.read_metadata().state_dict_metadata
@@ -102,10 +103,10 @@ def _export_whole(out: str, top: str, shard_size) -> int:
     dcp.load({"model": sd}, reader, alone=True)
     sd.update({alias: sd[canon] for alias, canon in aliases.items() if canon in sd})
     meta = {"format": "pt", "gockpt_step": str(m.step), "gockpt_mode": str(m.mode),
-            "gockpt_source": os.path.abspath(top)}
+            "gockpt_source": shown(top)}
     written, what, notes = _save_safetensors(out, sd, aliases, meta, shard_size)
     nbytes = sum(t.numel() * t.element_size() for t in written.values())
-    print(f"wrote {out}: {what} of step {m.step} from {os.path.abspath(top)} (every rank's "
+    print(f"wrote {out}: {what} of step {m.step} from {shown(top)} (every rank's "
           f"slices, put together: {reader.read_bytes} bytes read) ({len(written)} model "
           f"tensors, {human(nbytes)})")
     for n in notes:
@@ -121,11 +122,11 @@ def _export_fp32(args) -> int:
     parts = read_engine_parts(sources)
     sd = consolidated_fp32(parts)
     step = parts[0].m.step
-    meta = {"format": "pt", "gockpt_step": str(step), "gockpt_source": os.path.abspath(path),
+    meta = {"format": "pt", "gockpt_step": str(step), "gockpt_source": shown(path),
             "gockpt_dtype": "fp32 master weights"}
     written, _, _ = _save_safetensors(args.out, sd, {}, meta)
     nbytes = sum(t.numel() * t.element_size() for t in written.values())
-    print(f"wrote {args.out}: fp32 master weights of step {step} from {os.path.abspath(path)} "
+    print(f"wrote {args.out}: fp32 master weights of step {step} from {shown(path)} "
           f"({len(sources)} part(s), {len(written)} parameters, {human(nbytes)})")
     return 0
 
@@ -150,7 +151,7 @@ def _export_deepspeed(args) -> int:
     export = ds_export.build(every_part(path, read_manifest(path), "--to deepspeed"),
                                     args.ds_config)
     ds_export.write(out, export, args.force)
-    print(f"wrote {out}: {ds_export.describe(export)} from {os.path.abspath(path)}; "
+    print(f"wrote {out}: {ds_export.describe(export)} from {shown(path)}; "
           f"'latest' names it: engine.load_checkpoint({out!r})")
     for n in export.notes:
         print(f"note: {n}")
@@ -220,7 +221,6 @@ def _save_safetensors(out: str, sd: dict, aliases: dict, meta: dict,
 
 
 def _dump_json(obj, path: str) -> None:
-    import json
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
+from ..core.paths import shown
 from ..storage.manifest import parse as parse_manifest
 from ..storage.verify import read_parts
 from .common import (PROG, human, date, mtime, no_rank_for_single, print_json, read_manifest,
@@ -51,7 +51,7 @@ def cmd_inspect(args) -> int:
     if parts is not None:
         s, m = part_summary(path, parts, args.rank)
         if run_dir:
-            s["run_dir"] = os.path.abspath(run_dir)
+            s["run_dir"] = shown(run_dir)
     else:
         no_rank_for_single(path, args.rank)
         m = parse_manifest("", tolerant=True, data=data)

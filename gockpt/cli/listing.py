@@ -8,7 +8,7 @@ import warnings
 
 from .. import storage
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
-from ..core.paths import is_remote
+from ..core.paths import is_remote, shown
 from ..storage.commit import is_committed
 from ..storage.manifest import parse as parse_manifest, parts_of
 from .common import (UsageError, date, disk_usage, existing_directory, human, iso, mtime, one_line,
@@ -113,7 +113,7 @@ def _latest(root: str) -> tuple:
 def _row(root: str, name: str, status: str) -> dict:
     path = os.path.join(root, name)
     t = mtime(path)
-    return {"name": name, "path": path if is_remote(path) else os.path.abspath(path), "step": None, "world_size": None,
+    return {"name": name, "path": shown(path), "step": None, "world_size": None,
             "bytes": disk_usage(path), "date": iso(t), "_mtime": t, "latest": False,
             "status": status}
 

@@ -4,12 +4,12 @@ alone: no tensor data is read. :mod:`.inspect` prints these, or writes them as J
 from __future__ import annotations
 
 import math
-import os
 from typing import List, Optional
 
 import torch
 
 from .. import storage
+from ..core.paths import shown
 from ..storage.manifest import parse as parse_manifest
 from ..storage.schema import Manifest
 from ..storage.shares import own_state
@@ -24,8 +24,8 @@ _SMALL_LABELS = (("model", "buffer"), ("optimizer", "optimizer"), ("scheduler", 
 def identity(path: str, run_dir: Optional[str], m: Manifest) -> dict:
     """The fields every summary starts with (single- and multi-rank)."""
     return {
-        "path": os.path.abspath(path),
-        "run_dir": os.path.abspath(run_dir) if run_dir else None,
+        "path": shown(path),
+        "run_dir": shown(run_dir) if run_dir else None,
         # read_manifest accepts no other format or version
         "format": storage.FORMAT,
         "format_version": storage.FORMAT_VERSION,
@@ -72,7 +72,7 @@ def part_summary(path: str, parts: List[Part], rank: int) -> tuple:
     part = select_part(path, parts, rank)
     m = parse_manifest("", tolerant=True, data=part.data)
     s = checkpoint_summary(part.path, m, None)
-    s["part_of"] = {"checkpoint": os.path.abspath(path), "rank": rank, "name": part.name,
+    s["part_of"] = {"checkpoint": shown(path), "rank": rank, "name": part.name,
                     "world_size": len(parts)}
     s["problems"] = part.problems + s["problems"]
     return s, m

@@ -46,7 +46,7 @@ def print_report(r: CheckpointReport) -> None:
         print(f"CORRUPT  {prob}")
     total = r.tensors + len(r.bad)
     if r.step is None and not total:
-        print(f"FAILED   {r.path}: the manifest is unreadable; no tensor could be checked")
+        print(f"FAILED   {r.path}: no tensor could be checked")
         return
     where = ""
     if r.parts:

@@ -69,6 +69,11 @@ def is_remote(path) -> bool:
     return isinstance(path, str) and path.startswith(REMOTE_SCHEME)
 
 
+def shown(path) -> str:
+    """``path`` as gockpt prints and records it: absolute, an ``s3://`` URL as written."""
+    return path.rstrip("/") if is_remote(path) else os.path.abspath(path)
+
+
 def split_remote(url: str) -> tuple:
     """``s3://bucket/a/b`` -> ``("bucket", "a/b")``; ``ValueError`` for a URL that names no
     bucket or has empty, ``.`` or ``..`` components."""

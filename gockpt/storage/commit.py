@@ -198,6 +198,10 @@ def resolve(root: str, tag: str | None = None) -> str:
     ``CheckpointNotFoundError`` saying what ``root`` contains if nothing fits.
     """
     if not is_remote(root) and not os.path.isdir(root):
+        if os.path.exists(root):
+            raise CheckpointNotFoundError(
+                f"{root!r} is a file, not a directory: give the run directory (the one holding "
+                f"{LATEST_FILE!r} and the checkpoints) or one checkpoint's directory")
         raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
     if tag == LATEST_FILE:
         tag = None
@@ -222,7 +226,9 @@ def resolve(root: str, tag: str | None = None) -> str:
     if latest:
         path = os.path.join(root, latest)
         if is_committed(path):
-            if seal is None or _manifest_seal_of(path) == seal:
+            actual = _manifest_seal_of(path)
+            # (None: the manifest itself is damaged, not the pointer -- reading it names how)
+            if seal is None or actual is None or actual == seal:
                 return path
             why = (f"names {latest!r} but does not match its manifest (the pointer is "
                    "damaged, or the checkpoint was replaced)")

@@ -250,6 +250,11 @@ def chunk_bytes_of(e: dict) -> int:
     return cb if is_plain_int(cb) and cb > 0 and cb % ALIGN == 0 else CHUNK_BYTES
 
 
+class FileProblem(str):
+    """A problem :func:`check_tensor_entry` finds in the data file an entry points into (it is
+    shorter than the entry says), not in the manifest itself."""
+
+
 def check_tensor_entry(e, size_of, *, checksums: bool = True) -> str | None:
     """What is wrong with the manifest's tensor entry ``e`` (None if nothing).
 
@@ -283,8 +288,8 @@ def check_tensor_entry(e, size_of, *, checksums: bool = True) -> str | None:
         return f"nbytes {nbytes} does not match shape {shape} of {code} ({expected})"
     size = size_of(file)
     if offset + nbytes > size:
-        return (f"bytes {offset}..{offset + nbytes} lie beyond the end of the file ({size} bytes): "
-                "the file is truncated")
+        return FileProblem(f"truncated: {size} bytes, where the manifest places bytes "
+                           f"{offset}..{offset + nbytes}")
     return check_checksums(e) if checksums else None
 
 

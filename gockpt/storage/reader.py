@@ -20,7 +20,7 @@ from ..core.paths import is_remote
 from . import io as _io
 from . import remote
 from .format import (ALIGN, CHUNK_BYTES, CHUNK_BYTES_KEY, CODE_TO_DTYPE, FORMAT, FORMAT_VERSION, ITEMSIZE,
-                     MANIFEST_FILE, MANIFEST_MAX_BYTES, check_tensor_entry, is_plain_int, manifest_seal,
+                     MANIFEST_FILE, MANIFEST_MAX_BYTES, FileProblem, check_tensor_entry, is_plain_int, manifest_seal,
                      round_up)
 from .pagecache import split_by_residency
 
@@ -134,24 +134,31 @@ def _check_entries(path: str, tensors: dict, bad) -> None:
             file = e.get("file") if isinstance(e, dict) else None
             return bad(f"tensor {name!r} (file {file!r}): {msg}")
 
+        def bad_file(file: str, msg: str) -> CorruptCheckpointError:
+            # the data file is damaged, not the manifest: named as such
+            return CorruptCheckpointError(f"checkpoint {path!r}: {file}: {msg} (tensor "
+                                          f"{name!r})")
+
         def size_of(file: str) -> int:
             if file not in sizes and is_remote(path):
                 try:  # (a store that cannot be reached raises StorageError: no damage)
                     sizes[file] = remote.size_of(os.path.join(path, file))
                 except OSError as err:
-                    raise bad_tensor(f"data object missing or unreadable: {err}") from err
+                    raise bad_file(file, f"data object missing or unreadable: {err}") from err
             if file not in sizes:
                 try:
                     st = os.stat(os.path.join(path, file))
                 except OSError as err:
-                    raise bad_tensor(f"data file missing or unreadable: {err}") from err
+                    raise bad_file(file, f"data file missing or unreadable: {err}") from err
                 if not stat.S_ISREG(st.st_mode):
-                    raise bad_tensor(f"data file is not a regular file "
-                                     f"({stat.filemode(st.st_mode)})")
+                    raise bad_file(file, f"data file is not a regular file "
+                                         f"({stat.filemode(st.st_mode)})")
                 sizes[file] = st.st_size
             return sizes[file]
 
         problem = check_tensor_entry(e, size_of)
+        if isinstance(problem, FileProblem):
+            raise bad_file(e["file"], problem)
         if problem:
             raise bad_tensor(problem)
 

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from ..core.digest import as_pairs, digests, to_hex
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..core.paths import directory_to_read, is_remote
+from ..core.paths import directory_to_read, is_remote, shown
 from .commit import is_committed, list_checkpoints, resolve
 from .manifest import parse as parse_manifest, parts_of
 from .schema import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor
@@ -73,7 +73,8 @@ class CheckpointReport:
 
     path: str
     step: Optional[int] = None
-    """The checkpoint's step (None if its manifest is unreadable)."""
+    """The checkpoint's step (None if its manifest, or a data file it points into, is
+    unreadable)."""
     tensors: int = 0
     """Tensors that verified (over all parts)."""
     bytes: int = 0
@@ -176,7 +177,7 @@ def read_parts(path: str, data: dict) -> Optional[List[Part]]:
     top = parse_manifest("", tolerant=True, data=data)
     out = []
     for r, name in enumerate(names):
-        part = Part(r, name, os.path.abspath(os.path.join(path, name)), None)
+        part = Part(r, name, shown(os.path.join(path, name)), None)
         try:
             part.data = read_manifest(part.path)
         except CheckpointNotFoundError:
@@ -216,7 +217,7 @@ def world_size_problems(data: dict, parts: List[Part]) -> List[str]:
 
 def _verify_checkpoint(path: str, *, parts: bool = True) -> CheckpointReport:
     """Check ``path`` (a multi-rank checkpoint part by part, unless ``parts=False``)."""
-    report = CheckpointReport(os.path.abspath(path))
+    report = CheckpointReport(shown(path))
     try:
         data = read_manifest(path)
     except (CorruptCheckpointError, CheckpointNotFoundError) as exc:

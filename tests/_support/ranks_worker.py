@@ -232,8 +232,15 @@ def train(directory: str, rank: int, mode: str, kind: str) -> None:
         fresh, fresh_opt, fresh_sched = model_and_optimizer(kind)
         restored = gockpt.load(directory, fresh, fresh_opt, scheduler=fresh_sched,
                                tag=storage.checkpoint_name(step))
-        assert restored.step == step
+        # the checkpoint's directory, not the part this rank read
+        assert restored.step == step and restored.path == os.path.join(
+            directory, storage.checkpoint_name(step)), restored.path
         same(at_f[step], snapshot(fresh, fresh_opt, fresh_sched), f"loaded step {step}")
+    # a checkpoint's own directory loads as the tools take it (not as a run directory)
+    fresh, fresh_opt, fresh_sched = model_and_optimizer(kind)
+    gockpt.load(os.path.join(directory, storage.checkpoint_name(SAVE_AT[0])), fresh, fresh_opt,
+                scheduler=fresh_sched)
+    same(at_f[SAVE_AT[0]], snapshot(fresh, fresh_opt, fresh_sched), "loaded by its directory")
     torch.save(snapshot(model, opt, sched), f"{directory}.final-{rank}.pt")
 
 

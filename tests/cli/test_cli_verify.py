@@ -64,6 +64,16 @@ def test_verify_corrupt_manifest(run_copy, capsys):
     assert "manifest" in out and "damaged: its bytes do not match its seal" in out
 
 
+def test_verify_names_a_truncated_data_file_not_the_manifest(run_copy, capsys):
+    ckpt = os.path.join(run_copy, "step-000000007")
+    os.truncate(os.path.join(ckpt, "data.safetensors"), 1000)
+    rc, out, err = run(capsys, "verify", ckpt)
+    assert rc == 1
+    assert f"{ckpt}': data.safetensors: truncated: 1000 bytes, where the manifest places " \
+        "bytes" in out
+    assert "manifest.json" not in out and "unreadable" not in out, out
+
+
 def test_ranks_verify_ok(ranks_dir, capsys):
     n = sum(len(storage.read_manifest(part_dir(ranks_dir, r))["tensors"]) for r in range(2))
     rc, out, err = run(capsys, "verify", ranks_dir)

@@ -75,7 +75,7 @@ def test_manifest_crc_list_length_must_match(tmp_path):
         ("file", "../x", "plain file name"),
         ("file", "sub/data.safetensors", "plain file name"),
         ("file", "..", "plain file name"),
-        ("offset", 10**12, "beyond the end"),
+        ("offset", 10**12, "data.safetensors: truncated: "),
         ("nbytes", 2**62, "does not match shape"),
         ("shape", [2**20, 2**20], "does not match shape"),
         ("shape", [0, 2**62], "invalid shape"),
@@ -97,7 +97,7 @@ def test_bad_manifest_entry(tmp_path, monkeypatch, field, value, message):
     m["tensors"]["f32"][field] = value
     if field == "shape" and value == [2**20, 2**20]:
         m["tensors"]["f32"]["nbytes"] = 2**40 * 4  # consistent with the shape, far beyond the file
-        message = "beyond the end"
+        message = "data.safetensors: truncated: "
     write_sealed(mpath, m)
 
     # No allocation must be attempted from the bad numbers.
