@@ -39,7 +39,7 @@ def cmd_export(args) -> int:
         raise UsageError(f"{args.out}: exists; pass --force to overwrite it")
     if args.to in ("safetensors", "fp32"):
         try:
-            import safetensors.torch  # noqa: F401
+            import safetensors.torch  # noqa: F401  (an optional package: asked for here)
         except ImportError:
             raise UsageError("--to safetensors needs the safetensors package "
                              "(pip install safetensors)") from None
@@ -183,7 +183,7 @@ def _save_safetensors(out: str, sd: dict, aliases: dict, meta: dict,
     (a tensor larger alone in its file) and Hugging Face's index beside them: ``OUT`` names
     ``<stem>.safetensors.index.json``, the files ``<stem>-0000i-of-0000n.safetensors``; returns
     (tensors written, what, notes)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # (optional: checked by cmd_export)
 
     tensors, notes = {}, []
     for name, v in sd.items():
