@@ -153,8 +153,7 @@ class Checkpointer:
         self.pipeline = Pipeline(self.config, self.capture, self.replayer, self.persister,
                                  digester=self.digester)
         self.loop = Loop()
-        self._thread = threading.get_ident()  # the training thread: it builds the Checkpointer
-        self._loop_thread = threading.current_thread()
+        self._loop_thread = threading.current_thread()  # the training thread: it builds us
         self._completing = threading.Lock()
         self._job: Optional[Job] = None
         self._last_asked: Optional[Job] = None  # the last checkpoint whose step was reached
@@ -317,7 +316,7 @@ class Checkpointer:
         loop_ended = not self._loop_thread.is_alive()
         if not (job.capturing and job.error is None and self._job is job
                 and self.loop.boundary >= job.f_boundary and self.loop.phase != UPDATE
-                and (threading.get_ident() == self._thread or loop_ended)):
+                and (threading.current_thread() is self._loop_thread or loop_ended)):
             return
         with self._completing:  # (several waiting threads: one completes it)
             if not job.capturing or job.error is not None:

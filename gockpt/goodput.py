@@ -179,8 +179,14 @@ def _median(values: List[float]) -> Optional[float]:
 def read(directory: str) -> Goodput:
     """:func:`account` of ``directory/metrics.jsonl`` (ConfigError naming it when missing or
     malformed)."""
+    return account(read_records(directory))
+
+
+def read_records(directory: str) -> List[dict]:
+    """Every record of ``directory/metrics.jsonl`` (what :func:`account` and
+    :func:`progress` take; ConfigError naming it when missing or malformed)."""
     try:
-        return account(metrics.read(directory, record=None))
+        return metrics.read(directory, record=None)
     except FileNotFoundError:
         raise ConfigError(f"{directory}: no metrics.jsonl (not a gockpt run directory?)") \
             from None
@@ -203,4 +209,4 @@ def format_table(g: Goodput, title: str = "") -> str:
 
 
 __all__ = ["CATEGORIES", "Attempt", "Goodput", "attempts", "account", "progress", "read",
-           "format_table"]
+           "read_records", "format_table"]

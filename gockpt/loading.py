@@ -20,8 +20,8 @@ from .resharding import load_resharded, needs_resharding, written_by
 from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
                        warn_rng_not_restored)
 from .core.paths import directory_to_read, is_remote
-from .storage.commit import is_committed
-from .storage.format import LATEST_FILE, MANIFEST_FILE
+from .storage.commit import checkpoint_of
+from .storage.format import MANIFEST_FILE
 from .storage.schema import Manifest, is_small_tensor
 from .storage.statedict import optimizer_state_dict
 
@@ -55,7 +55,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         LoadError: the checkpoint does not fit ``model`` / ``optimizer``.
     """
     started = time.time()
-    top = _checkpoint_of(directory_to_read(directory), tag)
+    top = checkpoint_of(directory_to_read(directory), tag)
     _record_load(top, "loading")
     written = written_by(top)
     if rank is None and needs_resharding(top, model, written):
@@ -67,17 +67,6 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
                              map_location, rank)
     _record_load(top, "load", step=restored.step, time_start=started)
     return restored
-
-
-def _checkpoint_of(source: str, tag: Optional[str]) -> str:
-    """The checkpoint directory to load: the one ``tag`` names in the run directory
-    ``source`` (its ``latest`` without a tag), or ``source`` itself when it is a committed
-    checkpoint (``run1/step-000000010``, as the tools take it). ``source`` was resolved by
-    the kernel's rule (gockpt.core.paths)."""
-    if tag is None and is_committed(source) and not os.path.lexists(
-            os.path.join(source, LATEST_FILE)):
-        return source.rstrip("/")
-    return storage.resolve(source, tag)
 
 
 def _record_load(top: str, kind: str, **fields) -> None:

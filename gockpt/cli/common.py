@@ -15,6 +15,7 @@ from .. import storage
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
 from ..core.paths import is_remote, real_directory
 from ..storage import remote
+from ..storage.commit import checkpoint_of
 from ..storage.format import MANIFEST_FILE
 from ..storage.verify import Part, read_parts
 
@@ -68,20 +69,14 @@ def resolve_checkpoint(path: str) -> tuple:
         if not os.path.isdir(real):
             raise UsageError(f"{path}: not a directory (give a checkpoint directory or a run "
                              "directory holding checkpoints)")
-    parent, base = os.path.split(real)
-    # A committed checkpoint directory is one that storage.resolve finds by name in its parent.
-    try:
-        return storage.resolve(parent, base), None, []
-    except CheckpointNotFoundError:
-        pass
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            found = storage.resolve(real)
+            found = checkpoint_of(real)  # the checkpoint itself, or the run's latest
         except CheckpointNotFoundError as exc:
             raise UsageError(f"{path}: neither a gockpt checkpoint nor a run directory holding "
                              f"one ({one_line(exc)})") from None
-    return found, real, [one_line(w.message) for w in caught]
+    return found, None if found == real else real, [one_line(w.message) for w in caught]
 
 
 def read_manifest(path: str) -> dict:

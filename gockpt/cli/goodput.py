@@ -10,7 +10,6 @@ from typing import Dict, List, Tuple
 
 from .. import goodput
 from ..core.errors import ConfigError
-from ..core import metrics
 from .common import existing_directory
 
 COLORS = {"productive": "#2e7d32", "checkpoint": "#f9a825", "restore": "#1565c0",
@@ -19,14 +18,14 @@ COLORS = {"productive": "#2e7d32", "checkpoint": "#f9a825", "restore": "#1565c0"
 
 def cmd_goodput(args) -> int:
     directory = existing_directory(args.dir)
-    result = goodput.read(directory)
+    records = goodput.read_records(directory)
+    result = goodput.account(records)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
     else:
         print(goodput.format_table(result, title=f"goodput of {directory}"))
     if args.plot:
-        plot({directory: (result, goodput.progress(metrics.read(directory, record=None)))},
-             args.plot)
+        plot({directory: (result, goodput.progress(records))}, args.plot)
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0

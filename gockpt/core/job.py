@@ -106,15 +106,15 @@ class CheckpointHandle:
             waited = time.monotonic() - start
             if event.is_set() or self.error is not None:
                 break
-            pending = self.progress.pending() if self.progress.pending else ""
             if timeout is not None and waited >= timeout:
+                pending = self.progress.pending() if self.progress.pending else ""
                 raise WaitTimeoutError(
                     f"checkpoint of step {self.final_step} is not {what} after {timeout:g} s"
                     + (f": it waits for {pending}" if pending else ""), self.final_step)
-            if waited >= LONG_WAIT_S and pending and not told:
+            if waited >= LONG_WAIT_S and self.progress.pending and not told:
                 told = True
                 log.warning("gockpt: waiting %.0f s for the checkpoint of step %d: it waits "
-                            "for %s", waited, self.final_step, pending)
+                            "for %s", waited, self.final_step, self.progress.pending())
             event.wait(WAIT_SLICE_S if timeout is None else
                        max(0.0, min(WAIT_SLICE_S, timeout - waited)))
         if self.error is not None:

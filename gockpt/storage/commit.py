@@ -190,6 +190,16 @@ def _describe_root(root: str) -> str:
     return f"{root!r} contains: {shown}{more}"
 
 
+def checkpoint_of(path: str, tag: str | None = None) -> str:
+    """The checkpoint ``path`` names: ``path`` itself when it is a committed checkpoint
+    (``run1/step-000000010``) and no ``tag`` is given, else :func:`resolve` of the run
+    directory ``path`` -- what ``gockpt.load`` and the tools take."""
+    if tag is None and is_committed(path) and not os.path.lexists(
+            os.path.join(path, LATEST_FILE)):
+        return path.rstrip("/")
+    return resolve(path, tag)
+
+
 def resolve(root: str, tag: str | None = None) -> str:
     """Path of checkpoint ``tag`` in ``root``, or (tag None or "latest") of the one ``<root>/latest`` names.
 

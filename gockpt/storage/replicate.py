@@ -151,18 +151,7 @@ class Replicator:
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait until nothing is left to upload (at most ``timeout`` seconds); whether so."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            self._waiters += 1
-            try:
-                while self._queue or self._status.uploading:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        return False
-                    self._cv.wait(left)
-                return True
-            finally:
-                self._waiters -= 1
+        return self._wait(timeout, closing=False)
 
     def close(self, timeout: Optional[float] = None) -> RemoteStatus:
         """Stop once the uploads still queued or running are done: at most ``timeout`` seconds
@@ -173,7 +162,7 @@ class Replicator:
         if self._stop:
             return self.status()
         if timeout is None or timeout > 0:
-            self._wait_closing(timeout)
+            self._wait(timeout, closing=True)
         with self._cv:
             self._stop = True
             self._cv.notify_all()
@@ -188,8 +177,10 @@ class Replicator:
             log.info("gockpt: %s", status.describe())
         return status
 
-    def _wait_closing(self, timeout: Optional[float]) -> None:
-        """close(): wait for the uploads (see there)."""
+    def _wait(self, timeout: Optional[float], closing: bool) -> bool:
+        """Wait until nothing is left to upload (at most ``timeout`` seconds); whether so.
+        ``closing`` (close()): say how far the uploads are every ``PROGRESS_S`` and, without a
+        timeout, give up when an upload fails meanwhile."""
         start = time.monotonic()
         with self._cv:
             self._waiters += 1  # (the uploads do not pause for training meanwhile)
@@ -198,11 +189,10 @@ class Replicator:
                 while self._queue or self._status.uploading:
                     waited = time.monotonic() - start
                     if timeout is not None and waited >= timeout:
-                        return
-                    if timeout is None and self._failures > failures:
-                        return  # the store fails: what is left stays for the next run
-                    if waited >= next_line:
-                        next_line += PROGRESS_S
+                        return False
+                    if closing and timeout is None and self._failures > failures:
+                        return False  # the store fails: what is left stays for the next run
+                    if closing and waited >= next_line:
                         log.warning("gockpt: close() waits for the uploads to %s: %s, %d "
                                     "more queued (%.0f s so far%s)", self.url,
                                     f"uploading {self._status.uploading}"
@@ -210,8 +200,11 @@ class Replicator:
                                     sum(n is not _RESUME and n != self._status.uploading
                                         for n in self._queue), waited,
                                     "" if timeout is None else f", at most {timeout:g} s")
+                    while next_line <= waited:
+                        next_line += PROGRESS_S
                     until = next_line if timeout is None else min(next_line, timeout)
                     self._cv.wait(until - waited)  # (woken by every upload's end)
+                return True
             finally:
                 self._waiters -= 1
 
