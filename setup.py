@@ -1,4 +1,5 @@
-"""Build of gockpt and its C++ core gockpt._C (pybind11, no libtorch link)."""
+"""Build of gockpt: its C++ core gockpt._C (pybind11, no libtorch link) and gockpt._tensors
+(the hooks' reads of many tensors at once, built against the installed torch)."""
 import glob
 import os
 import sys
@@ -9,6 +10,13 @@ try:
     from pybind11.setup_helpers import Pybind11Extension, build_ext
 except ImportError:  # pragma: no cover - pybind11 is a build requirement
     sys.stderr.write("gockpt: pybind11 is required to build gockpt._C\n")
+    raise
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CppExtension
+except ImportError:  # pragma: no cover - torch is a build requirement
+    sys.stderr.write("gockpt: torch is required to build gockpt._tensors\n")
     raise
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,7 +37,17 @@ ext_modules = [
         extra_compile_args=CXX_FLAGS,
         libraries=["pthread", "dl"],
         cxx_std=17,
-    )
+    ),
+    # What the hooks read of thousands of tensors per step, one C++ pass per list: linked against
+    # the torch it is built with (rebuild after changing torch). Torch's bundled pybind11 and
+    # its flags (C++20, its ABI), no debug info (half the compile time).
+    CppExtension(
+        "gockpt._tensors",
+        ["csrc/torch/tensors.cpp"],
+        extra_compile_args=["-O2", "-g0", "-std=c++20", "-fvisibility=hidden",
+                            "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_tensors",
+                            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"],
+    ),
 ]
 
 setup(

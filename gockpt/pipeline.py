@@ -49,6 +49,7 @@ class Pipeline:
                                                              checkpoint_name(step)))
         self.digester = digester  # None: Config.verify is off
         self._digests_to_wait: List[Job] = []  # live digests the next update must not overtake
+        self._window_sizes: tuple = ((), 0, None)  # (what window_bytes read, K, its result)
 
     def close(self) -> None:
         """Stop the replay thread, then the persist thread (each finishes what it holds)."""
@@ -76,12 +77,24 @@ class Pipeline:
         job.metrics.add_blocked("save_checkpoint_busy_wait", waited)
         self.capture.declare_state_keys(host)
         job.metrics.state_bytes = self.capture.state_bytes(host)
-        job.metrics.replayed_bytes, job.metrics.copied_at_f_bytes = window_bytes(plan, host, k)
+        job.metrics.replayed_bytes, job.metrics.copied_at_f_bytes = self._window_bytes(plan,
+                                                                                    host, k)
         log.info("gockpt: checkpoint of step %d: %s", final,
                  f"copied over the {k} steps up to it (K={k}, "
                  f"{'as configured' if self.config.overlap_steps else 'measured'})" if k > 1
                  else "copied under the next step")
         return job
+
+    def _window_bytes(self, plan, host, k: int) -> tuple:
+        """:func:`window_bytes`, computed again only when what it reads was replaced (the plan,
+        its blocks copied at F, the host copy or its arenas): the same at most checkpoints."""
+        read = (plan, plan.at_f_table, host) + tuple(
+            host.bases(role) for role in (None,) + host.roles())
+        seen, seen_k, sizes = self._window_sizes
+        if seen_k != k or len(seen) != len(read) or any(a is not b for a, b in zip(seen, read)):
+            sizes = window_bytes(plan, host, k)
+            self._window_sizes = (read, k, sizes)
+        return sizes
 
     def begin(self, job: Job, step: int, boundary: int, extra_state) -> None:
         """The boundary that starts ``job``: queue group 1 (everything, blocking, in the

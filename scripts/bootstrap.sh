@@ -25,11 +25,14 @@ if [ ! -f "$STAMP" ]; then
     DS_BUILD_OPS=0 "$VPY" -m pip install -q --no-build-isolation deepspeed
     touch "$STAMP"
 fi
-# Build the C++ core in place, unless the built module is newer than every source.
+# Build the C++ core (and gockpt._tensors, against this torch) in place, unless both built
+# modules are newer than every source.
 SO="$(ls "$ROOT"/gockpt/_C*.so 2>/dev/null | head -n1 || true)"
-if [ -z "$SO" ] || [ ! -f "$VENV/bin/gockpt" ] \
-        || [ -n "$(find "$ROOT/csrc" "$ROOT/setup.py" -newer "$SO" 2>/dev/null)" ]; then
-    echo "[setup] building gockpt._C (C++ core)"
+TORCH_SO="$(ls "$ROOT"/gockpt/_tensors*.so 2>/dev/null | head -n1 || true)"
+if [ -z "$SO" ] || [ -z "$TORCH_SO" ] || [ ! -f "$VENV/bin/gockpt" ] \
+        || [ -n "$(find "$ROOT/csrc" "$ROOT/setup.py" -newer "$SO" 2>/dev/null)" ] \
+        || [ -n "$(find "$ROOT/csrc" "$ROOT/setup.py" -newer "$TORCH_SO" 2>/dev/null)" ]; then
+    echo "[setup] building gockpt._C (C++ core) and gockpt._tensors"
     (cd "$ROOT" && "$VPY" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1 \
         || "$VPY" -m pip install --no-build-isolation --no-deps -e .)
 fi

@@ -1,19 +1,20 @@
 """Where the live tensors a copy reads are, and whether something wrote them meanwhile.
 
 Per role (None: the parameter, else an optimizer state key) and per slot, the address of the
-live tensor in the parameter's planned memory order, read with a few list operations per role
-(not a Python step per tensor); the tensors read are kept with their version counters, so that
-an in-place write outside the optimizer during the copy is found when it lands.
+live tensor in the parameter's planned memory order, read with one C++ pass per list
+(:mod:`gockpt._tensors`, not a Python step per tensor); the tensors read are kept with their
+version counters, so that an in-place write outside the optimizer during the copy is found when
+it lands.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from .. import _tensors
 from ..core.lists import has_none
 from ..core.memory import flat, local
 from ..core.plan import Plan
@@ -31,29 +32,33 @@ def live_bases(plan: Plan, states: list, slots: np.ndarray, roles) -> Tuple[Dict
         if key is None:
             have, tensors = sis, [params[si] for si in sis]
         else:
-            tensors = [st.get(key) if st is not None else None for st in slot_states]
+            tensors = _tensors.values(slot_states, key)
             if plan.dtensors:  # their local shards
                 tensors = [local(t) for t in tensors]
             have = sis
             if has_none(tensors):  # no such state yet
                 have = [si for si, t in zip(sis, tensors) if t is not None]
                 tensors = [t for t in tensors if t is not None]
-        columns.append((have, tensors))
+        scan = _tensors.scan(tensors)  # (addresses, versions, flags): each tensor read once
+        ordered = in_memory_order(plan, have, tensors, copies, scan[2])
+        columns.append((have, tensors, scan))
         base = bases[key] = np.zeros(n, dtype=np.int64)
-        base[have] = data_ptrs(in_memory_order(plan, have, tensors, copies))
+        base[have] = scan[0] if ordered is tensors else data_ptrs(ordered)
     return bases, Reads(columns), copies
 
 
 def data_ptrs(tensors: list) -> np.ndarray:
-    """The address of each of ``tensors``, as an int64 array (one C-level pass)."""
-    return np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors))
+    """The address of each of ``tensors``, as an int64 array (one C++ pass)."""
+    return _tensors.addresses(tensors)
 
 
-def in_memory_order(plan: Plan, slots: list, tensors: list, keep: list) -> list:
+def in_memory_order(plan: Plan, slots: list, tensors: list, keep: list,
+                    flags: np.ndarray) -> list:
     """``tensors`` (one per slot of ``slots``) each laid out as its parameter was planned: the
     tensor itself, or (rare: a state tensor or gradient with other strides) a flat copy in the
-    parameter's memory order, also appended to ``keep`` (alive until its copy has run)."""
-    if plan.contiguous and all(map(torch.Tensor.is_contiguous, tensors)):
+    parameter's memory order, also appended to ``keep`` (alive until its copy has run).
+    ``flags``: the tensors' :func:`gockpt._tensors.scan` flags."""
+    if plan.contiguous and np.all(flags & _tensors.CONTIGUOUS):
         return tensors  # the usual case, found without reading every tensor's strides
     planned = plan.strides
     if [t.stride() for t in tensors] == [planned[si] for si in slots]:
@@ -68,30 +73,26 @@ def in_memory_order(plan: Plan, slots: list, tensors: list, keep: list) -> list:
 
 class Reads:
     """The live tensors some queued copies (or digests) read, role by role as
-    ``columns = [(slot indices, tensors), ...]``, with their versions and addresses when
-    queued: an in-place write since then (outside the optimizer), or a tensor moved to other
+    ``columns = [(slot indices, tensors[, their scan when queued]), ...]``, with their
+    versions and addresses when queued (:func:`gockpt._tensors.scan`, read here where not
+    given): an in-place write since then (outside the optimizer), or a tensor moved to other
     memory (``p.data = ...``, which leaves its version as it was), is found by
     :meth:`written`."""
 
     def __init__(self, columns: list):
-        self.columns = columns
-        self.versions = [list(map(_VERSION, tensors)) for _, tensors in columns]
-        self.addresses = [data_ptrs(tensors) for _, tensors in columns]
+        self.columns = [(slots, tensors) for slots, tensors, *_ in columns]
+        self.scans = [scan[0] if scan else _tensors.scan(tensors)
+                      for _, tensors, *scan in columns]
 
     def written(self) -> set:
         """The slots of the tensors written or moved since they were queued."""
         out = set()
-        for (slots, tensors), before, at in zip(self.columns, self.versions, self.addresses):
-            now = list(map(_VERSION, tensors))
-            if now != before:
-                out.update(si for si, a, b in zip(slots, now, before) if a != b)
-            moved = data_ptrs(tensors) != at
-            if moved.any():
-                out.update(np.asarray(slots)[moved].tolist())
+        for (slots, tensors), (at, version, _) in zip(self.columns, self.scans):
+            now_at, now_version, _ = _tensors.scan(tensors)
+            changed = (now_version != version) | (now_at != at)
+            if changed.any():
+                out.update(np.asarray(slots, dtype=np.int64)[changed].tolist())
         return out
-
-
-_VERSION = operator.attrgetter("_version")
 
 
 class Zeros:

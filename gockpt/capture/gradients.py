@@ -9,12 +9,12 @@ one multiplier made on the device (:mod:`.transport`; 2 bytes per element instea
 
 from __future__ import annotations
 
-import operator
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from .. import _tensors
 from ..core.blocks import BlockTable
 from ..core.errors import HookOrderError, UnsupportedOptimizerError
 from ..core.job import Job
@@ -27,9 +27,6 @@ from .addresses import data_ptrs, in_memory_order
 from .states import StateWatch
 from .transfer import GRADIENT, CopyEngine
 from .transport import Bf16Transport
-
-_DTYPE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
-
 
 class GradientCopies:
     """Gradient records of the steps inside checkpoints' windows."""
@@ -63,7 +60,7 @@ class GradientCopies:
         job.capture.recorded |= stepped
         plan = job.plan
         table = job.capture.captured_table()  # only these gradients are replayed
-        grads = live_gradients(plan, table.slots[plan.in_groups(groups)[table.slots]].tolist())
+        grads, at = live_gradients(plan, table.slots[plan.in_groups(groups)[table.slots]].tolist())
         steps = adapter.step_counts(grads, self.states.of(job))
         if len(grads) < len(table.slots):  # (else every captured slot is stepped now)
             table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))
@@ -81,9 +78,9 @@ class GradientCopies:
             ticket = self._copy(job, table, encoded[0], bufs, grad_pool, grad_base)
             ticket.keep(encoded[0])  # the images the copy reads
         elif snapshot:
-            ticket = self._copy_snapshot(job, table, grads, grad_base)
+            ticket = self._copy_snapshot(job, table, grads, grad_base, at)
         else:
-            ticket = self._copy(job, table, grads, bufs, grad_pool, grad_base)
+            ticket = self._copy(job, table, grads, bufs, grad_pool, grad_base, at)
         scalars = {groups[i]: sc for i, sc in adapter.scalars().items()}
         record = StepRecord(j, scalars, steps, table, bufs, grad_base, ticket,
                             lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
@@ -94,9 +91,12 @@ class GradientCopies:
         job.capture.grad_tickets.append(ticket)
         return record
 
-    def _copy_snapshot(self, job: Job, table: BlockTable, grads, grad_base: np.ndarray):
+    def _copy_snapshot(self, job: Job, table: BlockTable, grads, grad_base: np.ndarray,
+                       at: Optional[np.ndarray]):
         """Copy the gradients of ``table``'s blocks to the device-side snapshot now, then queue
-        the device-to-host copy from it (the snapshot is reused once that copy has landed)."""
+        the device-to-host copy from it (the snapshot is reused once that copy has landed).
+        ``at``: per slot, the address of its gradient in its parameter's memory order (None:
+        read here)."""
         device, plan = self.engine.device, job.plan
         if self._snapshot is None or self._snapshot[0] is not plan:
             extents = plan.extents(plan.optimized_slots)
@@ -104,7 +104,7 @@ class GradientCopies:
         _, arena, previous = self._snapshot
         if previous is not None:  # its copy still reads the snapshot
             device.order_after(previous)
-        live, _ = _bases(job, table, grads)
+        live, _ = _bases(job, table, grads, at)
         snap = arena.bases(len(plan.slots))
         offset, nbytes = table.start * 4, table.numel * 4  # float32 (the replay modes)
         device.copy_now(snap[table.slot] + offset, live[table.slot] + offset, nbytes)
@@ -114,11 +114,12 @@ class GradientCopies:
         return ticket
 
     def _copy(self, job: Job, table: BlockTable, grads, bufs, grad_pool: GradPool,
-              grad_base: np.ndarray):
-        """Queue the copies of ``grads`` (slot -> live gradient) for ``table``'s blocks into
-        the gradient set ``bufs``, in the parameters' memory order."""
+              grad_base: np.ndarray, at: Optional[np.ndarray] = None):
+        """Queue the copies of ``grads`` (slot -> live gradient; ``at``: their addresses as
+        :func:`_bases` takes them) for ``table``'s blocks into the gradient set ``bufs``, in
+        the parameters' memory order."""
         return self.engine.submit_group(
-            _GradientCopies(job, table, grads, bufs, grad_pool, grad_base), GRADIENT)
+            _GradientCopies(job, table, grads, bufs, grad_pool, grad_base, at), GRADIENT)
 
 
 class _GradientCopies:
@@ -126,13 +127,13 @@ class _GradientCopies:
     memcpy segments into the set's arenas, or tensor pairs into its per-slot buffers."""
 
     def __init__(self, job: Job, table: BlockTable, grads, bufs, grad_pool: GradPool,
-                 grad_base: np.ndarray):
-        self.job, self.table, self.grads = job, table, grads
+                 grad_base: np.ndarray, at: Optional[np.ndarray] = None):
+        self.job, self.table, self.grads, self.at = job, table, grads, at
         self.bufs, self.grad_pool, self.grad_base = bufs, grad_pool, grad_base
 
     def segments(self):
         table, grads = self.table, self.grads
-        live, keep = _bases(self.job, table, grads)
+        live, keep = _bases(self.job, table, grads, self.at)
         item = next(iter(grads.values())).element_size() if grads else 4  # fp32 or bf16 images
         # the set's arenas too: a copy must not outlive the memory it writes (a pool dropped
         # before its copy ran, as a test may, was freed under the engine's memcpy)
@@ -161,36 +162,47 @@ def block_runs(table: BlockTable) -> List[Tuple[int, int, int]]:
                     end[last].tolist()))
 
 
-def _bases(job: Job, table: BlockTable, grads):
-    """Per slot: the address of the live gradient in the parameter's memory order; and the
-    copies made of gradients laid out unlike their parameter."""
+def _bases(job: Job, table: BlockTable, grads, at: Optional[np.ndarray] = None):
+    """Per slot: the address of the live gradient in the parameter's memory order (``at``
+    where the caller has them: see :func:`live_gradients`); and the copies made of gradients
+    laid out unlike their parameter."""
+    if at is not None:
+        return at, []
     plan, keep = job.plan, []
     live = np.zeros(len(plan.slots), dtype=np.int64)
     slots = table.slots.tolist()
-    tensors = in_memory_order(plan, slots, [grads[si] for si in slots], keep)
-    live[table.slots] = data_ptrs(tensors)
+    tensors = [grads[si] for si in slots]
+    scan = _tensors.scan(tensors)
+    ordered = in_memory_order(plan, slots, tensors, keep, scan[2])
+    live[table.slots] = scan[0] if ordered is tensors else data_ptrs(ordered)
     return live, keep
 
 
-def live_gradients(plan, slots: list) -> Dict[int, torch.Tensor]:
-    """Slot -> the ``.grad`` of each parameter of ``slots`` that has one, read with a few
-    list operations (the step pre-hook's cost per tensor is kept to the reads it needs);
-    UnsupportedOptimizerError for a gradient the replay cannot use."""
-    params = plan.params
-    tensors = [params[si].grad for si in slots]
+def live_gradients(plan, slots: list) -> Tuple[Dict[int, torch.Tensor], Optional[np.ndarray]]:
+    """Slot -> the ``.grad`` of each parameter of ``slots`` that has one, read with two C++
+    passes (the step pre-hook's cost per tensor is kept to the reads it needs); and per slot
+    of ``plan`` the address of its gradient (0: none), or None where some gradient is laid
+    out unlike its parameter (:func:`_bases` reads them then); UnsupportedOptimizerError for
+    a gradient the replay cannot use."""
+    tensors = _tensors.grads(list(map(plan.params.__getitem__, slots)))
     if plan.dtensors:  # their local shards (FSDP2 reduce-scatters into them)
         tensors = [local_gradient(plan.slots[si], g) for si, g in zip(slots, tensors)]
     if has_none(tensors):  # not trained at this step: not stepped either
         slots = [si for si, g in zip(slots, tensors) if g is not None]
         tensors = [g for g in tensors if g is not None]
-    if set(map(_DTYPE, tensors)) - {torch.float32} or set(map(_LAYOUT, tensors)) - {torch.strided}:
-        si, g = next((si, g) for si, g in zip(slots, tensors) if g.dtype != torch.float32
-                     or g.layout != torch.strided)  # the replay modes: fp32 params
+    addresses, _, flags = _tensors.scan(tensors)
+    odd = np.flatnonzero((flags & _tensors.DENSE_FLOAT32) == 0)
+    if len(odd):  # the replay modes: fp32 params
+        si, g = slots[odd[0]], tensors[odd[0]]
         layout = "dense" if g.layout == torch.strided else str(g.layout).replace("torch.", "")
         raise UnsupportedOptimizerError(
             f"the gradient of {plan.slots[si].name!r} is a {layout} {g.dtype} tensor; the "
             "replay needs dense torch.float32 gradients (mode='async-o' copies at the step)")
-    return dict(zip(slots, tensors))
+    if not (plan.contiguous and np.all(flags & _tensors.CONTIGUOUS)):
+        return dict(zip(slots, tensors)), None
+    at = np.zeros(len(plan.slots), dtype=np.int64)
+    at[slots] = addresses
+    return dict(zip(slots, tensors)), at
 
 
 def local_gradient(slot, grad: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ from typing import Dict
 
 import torch
 
+from .. import _tensors
+
 _DTYPE = operator.attrgetter("dtype")
 
 
@@ -64,10 +66,12 @@ def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys, known=None) 
                 _place(state, gathered, key, [idx for idx, _ in entries], values)
     columns = {}
     for (key, _), (index, values) in gathered.items():
-        try:
-            column = torch.stack(values)  # refuses other shapes and mixed devices
-        except RuntimeError:
-            column = None
+        column = _tensors.stack_scalars(values)  # 0-dim on the CPU: one C++ pass
+        if column is None:
+            try:
+                column = torch.stack(values)  # refuses other shapes and mixed devices
+            except RuntimeError:
+                column = None
         if column is None or column.dim() != 1:  # not all 0-dim, or on several devices
             split: dict = {}
             _place(state, split, key, index, values)

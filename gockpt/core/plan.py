@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .. import _tensors
 from .blocks import Block, BlockTable
 from .errors import ConfigError, LayoutChangedError
 from .memory import flat, global_slice, layout_of, local, logical, replicas_of
@@ -553,8 +554,8 @@ def stepped_groups(planned: tuple, optimizer: torch.optim.Optimizer) -> Optional
 
 def check_layouts(plan: Plan) -> None:
     """Raise LayoutChangedError if a parameter's strides differ from those planned."""
-    if [p.stride() for p in plan.locals()] == plan.strides:
-        return  # (one comparison of two lists: this runs at every checkpoint)
+    if _tensors.strides_match(plan.locals(), plan.strides):
+        return  # (one C++ pass: this runs at every checkpoint)
     for s in plan.slots:
         if s.local.stride() != s.strides:
             raise LayoutChangedError(

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import operator
 from typing import Dict, Optional
 
 import numpy as np
 import torch
 
+from .. import _tensors
 from ..core.lists import has_none
 from ..core.memory import is_dtensor, local
 from ..core.modes import NO_REPLAY_MODES
@@ -32,7 +32,6 @@ from ..core.plan import Plan
 from ..core.records import GroupScalars, Kernel, StepRecord
 from .claims import moments_weight_decay, replay_claims
 
-_IS_CPU = operator.attrgetter("is_cpu")
 
 log = logging.getLogger("gockpt")
 
@@ -145,21 +144,20 @@ class AdamAdapter:
 
     def step_counts(self, slots, states) -> Dict[int, float]:
         """t of the update about to run, for every slot in ``slots`` whose optimizer state is
-        ``states[slot]`` (None: none yet): the step counters read one by one on the CPU (in
-        one C-level pass: cheaper than stacking them), elsewhere with one stack, not one read
+        ``states[slot]`` (None: none yet): the step counters gathered on the CPU in one C++
+        pass (:func:`gockpt._tensors.stack_scalars`), elsewhere with one stack, not one read
         (a device synchronisation on a GPU) each."""
         slots = list(slots)
-        steps = [st.get("step") if st is not None else None
-                 for st in map(states.__getitem__, slots)]
+        steps = _tensors.values(list(map(states.__getitem__, slots)), "step")
         out = dict.fromkeys(slots, 1.0)
         if has_none(steps):  # no state yet (their first update)
             slots = [si for si, t in zip(slots, steps) if t is not None]
             steps = [t for t in steps if t is not None]
         if steps:
-            if all(map(_IS_CPU, steps)):
-                counts = np.fromiter(map(torch.Tensor.item, steps), np.float64, len(steps))
-            else:
-                counts = torch.stack(steps).to("cpu", torch.float64).reshape(-1).numpy()
+            stacked = _tensors.stack_scalars(steps)  # (the usual case: on the CPU)
+            if stacked is None:
+                stacked = torch.stack(steps)
+            counts = stacked.to("cpu", torch.float64).reshape(-1).numpy()
             out.update(zip(slots, (counts + 1.0).tolist()))
         return out
 

@@ -390,7 +390,11 @@ def test_live_gradients_skip_missing_ones_and_refuse_a_sparse_one():
     model = torch.nn.Linear(3, 2)
     plan = build_plan(model, torch.optim.AdamW(model.parameters()), 1 << 20)
     model.bias.grad = torch.ones(2)
-    assert _live_gradients(plan, [0, 1]) == {1: model.bias.grad}  # weight: no gradient
+    grads, at = _live_gradients(plan, [0, 1])
+    assert grads == {1: model.bias.grad}  # weight: no gradient
+    assert at.tolist() == [0, model.bias.grad.data_ptr()]  # (contiguous: read in the same pass)
+    model.bias.grad = torch.ones(4)[::2]  # laid out unlike its parameter: read by the copy
+    assert _live_gradients(plan, [0, 1])[1] is None
     model.weight.grad = torch.zeros(2, 3).to_sparse()
     with pytest.raises(ConfigError, match="'weight' is a sparse_coo torch.float32 tensor; "
                                           "the replay needs dense"):
