@@ -49,6 +49,8 @@ from .schedule import MAX_K, Busy, Schedule
 from .storage.commit import check_new_name, cleanup_temporaries, ensure_writable
 from .storage.lock import lock_for_ranks
 from .storage import remote
+from .storage import memory_tier
+from .storage.memory_tier import MemoryTier
 from .storage.persist import Persister
 from .storage.replicate import RemoteStatus, Replicator
 from .storage.ranks import Ranks
@@ -105,6 +107,9 @@ class Checkpointer:
                                    or self.config.on_busy is OnBusy.SKIP):
             raise ConfigError("with several ranks every rank must start the same checkpoints: "
                               "use a fixed interval (or force) and on_busy='wait'")
+        if self.ranks.several and self.config.memory is not None:
+            raise ConfigError("the memory tier (memory=) keeps one process's checkpoints for "
+                              "now; with several ranks leave it off")
         if self.config.replicated is None and is_replicated(model):
             self.config.replicated = True  # (None: DTensors replicated as their placements say)
         self.plan = self._new_plan()
@@ -136,10 +141,16 @@ class Checkpointer:
             if self.config.grad_transport is GradTransport.BF16 and self.adapter is not None else None
         self.capture = Capture(model, optimizer, scheduler, self.engine, self.adapter, transport)
         self.schedule = Schedule(self.config, self.ranks.several)
+        self.memory = None  # the memory tier (Config.memory)
+        if self.config.memory is not None:
+            limit = memory_tier.budget(self.config.memory, self.config.memory_dir,
+                                       self.plan.state_bytes(2))
+            if limit is not None:
+                self.memory = MemoryTier(self.config.directory, self.config.memory_dir, limit)
         self.persister = Persister(self.config, self.plan, self.ranks, type(optimizer).__name__,
                                    step_time=self.schedule.median_step_time,
                                    host_bytes=self.staging.nbytes,
-                                   on_durable=self._on_durable)
+                                   on_durable=self._on_durable, memory=self.memory)
         self.replicator = None  # the remote tier: rank 0 uploads every rank's part
         if self.config.remote is not None:
             remote.register(self.config.remote, self.config.remote_options)
@@ -343,7 +354,13 @@ class Checkpointer:
 
         A checkpoint whose version F has been reached is completed (waiting until durable);
         one that still needed training steps is dropped with a warning, nothing of it visible.
+        The memory tier's copies are removed (the end of training: the disk holds them).
         """
+        self._close(end_of_training=True)
+
+    def _close(self, end_of_training: bool) -> None:
+        """:meth:`close`; ``end_of_training`` false: the process is leaving on an uncaught
+        exception, and the memory tier's copy is what its restart loads."""
         if self.loop.closed:
             return
         self.loop.closed = True
@@ -361,6 +378,8 @@ class Checkpointer:
             self.pipeline.close()
             if self.replicator is not None:
                 self.replicator.close(self.config.remote_wait_s)
+            if self.memory is not None and end_of_training:
+                self.memory.remove()
         finally:
             self._stop()
         self._progress.end()  # (a killed process records none)
@@ -418,7 +437,7 @@ class Checkpointer:
             if not everyone:
                 self.abort()
                 return
-        self.close()
+        self._close(end_of_training=not failing)
 
     def _stop(self) -> None:
         """Stop every thread and let go of every resource (the end of close and abort)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -15,12 +16,13 @@ from .replay.adapters import state_keys_of
 from .core.names import Names, is_replicated
 from .core.memory import global_slice, like, local, memory_order
 from .storage import manifest as manifest_mod, shares
-from .core.errors import CorruptCheckpointError, GockptError, LoadError
+from .core.errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError, LoadError
 from .resharding import load_resharded, needs_resharding, written_by
 from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
                        warn_rng_not_restored)
 from .core.paths import directory_to_read, is_remote
-from .storage.commit import checkpoint_of
+from .storage import memory_tier
+from .storage.commit import checkpoint_of, is_committed
 from .storage.format import MANIFEST_FILE
 from .storage.schema import Manifest, is_small_tensor
 from .storage.statedict import optimizer_state_dict
@@ -28,7 +30,8 @@ from .storage.statedict import optimizer_state_dict
 
 def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
          *, scheduler=None, tag: Optional[str] = None, restore_rng: bool = True,
-         verify: bool = True, map_location=None, rank: Optional[int] = None) -> Restored:
+         verify: bool = True, map_location=None, rank: Optional[int] = None,
+         memory_dir: Optional[str] = None) -> Restored:
     """Load the latest committed checkpoint in ``directory`` (or the one named ``tag``) into
     ``model``, ``optimizer`` and ``scheduler``, and restore RNG states unless
     ``restore_rng=False``. Parameters and optimizer state land on the device of the model's
@@ -49,34 +52,78 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     Names, shapes and dtypes are checked against the targets before any byte is read;
     checksums are verified unless ``verify=False``. Never unpickles.
 
+    The memory tier (``Config(memory=...)``; ``memory_dir`` as it was given there, default
+    ``/dev/shm``): in one process, without ``tag``, its copy of the run's newest checkpoint is
+    loaded instead of the disk's when it is at least as new, checked as a disk checkpoint is
+    (every chunk's checksum as it is read, then the digests of the live state at F); a
+    damaged or incomplete copy is never what a load returns: a warning says why, and the
+    disk's checkpoint is loaded over whatever it had put in place. ``Restored.path`` says
+    which was loaded.
+
     Raises:
         CheckpointNotFoundError: nothing committed at ``directory`` / ``tag``.
         CorruptCheckpointError: a checksum, file or manifest is wrong (names file and tensor).
         LoadError: the checkpoint does not fit ``model`` / ``optimizer``.
     """
     started = time.time()
-    top = checkpoint_of(directory_to_read(directory), tag)
-    _record_load(top, "loading")
-    written = written_by(top)
-    if rank is None and needs_resharding(top, model, written):
-        restored = load_resharded(top, model, optimizer, scheduler=scheduler,
-                                  restore_rng=restore_rng, verify=verify,
-                                  map_location=map_location, written=written)
-    else:
-        restored = _load_own(top, written, model, optimizer, scheduler, restore_rng, verify,
-                             map_location, rank)
-    _record_load(top, "load", step=restored.step, time_start=started)
+    run, top, disk = _newest(directory_to_read(directory), tag, memory_dir)
+    _record_load(run, top, "loading")
+    args = (model, optimizer, scheduler, restore_rng, verify, map_location, rank)
+    try:
+        restored = _load_checkpoint(top, *args)
+    except CorruptCheckpointError as exc:
+        if top == disk:
+            raise
+        # the memory tier's copy is damaged: the disk's overwrites whatever it put in place
+        warnings.warn(f"gockpt: the memory copy {top} does not verify ({exc}); loading "
+                      f"{disk} from disk instead", RuntimeWarning, stacklevel=2)
+        top = disk
+        restored = _load_checkpoint(top, *args)
+    _record_load(run, top, "load", step=restored.step, time_start=started)
     return restored
 
 
-def _record_load(top: str, kind: str, **fields) -> None:
+def _load_checkpoint(top: str, model, optimizer, scheduler, restore_rng: bool, verify: bool,
+                     map_location, rank: Optional[int]) -> Restored:
+    """:func:`load` of the checkpoint ``top``."""
+    written = written_by(top)
+    if rank is None and needs_resharding(top, model, written):
+        return load_resharded(top, model, optimizer, scheduler=scheduler,
+                              restore_rng=restore_rng, verify=verify,
+                              map_location=map_location, written=written)
+    return _load_own(top, written, model, optimizer, scheduler, restore_rng, verify,
+                     map_location, rank)
+
+
+def _newest(path: str, tag: Optional[str], memory_dir: Optional[str]) -> tuple:
+    """(the run directory, the checkpoint to load, the disk's) for ``path`` and ``tag``: the
+    memory tier's copy in one process when it may be loaded (:func:`memory_tier.usable_copy`;
+    the load still checks every byte of it), else what :func:`checkpoint_of` finds."""
+    dist = torch.distributed
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if tag is not None or several or is_remote(path) or not os.path.isdir(path) \
+            or is_committed(path):  # (one checkpoint's directory: that one)
+        top = checkpoint_of(path, tag)
+        return os.path.dirname(top), top, top
+    try:
+        disk = checkpoint_of(path)
+    except CheckpointNotFoundError:
+        disk = None
+    copy = memory_tier.usable_copy(path, disk, memory_dir)
+    if copy is not None:
+        return path, copy, disk
+    disk = disk if disk is not None else checkpoint_of(path)  # (raises: what is there)
+    return path, disk, disk
+
+
+def _record_load(run: str, top: str, kind: str, **fields) -> None:
     """Rank 0 notes a load's start (``loading``: a process that dies in it still counts) and
     its end (``load``: the step a restart goes on from) in the run directory's metrics.jsonl
     (goodput's restore time: :mod:`gockpt.core.runlog`); not for a remote checkpoint."""
     dist = torch.distributed
     if is_remote(top) or (dist.is_available() and dist.is_initialized() and dist.get_rank()):
         return
-    runlog.record(os.path.dirname(top), kind, quiet=True, **fields)
+    runlog.record(run, kind, quiet=True, **fields)
 
 
 def _load_own(top: str, written: int, model, optimizer, scheduler, restore_rng: bool,

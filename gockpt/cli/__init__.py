@@ -7,7 +7,7 @@ Subcommands::
     gockpt export  PATH --to {safetensors,torch,fp32} OUT [--rank R] [--shard-size BYTES] [--force]
     gockpt export  PATH --to deepspeed OUT_DIR [--ds-config CONFIG] [--force]
     gockpt list    DIR  [--json]              checkpoints, which is latest, ranks, leftovers
-    gockpt clean   DIR                        remove leftovers of processes that died
+    gockpt clean   DIR [--memory]             remove leftovers of processes that died
     gockpt goodput DIR  [--json] [--plot FILE] a run's goodput and badput by category
 
 ``PATH`` is a checkpoint directory or a run directory (then: its latest checkpoint).
@@ -115,6 +115,10 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("clean", help="remove .tmp-* leftovers of writers that died")
     s.add_argument("dir", metavar="DIR")
+    s.add_argument("--memory", action="store_true",
+                   help="also remove the memory tier's copies of DIR's checkpoints")
+    s.add_argument("--memory-dir", default=None, metavar="D",
+                   help="the memory tier's directory (Config.memory_dir; default /dev/shm)")
     s.set_defaults(func=cmd_clean)
 
     s = sub.add_parser("goodput", help="a run's goodput: its wall time by category (productive, "

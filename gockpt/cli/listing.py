@@ -1,5 +1,6 @@
 """``gockpt list`` (the checkpoints of a run directory, which is latest, leftovers of
-interrupted writes) and ``gockpt clean`` (remove the leftovers of writers that died)."""
+interrupted writes) and ``gockpt clean`` (remove the leftovers of writers that died, and the
+memory tier's copies of a run that ended)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import os
 import warnings
 
 from .. import storage
-from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
+from ..core.errors import (CheckpointNotFoundError, CorruptCheckpointError, DirectoryInUseError,
+                           GockptError)
 from ..core.paths import is_remote, shown
+from ..storage import memory_tier
 from ..storage.commit import is_committed
+from ..storage.lock import DirectoryLock
 from ..storage.manifest import parse as parse_manifest, parts_of
 from .common import (UsageError, date, disk_usage, existing_directory, human, iso, mtime, one_line,
                      print_json, table)
@@ -27,7 +31,9 @@ def cmd_list(args) -> int:
 
 
 def cmd_clean(args) -> int:
-    """``gockpt clean DIR``: remove the ``.tmp-*`` leftovers of processes no longer running."""
+    """``gockpt clean DIR [--memory [--memory-dir D]]``: remove the ``.tmp-*`` leftovers of
+    processes no longer running; with ``--memory``, also the memory tier's copies of DIR's
+    checkpoints, unless a Checkpointer of DIR still runs (they are its restart's)."""
     root = existing_directory(args.dir)
     removed = storage.cleanup_temporaries(root)
     for p in removed:
@@ -35,6 +41,18 @@ def cmd_clean(args) -> int:
     left = [n for n in os.listdir(root) if n.startswith(storage.TMP_PREFIX)]
     print(f"{len(removed)} leftover(s) removed" +
           (f"; {len(left)} kept (their writer is still running)" if left else ""))
+    if args.memory:
+        try:
+            lock = DirectoryLock(root)
+        except DirectoryInUseError:
+            print("the memory copies stay: a Checkpointer of this directory is running")
+            return 0
+        try:
+            where = memory_tier.root_of(root, args.memory_dir)
+            print(f"removed the memory copies {where}" if memory_tier.remove(root, args.memory_dir)
+                  else f"no memory copies of this directory in {os.path.dirname(where)}")
+        finally:
+            lock.release()
     return 0
 
 

@@ -283,6 +283,21 @@ class Config:
     how far the uploads are every 30 s, and what is left in a warning; the next Checkpointer
     of this directory uploads that. ``wait_remote()`` waits when you ask."""
 
+    memory: Union[None, int, str] = None
+    """The memory tier (off by default): each checkpoint committed in ``directory`` is also
+    kept in host shared memory (``memory_dir``, written from the host copy at F: no second
+    device copy), the previous one until the new one is complete (:mod:`gockpt.storage.memory_tier`).
+    A process restarted on the same host after a crash then loads it at memory speed:
+    ``gockpt.load`` takes it when it is as new as the disk's newest and verifies completely,
+    else it says why and loads from disk. ``"auto"``: the space two copies need, the tier off
+    with a warning when ``memory_dir`` has less free; a number: at most that many bytes
+    (ConfigError when two copies do not fit, checked when the Checkpointer is built).
+    ``close()`` and ``gockpt clean`` remove the copies. One process per job for now (several
+    ranks: ConfigError)."""
+
+    memory_dir: str = "/dev/shm"
+    """The tmpfs of the memory tier (``gockpt.load(memory_dir=...)`` must be given the same)."""
+
     exit_wait_s: float = 60.0
     """On several ranks, when the interpreter exits with this Checkpointer still open (no
     ``close()``, no exception): how long it waits for every other rank to reach its own exit
@@ -396,6 +411,16 @@ class Config:
         if isinstance(self.exit_wait_s, bool) or not isinstance(
                 self.exit_wait_s, (int, float)) or not self.exit_wait_s >= 0:
             raise ConfigError(f"exit_wait_s must be seconds >= 0, got {self.exit_wait_s!r}")
+        if self.memory is not None and self.memory != "auto" and (
+                type(self.memory) is not int or self.memory < 1):
+            raise ConfigError(f"memory must be None, 'auto' or a number of bytes >= 1, got "
+                              f"{self.memory!r}")
+        if not isinstance(self.memory_dir, (str, os.PathLike)) or not str(self.memory_dir):
+            raise ConfigError(f"memory_dir must be a path, got {self.memory_dir!r}")
+        self.memory_dir = os.fspath(self.memory_dir)
+        if self.memory is not None and not os.path.isdir(self.memory_dir):
+            raise ConfigError(f"memory_dir {self.memory_dir!r} is not a directory (the memory "
+                              "tier writes its copies there: a tmpfs such as /dev/shm)")
         if self.replay_threads is not None and (
                 not isinstance(self.replay_threads, int) or self.replay_threads < 1):
             raise ConfigError(

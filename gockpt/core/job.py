@@ -185,6 +185,8 @@ class StreamBook:
     """The persist step has started (it runs once)."""
     layout: object = None
     """Which stored tensor holds which host range (gockpt.storage.layout.StoredLayout)."""
+    manifest: object = None
+    """The manifest committed (plain JSON), for the memory tier's copy."""
 
 
 class Job:

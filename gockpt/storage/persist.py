@@ -36,6 +36,7 @@ from ..core.protocols import StorageWriter
 from . import index
 from .commit import apply_retention
 from .layout import StoredLayout, stored_layout
+from .memory_tier import MemoryTier
 from .schema import Manifest, ModelSection, OptimizerSection, PartsManifest, part_name
 from .ranks import Ranks
 from .writer import CheckpointWriter
@@ -61,8 +62,9 @@ class Persister:
 
     def __init__(self, config: Config, plan: Plan, ranks: Ranks, optimizer_class: str,
                  step_time: Callable[[], float], host_bytes: Callable[[], int],
-                 on_durable: Callable[[Job], None]):
+                 on_durable: Callable[[Job], None], memory: Optional[MemoryTier] = None):
         self.config, self.plan, self.ranks = config, plan, ranks
+        self.memory = memory  # the memory tier: each committed checkpoint also kept there
         self.optimizer_class = optimizer_class
         self.step_time, self.host_bytes, self.on_durable = step_time, host_bytes, on_durable
         self._layout_key, self._layout_cache = None, None
@@ -241,6 +243,8 @@ class Persister:
                 if writer is None:
                     writer = self.new_writer(self.config.directory, name)
                 path = self._write(job, None, name, t0, writer=writer)
+                if self.memory is not None:  # (from the host copy, still this job's)
+                    self.memory.publish(name, self._host_tensors(job), job.stream.manifest)
             m = job.metrics
             m.time_to_durable_s = time.perf_counter() - job.t_start
             m.time = time.time()
@@ -304,7 +308,8 @@ class Persister:
                                            _state_params(job, self._layout(job).state_refs)),
                 small=job.small, metrics=m.to_dict())
             t_commit = time.perf_counter()
-            path = writer.commit(manifest.to_json(), update_latest=update_latest)
+            job.stream.manifest = manifest.to_json()
+            path = writer.commit(job.stream.manifest, update_latest=update_latest)
             if self.config.policy.persists_inline:
                 m.add_blocked("save_checkpoint", time.perf_counter() - t_commit)
             return path

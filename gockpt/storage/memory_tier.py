@@ -1,0 +1,163 @@
+"""The memory tier: a process's newest committed checkpoint also kept in host shared memory
+(``Config.memory``), so that a process restarted on the same host after a crash loads it at
+memory speed -- and only after it has been checked as a disk checkpoint is.
+
+Where: ``<memory_dir>/gockpt-<16 hex digits of the run directory's path>``, a run directory of
+its own (``step-*/``, ``latest``; the same format as on disk, written by the same writer: a
+temporary directory renamed into place, the manifest with every chunk's crc32c and the live
+digests at F), with the run directory's path in a file beside them (``run``): another run's
+copies are never taken, whatever their name. The previous copy stays until the new one is
+complete.
+
+Nothing here may fail a checkpoint: a memory copy that cannot be written (no space) is a
+warning, and the disk checkpoint stands. Nothing here may restore a damaged copy: a load takes
+the memory copy only when it is at least as new as the disk's (:func:`usable_copy`) and checks
+every byte as it reads it; a wrong one makes it say so and load the disk's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import warnings
+from typing import Optional
+
+from ..core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from .commit import apply_retention, list_checkpoints, replace_file, resolve, write_file
+from .reader import read_manifest, read_small_file
+from .writer import CheckpointWriter
+
+log = logging.getLogger("gockpt")
+
+DEFAULT_DIR = "/dev/shm"
+"""Where the copies go unless ``Config.memory_dir`` / ``gockpt.load(memory_dir=)`` says."""
+
+RUN_FILE = "run"
+"""The file beside the copies naming the run directory they belong to."""
+
+_RUN_MAX_BYTES = 1 << 16
+
+
+def root_of(directory: str, memory_dir: Optional[str] = None) -> str:
+    """The memory tier's run directory for the (resolved) run ``directory``."""
+    tag = hashlib.sha256(os.fsencode(directory)).hexdigest()[:16]
+    return os.path.join(memory_dir or DEFAULT_DIR, f"gockpt-{tag}")
+
+
+def free_bytes(memory_dir: str) -> int:
+    """Bytes a process may still write under ``memory_dir``."""
+    st = os.statvfs(memory_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def budget(memory, memory_dir: str, checkpoint_bytes: int) -> Optional[int]:
+    """The bytes the tier may use (``Config.memory``: ``"auto"`` or a number), checked against
+    two copies of a checkpoint of ``checkpoint_bytes`` (the new one is written beside the
+    previous) and the space ``memory_dir`` has left: None, with a warning, when ``"auto"``
+    does not fit (the tier is off); ConfigError when a number is too small or does not fit
+    (the user asked for it). Checked here, once, so that no copy ends in a full tmpfs."""
+    need = 2 * checkpoint_bytes + (1 << 20)  # (+ manifests, latest)
+    try:
+        free = free_bytes(memory_dir)
+    except OSError as exc:
+        raise ConfigError(f"memory_dir {memory_dir!r}: {exc.strerror or exc}") from exc
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    if memory == "auto":
+        if free < need:
+            warnings.warn(f"gockpt: the memory tier is off: {memory_dir!r} has {mib(free)} free, "
+                          f"two copies of this process's checkpoint need {mib(need)} (a larger "
+                          "tmpfs, e.g. docker's --shm-size, or memory_dir= another one)",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return need + need // 4  # (room for a checkpoint that grows a little)
+    if memory < need:
+        raise ConfigError(f"memory={memory} bytes is less than two copies of this process's "
+                          f"checkpoint need ({need} bytes, {mib(need)}); give at least that, "
+                          "or memory='auto'")
+    if free < need:
+        raise ConfigError(f"memory_dir {memory_dir!r} has {mib(free)} free; two copies of this "
+                          f"process's checkpoint need {mib(need)}")
+    return memory
+
+
+class MemoryTier:
+    """The copies of one run directory's checkpoints in host shared memory (persist thread:
+    :meth:`publish`; the training thread: :meth:`remove` at ``close()``)."""
+
+    def __init__(self, directory: str, memory_dir: str, limit: int):
+        self.directory, self.limit = directory, limit
+        self.root = root_of(directory, memory_dir)
+        os.makedirs(self.root, exist_ok=True)
+        run = os.path.join(self.root, RUN_FILE)
+        if _run_of(self.root) != directory:
+            replace_file(run, lambda tmp: write_file(tmp, os.fsencode(directory)))
+
+    def publish(self, name: str, tensors: dict, manifest: dict) -> Optional[str]:
+        """Write checkpoint ``name`` (``tensors``: the host copy at F, as stored on disk; its
+        manifest) as the newest copy, then drop the older ones; None, with a warning, when it
+        cannot be written (the disk checkpoint stands)."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if 2 * nbytes > self.limit:
+            warnings.warn(f"gockpt: checkpoint {name} not kept in memory: two copies take "
+                          f"{2 * nbytes} bytes, the memory tier has {self.limit}",
+                          RuntimeWarning, stacklevel=2)
+            return None
+        writer = CheckpointWriter(self.root, name, direct=False)
+        try:
+            writer.write_tensors(tensors)
+            path = writer.commit(manifest, update_latest=True)
+        except Exception as exc:  # (the writer removed its temporary directory)
+            warnings.warn(f"gockpt: checkpoint {name} not kept in memory ({self.root}): {exc}",
+                          RuntimeWarning, stacklevel=2)
+            return None
+        apply_retention(self.root, 1)
+        return path
+
+    def remove(self) -> None:
+        """Remove every copy (the end of training: the disk holds them)."""
+        remove(self.directory, os.path.dirname(self.root))
+
+
+def remove(directory: str, memory_dir: Optional[str] = None) -> bool:
+    """Remove the memory copies of run ``directory`` (``gockpt clean``, ``close()``);
+    whether there were any. Another run's are never touched (their ``run`` file differs)."""
+    root = root_of(directory, memory_dir)
+    if _run_of(root) != directory:
+        return False
+    shutil.rmtree(root, ignore_errors=True)
+    return True
+
+
+def usable_copy(directory: str, disk: Optional[str], memory_dir: Optional[str] = None
+                ) -> Optional[str]:
+    """The memory copy of run ``directory`` to load instead of ``disk`` (the checkpoint the
+    disk would give, None if it has none): the one its ``latest`` names, when the copies are
+    of this run, committed and at least as new as ``disk``; None otherwise (with a warning
+    when its manifest is damaged). The load checks every byte of it, and loads ``disk``
+    instead when a byte is wrong (:func:`gockpt.load`)."""
+    root = root_of(directory, memory_dir)
+    if _run_of(root) != directory or not list_checkpoints(root):
+        return None
+    try:
+        path = resolve(root)
+    except CheckpointNotFoundError:
+        return None
+    try:
+        step = read_manifest(path)["step"]
+        if disk is not None and step < read_manifest(disk)["step"]:
+            return None  # an older copy (its newer checkpoint was not kept in memory)
+    except (CorruptCheckpointError, KeyError, TypeError) as exc:
+        warnings.warn(f"gockpt: the memory copy {path} is damaged ({exc}); loading from disk",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return path
+
+
+def _run_of(root: str) -> Optional[str]:
+    """The run directory the copies in ``root`` belong to (None: no such copies)."""
+    try:
+        return os.fsdecode(read_small_file(os.path.join(root, RUN_FILE), _RUN_MAX_BYTES, "run"))
+    except OSError:
+        return None
