@@ -14,7 +14,8 @@ Public API::
 """
 
 from .checkpointer import CheckpointHandle, Checkpointer
-from .core.config import Config, RemoteOptions
+from .core.config import Config
+from .core.remote_options import RemoteOptions
 from .core.errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError,
                      ConsistencyError, CorruptCheckpointError, DirectoryInUseError, GockptError,
                      HookOrderError, LayoutChangedError, LoadError, StorageError,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from typing import Callable, Optional, Union
 
 import torch
@@ -107,9 +108,6 @@ class Checkpointer:
                                    or self.config.on_busy is OnBusy.SKIP):
             raise ConfigError("with several ranks every rank must start the same checkpoints: "
                               "use a fixed interval (or force) and on_busy='wait'")
-        if self.ranks.several and self.config.memory is not None:
-            raise ConfigError("the memory tier (memory=) keeps one process's checkpoints for "
-                              "now; with several ranks leave it off")
         if self.config.replicated is None and is_replicated(model):
             self.config.replicated = True  # (None: DTensors replicated as their placements say)
         self.plan = self._new_plan()
@@ -141,12 +139,7 @@ class Checkpointer:
             if self.config.grad_transport is GradTransport.BF16 and self.adapter is not None else None
         self.capture = Capture(model, optimizer, scheduler, self.engine, self.adapter, transport)
         self.schedule = Schedule(self.config, self.ranks.several)
-        self.memory = None  # the memory tier (Config.memory)
-        if self.config.memory is not None:
-            limit = memory_tier.budget(self.config.memory, self.config.memory_dir,
-                                       self.plan.state_bytes(2))
-            if limit is not None:
-                self.memory = MemoryTier(self.config.directory, self.config.memory_dir, limit)
+        self.memory = self._memory_tier() if self.config.memory is not None else None
         self.persister = Persister(self.config, self.plan, self.ranks, type(optimizer).__name__,
                                    step_time=self.schedule.median_step_time,
                                    host_bytes=self.staging.nbytes,
@@ -180,6 +173,28 @@ class Checkpointer:
         log.info("gockpt: %s mode, %d tensors in %d blocks, %.1f MiB host staging planned",
                  self.config.mode, len(self.plan.slots), len(self.plan.blocks),
                  self.planned_host_bytes / 2**20)
+
+    def _memory_tier(self) -> Optional[MemoryTier]:
+        """The memory tier of ``Config.memory``, agreed on by every rank (None: off)."""
+        cfg, ranks = self.config, self.ranks
+        if ranks.several and not ranks.same(memory_tier.host_id()):
+            warnings.warn("gockpt: the memory tier is off: the ranks run on several hosts (each "
+                          "host's copies would need a peer's; not built yet)", RuntimeWarning,
+                          stacklevel=4)
+            return None
+        error, limit = None, None
+        try:
+            limit = memory_tier.budget(cfg.memory, cfg.memory_dir,
+                                       ranks.agree_max(self.plan.state_bytes(2)),
+                                       ranks.world_size)
+        except ConfigError as exc:
+            error = exc
+        if not ranks.agree_all(error is None):  # (a rank raising alone: the others would hang)
+            raise error or ConfigError("the memory tier: another rank refused memory= (its "
+                                       "error says why)")
+        if not ranks.agree_all(limit is not None):
+            return None
+        return MemoryTier(cfg.directory, cfg.memory_dir, limit, owner=ranks.rank == 0)
 
     # ------------------------------------------------------------------ hooks
 

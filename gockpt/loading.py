@@ -53,7 +53,8 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     checksums are verified unless ``verify=False``. Never unpickles.
 
     The memory tier (``Config(memory=...)``; ``memory_dir`` as it was given there, default
-    ``/dev/shm``): in one process, without ``tag``, its copy of the run's newest checkpoint is
+    ``/dev/shm``): without ``tag`` or ``rank`` (on several ranks: when every rank's copy is of
+    the disk's newest step), its copy of the run's newest checkpoint is
     loaded instead of the disk's when it is at least as new, checked as a disk checkpoint is
     (every chunk's checksum as it is read, then the digests of the live state at F); a
     damaged or incomplete copy is never what a load returns: a warning says why, and the
@@ -66,16 +67,22 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         LoadError: the checkpoint does not fit ``model`` / ``optimizer``.
     """
     started = time.time()
-    run, top, disk = _newest(directory_to_read(directory), tag, memory_dir)
+    run, top, disk = _newest(directory_to_read(directory), tag, memory_dir,
+                             memory=rank is None)
     _record_load(run, top, "loading")
     args = (model, optimizer, scheduler, restore_rng, verify, map_location, rank)
+    failed = None
     try:
         restored = _load_checkpoint(top, *args)
     except CorruptCheckpointError as exc:
         if top == disk:
             raise
-        # the memory tier's copy is damaged: the disk's overwrites whatever it put in place
-        warnings.warn(f"gockpt: the memory copy {top} does not verify ({exc}); loading "
+        failed = exc
+    if top != disk and not _everyone(failed is None):
+        # the memory tier's copy is damaged (on some rank: every rank loads the disk's, which
+        # overwrites whatever the copy put in place)
+        why = failed if failed is not None else "another rank's part is damaged"
+        warnings.warn(f"gockpt: the memory copy {top} does not verify ({why}); loading "
                       f"{disk} from disk instead", RuntimeWarning, stacklevel=2)
         top = disk
         restored = _load_checkpoint(top, *args)
@@ -95,13 +102,12 @@ def _load_checkpoint(top: str, model, optimizer, scheduler, restore_rng: bool, v
                      map_location, rank)
 
 
-def _newest(path: str, tag: Optional[str], memory_dir: Optional[str]) -> tuple:
+def _newest(path: str, tag: Optional[str], memory_dir: Optional[str], memory: bool) -> tuple:
     """(the run directory, the checkpoint to load, the disk's) for ``path`` and ``tag``: the
-    memory tier's copy in one process when it may be loaded (:func:`memory_tier.usable_copy`;
-    the load still checks every byte of it), else what :func:`checkpoint_of` finds."""
-    dist = torch.distributed
-    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if tag is not None or several or is_remote(path) or not os.path.isdir(path) \
+    memory tier's copy when ``memory`` and it may be loaded (:func:`memory_tier.usable_copy`;
+    on several ranks, when every rank's is the disk's step: a collective; the load still
+    checks every byte of it), else what :func:`checkpoint_of` finds."""
+    if not memory or tag is not None or is_remote(path) or not os.path.isdir(path) \
             or is_committed(path):  # (one checkpoint's directory: that one)
         top = checkpoint_of(path, tag)
         return os.path.dirname(top), top, top
@@ -109,11 +115,29 @@ def _newest(path: str, tag: Optional[str], memory_dir: Optional[str]) -> tuple:
         disk = checkpoint_of(path)
     except CheckpointNotFoundError:
         disk = None
-    copy = memory_tier.usable_copy(path, disk, memory_dir)
+    # several ranks: every rank's copy of the disk's step (a fallback loads that one)
+    copy = memory_tier.usable_copy(path, disk, memory_dir, same_step=_several())
+    if _several() and not _everyone(copy is not None):
+        copy = None
     if copy is not None:
         return path, copy, disk
     disk = disk if disk is not None else checkpoint_of(path)  # (raises: what is there)
     return path, disk, disk
+
+
+def _several() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _everyone(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (one gather on the default group; ``ok`` alone in
+    one process)."""
+    if not _several():
+        return ok
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, bool(ok))
+    return all(every)
 
 
 def _record_load(run: str, top: str, kind: str, **fields) -> None:

@@ -200,3 +200,14 @@ def test_gockpt_clean_removes_the_copies_of_a_run_that_no_longer_runs(tmp_path, 
     assert not os.path.exists(root)
     assert main(["clean", run, "--memory", "--memory-dir", shm]) == 0
     assert "no memory copies of this directory" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("scenario", ["load", "hosts"])
+def test_several_ranks_on_one_host_share_a_whole_copy_and_load_it_together(
+        tmp_path, shm, monkeypatch, scenario):
+    """DDP on 2 gloo ranks: the copy in memory is the whole checkpoint (both parts and the
+    top manifest), loaded on every rank bitwise; a damaged byte in one rank's part makes
+    every rank load the disk's. Ranks declared on two hosts: the tier is off."""
+    from tests._support.dist_ranks import run_ranks
+    monkeypatch.setenv("GOCKPT_TEST_SHM", shm)
+    run_ranks(tmp_path / "run", scenario, world=2, worker="memory_worker")

@@ -21,10 +21,12 @@ import hashlib
 import logging
 import os
 import shutil
+import socket
 import warnings
+import zlib
 from typing import Optional
 
-from ..core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from ..core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StorageError
 from .commit import apply_retention, list_checkpoints, replace_file, resolve, write_file
 from .reader import read_manifest, read_small_file
 from .writer import CheckpointWriter
@@ -52,13 +54,22 @@ def free_bytes(memory_dir: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def budget(memory, memory_dir: str, checkpoint_bytes: int) -> Optional[int]:
+def host_id() -> int:
+    """This host, as a number the ranks compare (``GOCKPT_HOST`` names it instead of the
+    host name: the tests declare ranks of one machine on several hosts)."""
+    return zlib.crc32((os.environ.get("GOCKPT_HOST") or socket.gethostname()).encode())
+
+
+def budget(memory, memory_dir: str, checkpoint_bytes: int, processes: int = 1) -> Optional[int]:
     """The bytes the tier may use (``Config.memory``: ``"auto"`` or a number), checked against
-    two copies of a checkpoint of ``checkpoint_bytes`` (the new one is written beside the
-    previous) and the space ``memory_dir`` has left: None, with a warning, when ``"auto"``
-    does not fit (the tier is off); ConfigError when a number is too small or does not fit
-    (the user asked for it). Checked here, once, so that no copy ends in a full tmpfs."""
-    need = 2 * checkpoint_bytes + (1 << 20)  # (+ manifests, latest)
+    two copies of the checkpoints of ``processes`` processes of ``checkpoint_bytes`` each
+    (the new one is written beside the previous) and the space ``memory_dir`` has left: None,
+    with a warning, when ``"auto"`` does not fit (the tier is off); ConfigError when a number
+    is too small or does not fit (the user asked for it). Checked here, once, so that no copy
+    ends in a full tmpfs."""
+    need = 2 * checkpoint_bytes * processes + (1 << 20)  # (+ manifests, latest)
+    whose = "this process's checkpoint" if processes == 1 else \
+        f"the {processes} ranks' checkpoints"
     try:
         free = free_bytes(memory_dir)
     except OSError as exc:
@@ -67,31 +78,32 @@ def budget(memory, memory_dir: str, checkpoint_bytes: int) -> Optional[int]:
     if memory == "auto":
         if free < need:
             warnings.warn(f"gockpt: the memory tier is off: {memory_dir!r} has {mib(free)} free, "
-                          f"two copies of this process's checkpoint need {mib(need)} (a larger "
+                          f"two copies of {whose} need {mib(need)} (a larger "
                           "tmpfs, e.g. docker's --shm-size, or memory_dir= another one)",
                           RuntimeWarning, stacklevel=3)
             return None
         return need + need // 4  # (room for a checkpoint that grows a little)
     if memory < need:
-        raise ConfigError(f"memory={memory} bytes is less than two copies of this process's "
-                          f"checkpoint need ({need} bytes, {mib(need)}); give at least that, "
-                          "or memory='auto'")
+        raise ConfigError(f"memory={memory} bytes is less than two copies of {whose} need "
+                          f"({need} bytes, {mib(need)}); give at least that, or memory='auto'")
     if free < need:
-        raise ConfigError(f"memory_dir {memory_dir!r} has {mib(free)} free; two copies of this "
-                          f"process's checkpoint need {mib(need)}")
+        raise ConfigError(f"memory_dir {memory_dir!r} has {mib(free)} free; two copies of "
+                          f"{whose} need {mib(need)}")
     return memory
 
 
 class MemoryTier:
     """The copies of one run directory's checkpoints in host shared memory (persist thread:
-    :meth:`publish`; the training thread: :meth:`remove` at ``close()``)."""
+    :meth:`publish`, or :meth:`publish_parts` on every rank; the training thread:
+    :meth:`remove` at ``close()``). Several ranks share one host's copies (``owner``: rank 0,
+    which names the run and removes them)."""
 
-    def __init__(self, directory: str, memory_dir: str, limit: int):
-        self.directory, self.limit = directory, limit
+    def __init__(self, directory: str, memory_dir: str, limit: int, owner: bool = True):
+        self.directory, self.limit, self.owner = directory, limit, owner
         self.root = root_of(directory, memory_dir)
         os.makedirs(self.root, exist_ok=True)
         run = os.path.join(self.root, RUN_FILE)
-        if _run_of(self.root) != directory:
+        if owner and _run_of(self.root) != directory:
             replace_file(run, lambda tmp: write_file(tmp, os.fsencode(directory)))
 
     def publish(self, name: str, tensors: dict, manifest: dict) -> Optional[str]:
@@ -115,9 +127,38 @@ class MemoryTier:
         apply_retention(self.root, 1)
         return path
 
+    def publish_parts(self, ranks, name: str, tensors: dict, manifest: dict, top) -> Optional[str]:
+        """:meth:`publish` of a checkpoint of several ranks on one host, called on every rank
+        (persist thread) after the disk's commit: each rank's part (``tensors``, its part's
+        ``manifest``) and rank 0's top manifest ``top`` committed together as on disk
+        (:meth:`Ranks.commit`), so that the loader reads it as it reads the disk's; None, with
+        a warning on every rank, when some rank's part could not be written."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        fits = 2 * nbytes * ranks.world_size <= self.limit
+
+        def write_part(shared: str) -> None:
+            if not fits:
+                raise StorageError(f"two copies of every rank's part take more than the memory "
+                                   f"tier's {self.limit} bytes")
+            writer = CheckpointWriter(shared, ranks.part_name(), direct=False)
+            writer.write_tensors(tensors)
+            writer.commit(manifest, update_latest=False)
+
+        try:
+            path = ranks.commit(self.root, name, write_part, top,
+                                lambda root, n: CheckpointWriter(root, n, direct=False))
+        except Exception as exc:  # (on every rank: the vote failed)
+            warnings.warn(f"gockpt: checkpoint {name} not kept in memory ({self.root}): {exc}",
+                          RuntimeWarning, stacklevel=2)
+            return None
+        if self.owner:
+            apply_retention(self.root, 1)
+        return path
+
     def remove(self) -> None:
-        """Remove every copy (the end of training: the disk holds them)."""
-        remove(self.directory, os.path.dirname(self.root))
+        """Remove every copy (the end of training: the disk holds them; rank 0's to do)."""
+        if self.owner:
+            remove(self.directory, os.path.dirname(self.root))
 
 
 def remove(directory: str, memory_dir: Optional[str] = None) -> bool:
@@ -130,13 +171,14 @@ def remove(directory: str, memory_dir: Optional[str] = None) -> bool:
     return True
 
 
-def usable_copy(directory: str, disk: Optional[str], memory_dir: Optional[str] = None
-                ) -> Optional[str]:
+def usable_copy(directory: str, disk: Optional[str], memory_dir: Optional[str] = None,
+                same_step: bool = False) -> Optional[str]:
     """The memory copy of run ``directory`` to load instead of ``disk`` (the checkpoint the
     disk would give, None if it has none): the one its ``latest`` names, when the copies are
-    of this run, committed and at least as new as ``disk``; None otherwise (with a warning
-    when its manifest is damaged). The load checks every byte of it, and loads ``disk``
-    instead when a byte is wrong (:func:`gockpt.load`)."""
+    of this run, committed and at least as new as ``disk`` (``same_step``: of its step, and
+    ``disk`` there); None otherwise (with a warning when its manifest is damaged). The load
+    checks every byte of it, and loads ``disk`` instead when a byte is wrong
+    (:func:`gockpt.load`)."""
     root = root_of(directory, memory_dir)
     if _run_of(root) != directory or not list_checkpoints(root):
         return None
@@ -146,6 +188,8 @@ def usable_copy(directory: str, disk: Optional[str], memory_dir: Optional[str] =
         return None
     try:
         step = read_manifest(path)["step"]
+        if same_step and (disk is None or step != read_manifest(disk)["step"]):
+            return None
         if disk is not None and step < read_manifest(disk)["step"]:
             return None  # an older copy (its newer checkpoint was not kept in memory)
     except (CorruptCheckpointError, KeyError, TypeError) as exc:

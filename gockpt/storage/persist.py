@@ -235,6 +235,9 @@ class Persister:
                                     shares=job.plan.share[1] > 1, index=self._index(job.plan))
                 path = self.ranks.commit(self.config.directory, name, write_part, top,
                                          self.new_writer)
+                if self.memory is not None:  # (committed on every rank: each takes part)
+                    self.memory.publish_parts(self.ranks, name, self._host_tensors(job),
+                                              job.stream.manifest, top)
                 if job.error is not None:
                     return
             else:

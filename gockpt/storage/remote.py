@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..core.errors import ConfigError, StorageError
-from ..core.config import RemoteOptions
+from ..core.remote_options import RemoteOptions
 from ..core.paths import REMOTE_SCHEME as SCHEME, split_remote
 from . import io as _io
 
