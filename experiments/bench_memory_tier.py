@@ -15,8 +15,17 @@ training step after the load, ``--repeat`` times each, the best reported:
 
 Every restart's state is compared bitwise with the killed process's at its checkpoint. The
 restart's own parts (interpreter and torch start, building the model, the load, the step) are
-printed apart. What is lost per failure is not measured here: without the step log (#39 item
-2, not built yet) a restart from memory resumes at the same checkpoint as one from disk.
+printed apart.
+
+Then the step log (``Config(memory_log=...)``), on a model of ``--log-gb`` GB:
+
+* steps lost: a process checkpointing every 10 steps is killed right after step 17, with the
+  log and without; where its restart resumes (the log: 17, or 16 when the last entry was
+  still being written; without: the checkpoint of step 10), bitwise the killed run's state
+  at that step;
+* per-step cost: mean step time of 40 steps (a checkpoint every 20, gockpt-o, the copies
+  paced like a device link on which a full copy takes 3 steps) with the memory tier and
+  with it and the log, against no checkpointing, alternated ``--repeat`` times, medians.
 """
 
 from __future__ import annotations
@@ -60,6 +69,21 @@ def child(args) -> None:
         opt.zero_grad()
 
     t_built = time.time()
+    if args.role == "lose":  # train with a checkpoint every 10 steps, killed after step 17
+        options = {"memory_log": 1 << 30} if args.log else {}
+        ck = gockpt.Checkpointer(model, opt, args.dir, mode="gockpt-o", interval=10,
+                                 memory="auto", memory_dir=args.memory_dir, **options)
+        for s in range(1, 18):
+            ck.backward_begin()
+            model(x).square().mean().backward()
+            ck.update_begin()
+            opt.step()
+            opt.zero_grad()
+            ck.save_checkpoint(s)
+            torch.save(snapshot(model, opt), os.path.join(args.dir, f"expected-{s}.pt"))
+            if s == 12:
+                ck.wait()  # (the checkpoint of step 10 committed)
+        os.kill(os.getpid(), signal.SIGKILL)
     if args.role == "train":
         ck = gockpt.Checkpointer(model, opt, args.dir, mode="gockpt-o", overlap_steps=1,
                                  interval=2, memory="auto", memory_dir=args.memory_dir)
@@ -75,13 +99,15 @@ def child(args) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     restored = gockpt.load(args.dir, model, opt, memory_dir=args.memory_dir)
     t_loaded = time.time()
+    expected = os.path.join(args.dir, "expected.pt")
+    if not os.path.exists(expected):  # (after "lose": the killed run's state at each step)
+        expected = os.path.join(args.dir, f"expected-{restored.step}.pt")
     same = gockpt.testing.first_difference(
-        snapshot(model, opt), torch.load(os.path.join(args.dir, "expected.pt"),
-                                         weights_only=False)) is None
+        snapshot(model, opt), torch.load(expected, weights_only=False)) is None
     t_checked = time.time()
     step()
     t_step = time.time()
-    print(json.dumps({"path": restored.path, "bitwise": same,
+    print(json.dumps({"path": restored.path, "bitwise": same, "step_reached": restored.step,
                       "start": t_import - t_start, "build": t_built - t_import,
                       "load": t_loaded - t_built, "step": t_step - t_checked,
                       "total": t_step - t_start - (t_checked - t_loaded)}))
@@ -99,11 +125,12 @@ def drop_cache(directory: str) -> None:
                 os.close(fd)
 
 
-def run_child(role: str, layers: int, directory: str, memory_dir: str):
+def run_child(role: str, layers: int, directory: str, memory_dir: str, log: bool = False):
     cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--layers", str(layers),
-           "--dir", directory, "--memory-dir", memory_dir, "--t0", repr(time.time())]
+           "--dir", directory, "--memory-dir", memory_dir, "--t0", repr(time.time())] + \
+        (["--log"] if log else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    if role == "train":
+    if role in ("train", "lose"):
         if proc.returncode != -signal.SIGKILL:
             raise SystemExit(f"the training process did not end as killed: {proc.stderr}")
         return None
@@ -118,7 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="the run directory's parent (default: a temporary one)")
     ap.add_argument("--memory-dir", default="/dev/shm")
+    ap.add_argument("--log-gb", type=float, default=0.05)
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--log", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--t0", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -161,7 +190,83 @@ def main(argv=None) -> int:
         memory_tier.remove(run, args.memory_dir)
         shutil.rmtree(parent, ignore_errors=True)
         shutil.rmtree(nowhere, ignore_errors=True)
+    steps_lost(layers_for(args.log_gb), args)
+    log_cost(layers_for(args.log_gb), args)
     return 0
+
+
+def steps_lost(layers: int, args) -> None:
+    """Killed right after step 17 of a run checkpointing every 10 steps: where it resumes."""
+    from gockpt.core.paths import real_directory
+    from gockpt.storage import memory_tier
+    print(f"\nsteps lost: {layers} x Linear({WIDTH}, {WIDTH}), a checkpoint every 10 steps, "
+          "killed after step 17")
+    for log in (False, True):
+        parent = tempfile.mkdtemp(prefix="gockpt-bench-lost-", dir=args.dir)
+        run = real_directory(os.path.join(parent, "run"))
+        try:
+            run_child("lose", layers, run, args.memory_dir, log=log)
+            r = run_child("restart", layers, run, args.memory_dir)
+            print(f"  {'with the step log' if log else 'without it':<18} resumes at step "
+                  f"{r['step_reached']:>2}: {17 - r['step_reached']} steps lost, load "
+                  f"{r['load']:.2f} s, {'bitwise' if r['bitwise'] else 'NOT BITWISE'}")
+        finally:
+            memory_tier.remove(run, args.memory_dir)
+            shutil.rmtree(parent, ignore_errors=True)
+
+
+def log_cost(layers: int, args) -> None:
+    """Mean step time without checkpoints, with the memory tier, with it and the log."""
+    import statistics
+
+    import torch
+
+    import gockpt
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, WIDTH)
+    state = sum(p.numel() for p in model.parameters()) * 12
+
+    def train(options) -> float:
+        parent = tempfile.mkdtemp(prefix="gockpt-bench-cost-", dir=args.dir)
+        ck = None if options is None else gockpt.Checkpointer(
+            model, opt, os.path.join(parent, "run"), mode="gockpt-o", interval=20,
+            memory="auto", memory_dir=args.memory_dir, **options)
+        times = []
+        try:
+            for s in range(1, 41):
+                t0 = time.perf_counter()
+                loss = model(x).square().mean()
+                if ck:
+                    ck.backward_begin()
+                loss.backward()
+                if ck:
+                    ck.update_begin()
+                opt.step()
+                opt.zero_grad()
+                if ck:
+                    ck.save_checkpoint(s)
+                times.append(time.perf_counter() - t0)
+            if ck:
+                ck.close()
+        finally:
+            shutil.rmtree(parent, ignore_errors=True)
+        return statistics.mean(times[5:])
+
+    step = train(None)
+    link = {"emulate_link_gbps": state / (3 * step) / 1e9}  # a full copy: 3 steps
+    runs = {"none": None, "memory tier": link, "memory tier + log": dict(link, memory_log=1 << 30)}
+    got = {name: [] for name in runs}
+    for _ in range(args.repeat):
+        for name, options in runs.items():
+            got[name].append(train(options))
+    print(f"\nper-step cost: {layers} x Linear({WIDTH}, {WIDTH}) ({state / 1e6:.0f} MB of state), "
+          f"40 steps, a checkpoint every 20, link {link['emulate_link_gbps']:.2f} GB/s")
+    base = statistics.median(got["none"])
+    for name, times in got.items():
+        t = statistics.median(times)
+        print(f"  {name:<18} {t * 1e3:7.1f} ms per step   {t / base:.3f}x")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from typing import Callable, Optional, Union
 
 import torch
@@ -49,11 +48,10 @@ from .pipeline import Pipeline
 from .schedule import MAX_K, Busy, Schedule
 from .storage.commit import check_new_name, cleanup_temporaries, ensure_writable
 from .storage.lock import lock_for_ranks
-from .storage import remote
-from .storage import memory_tier
-from .storage.memory_tier import MemoryTier
 from .storage.persist import Persister
-from .storage.replicate import RemoteStatus, Replicator
+from .storage.replicate import RemoteStatus
+from .steplog import StepLog
+from .tiers import Tiers
 from .storage.ranks import Ranks
 
 log = logging.getLogger("gockpt")
@@ -139,20 +137,19 @@ class Checkpointer:
             if self.config.grad_transport is GradTransport.BF16 and self.adapter is not None else None
         self.capture = Capture(model, optimizer, scheduler, self.engine, self.adapter, transport)
         self.schedule = Schedule(self.config, self.ranks.several)
-        self.memory = self._memory_tier() if self.config.memory is not None else None
+        self.tiers = Tiers(self.config, self.ranks, self.plan.state_bytes(2),
+                           self._copies_in_progress)
+        self.steplog = None  # the memory tier's step log (Config.memory_log)
+        if self.config.memory_log is not None and self.tiers.memory is not None:
+            if self.ranks.several:
+                raise ConfigError("memory_log: the step log keeps one process's steps for now; "
+                                  "with several ranks leave it off")
+            self.steplog = StepLog(model, optimizer, scheduler, self.tiers.memory.root,
+                                   self.config.memory_log, self.device, self.plan.slot_of_id)
         self.persister = Persister(self.config, self.plan, self.ranks, type(optimizer).__name__,
                                    step_time=self.schedule.median_step_time,
                                    host_bytes=self.staging.nbytes,
-                                   on_durable=self._on_durable, memory=self.memory)
-        self.replicator = None  # the remote tier: rank 0 uploads every rank's part
-        if self.config.remote is not None:
-            remote.register(self.config.remote, self.config.remote_options)
-            if self.ranks.rank == 0:
-                self.replicator = Replicator(self.config.directory, self.config.remote,
-                                             keep_last=self.config.remote_keep_last,
-                                             retry_s=self.config.remote_retry_s,
-                                             yield_to=self._copies_in_progress)
-                self.replicator.resume()
+                                   on_durable=self._on_durable, memory=self.tiers.memory)
         self.digester = LiveDigests(self.device) if self.config.verify else None
         self.pipeline = Pipeline(self.config, self.capture, self.replayer, self.persister,
                                  digester=self.digester)
@@ -165,7 +162,7 @@ class Checkpointer:
         self._blocked = BlockedTime(lambda: self._job)
         self._step_hooks = StepHooks(optimizer, self.loop, lambda: self._job, self.pipeline,
                                      self.staging, self.device, self.policy.replays,
-                                     self._blocked)
+                                     self._blocked, self.steplog)
         self._progress = runlog.Progress(self.config.directory, self.ranks.rank == 0)
         if self.ranks.rank == 0:  # a process of the job started: goodput's attempts
             runlog.record(self.config.directory, "start", world_size=self.ranks.world_size,
@@ -173,28 +170,6 @@ class Checkpointer:
         log.info("gockpt: %s mode, %d tensors in %d blocks, %.1f MiB host staging planned",
                  self.config.mode, len(self.plan.slots), len(self.plan.blocks),
                  self.planned_host_bytes / 2**20)
-
-    def _memory_tier(self) -> Optional[MemoryTier]:
-        """The memory tier of ``Config.memory``, agreed on by every rank (None: off)."""
-        cfg, ranks = self.config, self.ranks
-        if ranks.several and not ranks.same(memory_tier.host_id()):
-            warnings.warn("gockpt: the memory tier is off: the ranks run on several hosts (each "
-                          "host's copies would need a peer's; not built yet)", RuntimeWarning,
-                          stacklevel=4)
-            return None
-        error, limit = None, None
-        try:
-            limit = memory_tier.budget(cfg.memory, cfg.memory_dir,
-                                       ranks.agree_max(self.plan.state_bytes(2)),
-                                       ranks.world_size)
-        except ConfigError as exc:
-            error = exc
-        if not ranks.agree_all(error is None):  # (a rank raising alone: the others would hang)
-            raise error or ConfigError("the memory tier: another rank refused memory= (its "
-                                       "error says why)")
-        if not ranks.agree_all(limit is not None):
-            return None
-        return MemoryTier(cfg.directory, cfg.memory_dir, limit, owner=ranks.rank == 0)
 
     # ------------------------------------------------------------------ hooks
 
@@ -217,6 +192,8 @@ class Checkpointer:
             job = self._job
             if job is not None and job.capturing and job.error is None:
                 self.pipeline.land(job, job.window_step(self.loop.boundary))
+        if self.steplog is not None:
+            self.steplog.before_update()
         self.loop.phase = UPDATE
         self.loop.raise_pending()
 
@@ -243,6 +220,8 @@ class Checkpointer:
         if name is not None:
             check_new_name(self.config.directory, name)
         check_step(step)
+        if self.steplog is not None and callable(extra_state):
+            extra_state = extra_state()  # (taken once: the checkpoint and the log hold it)
         loop = self.loop
         self.schedule.reached_boundary(loop.reach_boundary(step))
         self._progress.boundary(step)
@@ -273,6 +252,8 @@ class Checkpointer:
             self.persister.persist(self._job)  # sync: the write blocks (and is counted) too
             self.loop.raise_pending()
         self.schedule.boundary_done()
+        if self.steplog is not None:
+            self.steplog.boundary(step, extra_state)
         return handle
 
     def plan_checkpoint(self, step: int) -> None:
@@ -309,8 +290,9 @@ class Checkpointer:
         """A checkpoint was committed (persist thread): the schedule learns its stall, the
         remote tier queues its upload."""
         self.schedule.durable(job.metrics.blocked_s)
-        if self.replicator is not None:
-            self.replicator.submit(job.name)
+        self.tiers.committed(job.name)
+        if self.steplog is not None:
+            self.steplog.committed(job.handle.final_step)
 
     def _copies_in_progress(self) -> Optional[threading.Event]:
         """Any thread: the event that ends the current checkpoint's copies during training
@@ -391,10 +373,9 @@ class Checkpointer:
                     job.drop()
             self._step_hooks.wait_copies()
             self.pipeline.close()
-            if self.replicator is not None:
-                self.replicator.close(self.config.remote_wait_s)
-            if self.memory is not None and end_of_training:
-                self.memory.remove()
+            if self.steplog is not None:
+                self.steplog.close()
+            self.tiers.finish(end_of_training)
         finally:
             self._stop()
         self._progress.end()  # (a killed process records none)
@@ -456,8 +437,9 @@ class Checkpointer:
 
     def _stop(self) -> None:
         """Stop every thread and let go of every resource (the end of close and abort)."""
-        if self.replicator is not None:
-            self.replicator.close(0)
+        self.tiers.stop()
+        if self.steplog is not None:
+            self.steplog.close()
         self.staging.close()
         self.engine.close()
         if self.digester is not None:
@@ -474,15 +456,14 @@ class Checkpointer:
         latter) and say how far the remote tier got (``None`` without one, and
         on ranks other than 0, which upload nothing). Does not raise for a failing store: the
         status names its last error."""
-        if self.replicator is None:
+        if self.tiers.replicator is None:
             return None
         self.wait()  # the last checkpoint asked for is committed (and so queued) first
-        self.replicator.wait(timeout)
-        return self.replicator.status()
+        return self.tiers.wait_remote(timeout)
 
     def remote_status(self) -> Optional[RemoteStatus]:
         """How far the remote tier got, without waiting (see :meth:`wait_remote`)."""
-        return None if self.replicator is None else self.replicator.status()
+        return self.tiers.remote_status()
 
     def __enter__(self):
         return self

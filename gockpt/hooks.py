@@ -59,8 +59,9 @@ class StepHooks:
 
     def __init__(self, optimizer, loop: Loop, current: Callable[[], Optional[Job]],
                  pipeline: Pipeline, staging: HostStaging, device, replays: bool,
-                 blocked: BlockedTime):
+                 blocked: BlockedTime, steplog=None):
         self.optimizer, self.loop, self.current = optimizer, loop, current
+        self.steplog = steplog  # the memory tier's step log (gockpt.steplog), or None
         self.pipeline, self.staging, self.device = pipeline, staging, device
         self.replays, self.blocked = replays, blocked
         self._tickets: List = []  # gradient copies in flight (gockpt-o)
@@ -75,6 +76,8 @@ class StepHooks:
         """The gradients are exactly what this update consumes."""
         with self.blocked("optimizer_step"):
             self._record_gradients()
+        if self.steplog is not None and self.loop.phase == UPDATE:
+            self.steplog.consumed()
 
     def _record_gradients(self) -> None:
         job = self.current()

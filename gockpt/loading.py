@@ -21,6 +21,7 @@ from .resharding import load_resharded, needs_resharding, written_by
 from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
                        warn_rng_not_restored)
 from .core.paths import directory_to_read, is_remote
+from . import steplog
 from .storage import memory_tier
 from .storage.commit import checkpoint_of, is_committed
 from .storage.format import MANIFEST_FILE
@@ -59,7 +60,10 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     (every chunk's checksum as it is read, then the digests of the live state at F); a
     damaged or incomplete copy is never what a load returns: a warning says why, and the
     disk's checkpoint is loaded over whatever it had put in place. ``Restored.path`` says
-    which was loaded.
+    which was loaded. With the step log (``Config(memory_log=...)``, one process), the
+    logged steps after that checkpoint are then replayed through ``optimizer`` and checked
+    against the last one's digests (``Restored.step`` is that step; anything that does not
+    match: a warning, and the checkpoint is loaded again).
 
     Raises:
         CheckpointNotFoundError: nothing committed at ``directory`` / ``tag``.
@@ -67,8 +71,11 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         LoadError: the checkpoint does not fit ``model`` / ``optimizer``.
     """
     started = time.time()
-    run, top, disk = _newest(directory_to_read(directory), tag, memory_dir,
-                             memory=rank is None)
+    path = directory_to_read(directory)
+    run, top, disk = _newest(path, tag, memory_dir, memory=rank is None)
+    # the memory tier's step log: in one process, the run's newest state asked for
+    replays_log = rank is None and tag is None and not _several() and run == path \
+        and not is_remote(path)
     _record_load(run, top, "loading")
     args = (model, optimizer, scheduler, restore_rng, verify, map_location, rank)
     failed = None
@@ -86,6 +93,18 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
                       f"{disk} from disk instead", RuntimeWarning, stacklevel=2)
         top = disk
         restored = _load_checkpoint(top, *args)
+    root = memory_tier.owned_root(run, memory_dir) if replays_log else None
+    if root is not None and optimizer is not None:
+        try:
+            replayed = steplog.replay(root, restored, model, optimizer, scheduler,
+                                      restore_rng, map_location)
+        except Exception as exc:  # noqa: BLE001 -- anything: the checkpoint is a safe point
+            warnings.warn(f"gockpt: the step log after step {restored.step} cannot be replayed "
+                          f"({exc}); resuming at the checkpoint of step {restored.step}",
+                          RuntimeWarning, stacklevel=2)
+            restored = _load_checkpoint(top, *args)  # (over whatever the replay changed)
+        else:
+            restored = replayed if replayed is not None else restored
     _record_load(run, top, "load", step=restored.step, time_start=started)
     return restored
 

@@ -101,7 +101,7 @@ def test_a_half_written_or_older_copy_is_not_taken(tmp_path, shm):
     os.makedirs(os.path.join(root, ".tmp-step-000000009-123-abcd"))
     restored, _ = _load(run, shm)
     assert restored.path == os.path.join(root, "step-000000006")
-    ck.memory.limit = 1  # step 9 is not kept in memory: the disk's is newer than the copy
+    ck.tiers.memory.limit = 1  # step 9 is not kept in memory: the disk's is newer than the copy
     with pytest.warns(RuntimeWarning, match="checkpoint step-000000009 not kept in memory"):
         _train(model, opt, ck, 3, first=7)
         ck.wait()
@@ -152,7 +152,7 @@ def test_a_copy_that_cannot_be_written_leaves_the_disk_checkpoint_standing(tmp_p
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ck = gockpt.Checkpointer(model, opt, run, mode="gockpt-o", overlap_steps=2, interval=3,
                              memory="auto", memory_dir=shm)
-    ck.memory.limit = 1  # the checkpoint outgrew the tier
+    ck.tiers.memory.limit = 1  # the checkpoint outgrew the tier
     with pytest.warns(RuntimeWarning, match="checkpoint step-000000003 not kept in memory"):
         _train(model, opt, ck, 3)
         ck.wait()

@@ -217,6 +217,16 @@ class Config:
     whole copy together (each its part, rank 0 the top manifest); ranks on several hosts: the
     tier is off, with a warning."""
 
+    memory_log: Optional[int] = None
+    """The memory tier's step log (off by default; needs ``memory``, one process): at most
+    this many bytes of host shared memory for an entry per training step after the newest
+    checkpoint -- the gradients its update consumed, its small state and the digests of the
+    state after it (:mod:`gockpt.steplog`). ``gockpt.load`` then loads the newest checkpoint
+    and replays the logged steps through the optimizer, checked against the last one's
+    digests: a crash costs the step in progress, not the steps since the checkpoint. An
+    entry holds the gradients (4 bytes a parameter) and the small state; when the log is
+    full, the steps until the next checkpoint are not logged."""
+
     memory_dir: str = "/dev/shm"
     """The tmpfs of the memory tier (``gockpt.load(memory_dir=...)`` must be given the same)."""
 
@@ -337,6 +347,11 @@ class Config:
                 type(self.memory) is not int or self.memory < 1):
             raise ConfigError(f"memory must be None, 'auto' or a number of bytes >= 1, got "
                               f"{self.memory!r}")
+        if self.memory_log is not None and (type(self.memory_log) is not int
+                                            or self.memory_log < 1 or self.memory is None):
+            raise ConfigError(f"memory_log must be None or a number of bytes >= 1 with the "
+                              f"memory tier on (memory=...), got memory_log={self.memory_log!r}, "
+                              f"memory={self.memory!r}")
         if not isinstance(self.memory_dir, (str, os.PathLike)) or not str(self.memory_dir):
             raise ConfigError(f"memory_dir must be a path, got {self.memory_dir!r}")
         self.memory_dir = os.fspath(self.memory_dir)

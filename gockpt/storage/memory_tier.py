@@ -179,8 +179,8 @@ def usable_copy(directory: str, disk: Optional[str], memory_dir: Optional[str] =
     ``disk`` there); None otherwise (with a warning when its manifest is damaged). The load
     checks every byte of it, and loads ``disk`` instead when a byte is wrong
     (:func:`gockpt.load`)."""
-    root = root_of(directory, memory_dir)
-    if _run_of(root) != directory or not list_checkpoints(root):
+    root = owned_root(directory, memory_dir)
+    if root is None or not list_checkpoints(root):
         return None
     try:
         path = resolve(root)
@@ -197,6 +197,13 @@ def usable_copy(directory: str, disk: Optional[str], memory_dir: Optional[str] =
                       RuntimeWarning, stacklevel=3)
         return None
     return path
+
+
+def owned_root(directory: str, memory_dir: Optional[str] = None) -> Optional[str]:
+    """The memory tier's run directory of run ``directory`` when it holds this run's copies
+    (its ``run`` file names ``directory``), else None."""
+    root = root_of(directory, memory_dir)
+    return root if _run_of(root) == directory else None
 
 
 def _run_of(root: str) -> Optional[str]:

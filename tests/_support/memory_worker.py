@@ -63,7 +63,7 @@ def main():
             warnings.simplefilter("always")
             ck = gockpt.Checkpointer(ddp, opt, directory, mode="gockpt-o", overlap_steps=2,
                                      interval=3, memory="auto", memory_dir=shm)
-        assert ck.memory is None
+        assert ck.tiers.memory is None
         assert any("the memory tier is off: the ranks run on several hosts" in str(w.message)
                    for w in caught), [str(w.message) for w in caught]
         train(ddp, opt, ck, 3, rank)

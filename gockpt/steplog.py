@@ -1,0 +1,212 @@
+"""Every step recoverable (``Config.memory_log``): the memory tier's step log.
+
+Between checkpoints, each training step leaves an entry in host shared memory
+(:mod:`gockpt.storage.steplog`): the gradients its update consumed (copied in the optimizer's
+step pre-hook, exactly what the update reads), the param groups' settings the update used and
+those after the step (a scheduler may have changed them), the step's small state (buffers,
+scheduler, RNG, ``extra_state``, as a checkpoint takes them) and the digests of every
+parameter and optimizer state tensor after the update (taken behind the training work by the
+digest thread; the next update waits for their reads). A process restarted after a crash
+loads the newest checkpoint and then, in :func:`replay`, runs the very optimizer over the
+logged steps -- the same update on the same inputs, so the same bits -- restores the last
+step's small state and checks the state against that step's digests before training sees
+it; anything that does not match (a damaged entry, a digest) loads the checkpoint again. A
+crash then costs the step in progress (and the last one, when its entry was not written yet),
+not the steps since the checkpoint.
+
+One process (several ranks: not yet); the log is off where it is not asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+
+from .capture import smallstate
+from .core.digest import LiveDigests, as_pairs, digests, to_hex
+from .core.errors import CorruptCheckpointError
+from .core.names import Names
+from .restored import Restored, to_device
+from .storage import reader, tree
+from .storage.steplog import LogWriter, entries_after, log_root
+
+
+def live_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                 ) -> List[Tuple[str, torch.Tensor]]:
+    """Every parameter and every optimizer state tensor shaped like it, named as the log
+    names them (``param/<name>``, ``state/<name>/<key>``), in a fixed order: what a step's
+    digests cover, on both sides."""
+    names, state, out = Names(model), optimizer.state, []
+    for name, p in model.named_parameters():
+        clean = names.clean(name)
+        out.append((f"param/{clean}", p.detach()))
+        st = state.get(p) or {}
+        for key in sorted(k for k in st if isinstance(k, str)):
+            v = st[key]
+            if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                out.append((f"state/{clean}/{key}", v.detach()))
+    return out
+
+
+def _groups(optimizer) -> list:
+    """The param groups' settings (everything but the parameters)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+class StepLog:
+    """The capture side: called by the Checkpointer's hooks on the training thread."""
+
+    def __init__(self, model, optimizer, scheduler, memory_root: str, limit: int, device,
+                 planned_ids):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.device, self.planned_ids = device, planned_ids
+        names = Names(model)
+        self._params = [(f"grad/{names.clean(name)}", p) for name, p in model.named_parameters()]
+        self.writer = LogWriter(log_root(memory_root), limit)
+        self.digester = LiveDigests(device)
+        self._pending = None  # (gradients by name, the groups' settings) of this step's update
+        self._ticket = None  # the digests of the last step, on their way
+        self._first = True
+        self._written: Optional[threading.Event] = None  # set once the last entry is done
+        self._live: Optional[list] = None  # live_tensors, read again when the state grows
+        self._live_for = -1
+
+    def before_update(self) -> None:
+        """``update_begin``: the last step's digests must have read the state first."""
+        if self._ticket is not None:
+            self.device.order_after_digests(self._ticket)
+
+    def consumed(self) -> None:
+        """The optimizer's step pre-hook: the gradients this update consumes, and the groups'
+        settings it uses, copied."""
+        tensors = {}
+        stepped = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        for key, p in self._params:
+            if id(p) in stepped and p.grad is not None:
+                tensors[key] = p.grad.detach().to("cpu", copy=True)
+        self._pending = (tensors, tree.encode(_groups(self.optimizer), tensors, "used/"))
+
+    def boundary(self, step: int, extra_state) -> None:
+        """``save_checkpoint(step)``: the entry of this step (its update, if it ran: GradScaler
+        may skip it), its digests queued behind the training work."""
+        tensors, used = self._pending if self._pending is not None else ({}, None)
+        self._pending = None
+        small = {"model": smallstate.model_small(self.model, self.planned_ids),
+                 "scheduler": smallstate.scheduler_state(self.scheduler),
+                 "rng": smallstate.capture_rng(), "extra_state": extra_state}
+        manifest = {"step": step, "stepped": used is not None, "groups_used": used,
+                    "groups_after": tree.encode(_groups(self.optimizer), tensors, "after/"),
+                    "small": tree.encode(small, tensors, "small/")}
+        if len(self.optimizer.state) != self._live_for:  # (states made at the first update)
+            self._live = live_tensors(self.model, self.optimizer)
+            self._live_for = len(self.optimizer.state)
+        names = [n for n, _ in self._live]
+        self._ticket = ticket = self.digester.submit([t for _, t in self._live])
+        # (the digests are waited for on the log's thread, not here)
+        if self._written is not None:  # a crash after this boundary loses one step at most
+            self._written.wait()
+        self._written = threading.Event()
+        self.writer.write(step, tensors, manifest, self._first,
+                          lambda: dict(zip(names, map(to_hex, ticket.pairs()))), self._written)
+        self._first = False
+
+    def committed(self, step: int) -> None:
+        """A checkpoint of ``step`` is committed: its entries and older are not needed."""
+        self.writer.prune(step)
+
+    def close(self) -> None:
+        """Finish writing what is queued and stop (twice: nothing more)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.digester.close()
+            self.writer = None
+
+
+# ------------------------------------------------------------------------------ the restart
+
+class LogMismatch(CorruptCheckpointError):
+    """A replayed step's state differs from the digests logged for it."""
+
+
+def replay(memory_root: str, restored: Restored, model, optimizer, scheduler,
+           restore_rng: bool, map_location) -> Optional[Restored]:
+    """After ``restored`` (the checkpoint of step S) was loaded: run the logged steps S + 1,
+    S + 2, ... through ``optimizer`` and restore the last one's small state, checked against
+    its digests; what it restored (None: no entry after S). Raises CorruptCheckpointError
+    (the caller loads S again) when an entry is damaged or a digest differs."""
+    params = {}
+    names = Names(model)
+    for name, p in model.named_parameters():
+        params[f"grad/{names.clean(name)}"] = p
+    manifest, replayed = None, None
+    try:
+        with _without_step_hooks(optimizer):
+            for path in entries_after(log_root(memory_root), restored.step):
+                try:  # read and checked whole before anything of it is applied
+                    manifest = reader.read_manifest(path)
+                    tensors = reader.read_tensors(path, manifest, verify=True)
+                except CorruptCheckpointError as exc:
+                    warnings.warn(f"gockpt: the step log's entry {path} is damaged ({exc}); "
+                                  "the replay stops before it", RuntimeWarning, stacklevel=3)
+                    break
+                replayed = (path, manifest, tensors)
+                if manifest["stepped"]:
+                    for key, p in params.items():
+                        g = tensors.get(key)
+                        p.grad = None if g is None else g.to(p.device, p.dtype)
+                    _set_groups(optimizer, tree.decode(manifest["groups_used"], tensors))
+                    optimizer.step()
+                _set_groups(optimizer, tree.decode(manifest["groups_after"], tensors))
+    finally:
+        for p in params.values():
+            p.grad = None
+    if replayed is None:
+        return None
+    path, manifest, tensors = replayed
+    small = tree.decode(manifest["small"], tensors)
+    with torch.no_grad():
+        live = model.state_dict()
+        own = names.clean_all(live)
+        for name, value in (small["model"] or {}).items():
+            live[own[name]].copy_(value)
+    if scheduler is not None and small["scheduler"] is not None:
+        scheduler.load_state_dict(small["scheduler"])
+    if restore_rng:
+        smallstate.restore_rng(small["rng"])
+    now = live_tensors(model, optimizer)
+    got = dict(zip([n for n, _ in now], map(to_hex, as_pairs(digests([t for _, t in now])))))
+    logged = manifest["digests"]
+    if got != logged:
+        wrong = sorted(n for n in set(got) | set(logged) if got.get(n) != logged.get(n))
+        raise LogMismatch(f"{path}: the state replayed to step {manifest['step']} differs from "
+                          f"its logged digests ({', '.join(wrong[:3])}"
+                          f"{' ...' if len(wrong) > 3 else ''})")
+    extra = small["extra_state"]
+    return Restored(step=manifest["step"], extra_state=to_device(extra, map_location)
+                    if map_location is not None else extra, path=path,
+                    manifest=restored.manifest, rng_restored=restore_rng,
+                    resharded=False)
+
+
+def _set_groups(optimizer, groups) -> None:
+    for g, settings in zip(optimizer.param_groups, groups):
+        g.update(settings)
+
+
+@contextlib.contextmanager
+def _without_step_hooks(optimizer):
+    """The optimizer's own step, without the hooks registered on it (a Checkpointer's: the
+    replay is not a training step)."""
+    pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    saved = (dict(pre), dict(post))
+    pre.clear()
+    post.clear()
+    try:
+        yield
+    finally:
+        pre.update(saved[0])
+        post.update(saved[1])

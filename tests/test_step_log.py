@@ -1,0 +1,209 @@
+"""The memory tier's step log (Config.memory_log): a process killed between checkpoints restarts
+at its last logged step, bit for bit the uninterrupted run's state there (model, optimizer,
+scheduler, RNG, extra_state); a damaged entry ends the replay before it; a replay that does
+not match its digests loads the checkpoint again; a second crash before the next checkpoint
+replays the first process's steps and the second's."""
+
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+import gockpt
+from gockpt.core.errors import ConfigError
+from gockpt.storage import memory_tier
+from gockpt.storage.steplog import log_root
+from gockpt.testing import assert_same, snapshot
+from tests._support.cli_helpers import flip_byte
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EVERY = 5  # a checkpoint every 5 steps
+
+
+@pytest.fixture
+def shm():
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="gockpt-test-log-", dir=base) as d:
+        yield d
+
+
+def _objects(optim=torch.optim.AdamW):
+    torch.manual_seed(0)  # (and every RNG a checkpoint holds: the states are compared)
+    np.random.seed(0)
+    random.seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(16, 4))  # (dropout: the RNG matters)
+    opt = optim(model.parameters(), lr=1e-2)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+
+
+def _steps(model, opt, sched, ck, first, last, snaps=None):
+    """Train steps ``first``..``last`` (the data depends on the step only)."""
+    for step in range(first, last + 1):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).square().mean()
+        if ck is not None:
+            ck.backward_begin()
+        loss.backward()
+        if ck is not None:
+            ck.update_begin()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if ck is not None:
+            ck.save_checkpoint(step, extra_state={"seen": step})
+        if snaps is not None:
+            snaps[step] = _state(model, opt, sched)
+
+
+def _state(model, opt, sched):
+    return {"state": snapshot(model, opt), "sched": sched.state_dict(),
+            "rng": torch.get_rng_state()}
+
+
+def _reference(last):
+    """The uninterrupted run's state after every step (no gockpt)."""
+    snaps = {}
+    _steps(*_objects(), None, 1, last, snaps)
+    return snaps
+
+
+def _checkpointer(run, shm, model, opt, sched, **options):
+    return gockpt.Checkpointer(model, opt, run, mode="gockpt-o", overlap_steps=2,
+                               interval=EVERY, scheduler=sched, memory="auto", memory_dir=shm,
+                               memory_log=1 << 26, **options)
+
+
+def _killed_after(run, shm, step, first=1):
+    """A process that trains (resuming from ``run`` when ``first`` > 1; else up to step 6,
+    waiting for the checkpoint of step 5) up to ``step``'s boundary and is killed with
+    SIGKILL right after it (its log thread mid-write)."""
+    code = f"""
+import os, signal, sys
+sys.path.insert(0, {ROOT!r})
+import gockpt
+from tests.test_step_log import _objects, _steps, _checkpointer
+model, opt, sched = _objects()
+first = {first}
+if first > 1:
+    assert gockpt.load({run!r}, model, opt, scheduler=sched, memory_dir={shm!r}).step == first - 1
+ck = _checkpointer({run!r}, {shm!r}, model, opt, sched)
+if first == 1:  # (the checkpoint of step 5 committed: a restart has a base)
+    _steps(model, opt, sched, ck, 1, 6)
+    ck.wait()
+    first = 7
+_steps(model, opt, sched, ck, first, {step})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr
+
+
+def _restart(run, shm, optim=torch.optim.AdamW):
+    model, opt, sched = _objects(optim)
+    restored = gockpt.load(run, model, opt, scheduler=sched, memory_dir=shm)
+    return restored, _state(model, opt, sched)
+
+
+@pytest.mark.parametrize("killed_at", [7, 9, 11])
+def test_a_killed_process_restarts_at_its_last_step_not_at_the_checkpoint(tmp_path, shm,
+                                                                         killed_at):
+    """Killed right after the boundary of a step inside a checkpoint's window (7, 9: K=2
+    windows end at 10) or after one (11): the restart resumes at that step or the one
+    before (whose entry a boundary waits for), bitwise, and training on from there gives
+    the uninterrupted run's states."""
+    run = str(tmp_path / "run")
+    reference = _reference(14)
+    _killed_after(run, shm, killed_at)
+    restored, state = _restart(run, shm)
+    assert killed_at - 1 <= restored.step <= killed_at, restored.step
+    assert restored.extra_state == {"seen": restored.step}
+    assert_same(state, reference[restored.step])
+    assert restored.path == os.path.join(log_root(memory_tier.root_of(
+        os.path.realpath(run), shm)), f"step-{restored.step:09d}")
+    model, opt, sched = _objects()
+    gockpt.load(run, model, opt, scheduler=sched, memory_dir=shm)
+    _steps(model, opt, sched, None, restored.step + 1, 14)
+    assert_same(_state(model, opt, sched), reference[14])
+
+
+def test_a_second_crash_before_the_next_checkpoint_replays_both_processes_steps(tmp_path, shm):
+    run = str(tmp_path / "run")
+    reference = _reference(9)
+    _killed_after(run, shm, 7)
+    first, _ = _restart(run, shm)
+    _killed_after(run, shm, 9, first=first.step + 1)
+    restored, state = _restart(run, shm)
+    assert restored.step >= 8
+    assert_same(state, reference[restored.step])
+
+
+def test_a_damaged_entry_ends_the_replay_before_it(tmp_path, shm):
+    run = str(tmp_path / "run")
+    reference = _reference(9)
+    _killed_after(run, shm, 9)
+    log = log_root(memory_tier.root_of(os.path.realpath(run), shm))
+    flip_byte(os.path.join(log, "step-000000008"), "grad/0.weight")
+    with pytest.warns(RuntimeWarning, match=r"entry .*step-000000008 is damaged .*the replay "
+                                            r"stops before it"):
+        restored, state = _restart(run, shm)
+    assert restored.step == 7
+    assert_same(state, reference[7])
+
+
+class AdamW(torch.optim.AdamW):
+    """Another AdamW than the one the run trained with (as after an upgrade that changed
+    its kernel): the last bit of every parameter it updates differs."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.view(torch.int32).bitwise_xor_(1)
+        return out
+
+
+def test_a_replay_that_does_not_match_its_digests_loads_the_checkpoint(tmp_path, shm):
+    """The restarted script's optimizer updates otherwise than the run's: the checkpoint
+    loads, but the replayed steps differ from the logged digests."""
+    run = str(tmp_path / "run")
+    reference = _reference(8)
+    _killed_after(run, shm, 8)
+    with pytest.warns(RuntimeWarning, match=r"cannot be replayed \(.*differs from its logged "
+                                            r"digests .*resuming at the checkpoint of step 5"):
+        restored, state = _restart(run, shm, optim=AdamW)
+    assert restored.step == 5
+    assert_same(state["state"]["model"], reference[5]["state"]["model"])
+
+
+def test_a_full_log_stops_until_the_next_checkpoint(tmp_path, shm):
+    run = str(tmp_path / "run")
+    model, opt, sched = _objects()
+    ck = _checkpointer(run, shm, model, opt, sched)
+    _steps(model, opt, sched, ck, 1, 6)
+    ck.wait()  # (the checkpoint of step 5: the entries up to it are deleted)
+    ck.steplog.writer.flush()
+    ck.steplog.writer.limit = ck.steplog.writer._bytes * 5 // 2  # two entries and a half
+    with pytest.warns(RuntimeWarning, match="the step log is full") as said:
+        _steps(model, opt, sched, ck, 7, 9)  # (no checkpoint: 10 is the next)
+        ck.steplog.writer.flush()
+    full = int(re.search(r"at step (\d+)", str(said[0].message)).group(1))
+    assert full in (8, 9)  # (two and a half entries fit)
+    restored, _ = _restart(run, shm)
+    assert restored.step == full - 1  # none after the log filled up
+    ck.close()
+
+
+def test_the_step_log_needs_the_memory_tier(tmp_path, shm):
+    model, opt, _ = _objects()
+    with pytest.raises(ConfigError, match="memory_log must be None or a number of bytes >= 1 "
+                                          "with the memory tier on"):
+        gockpt.Checkpointer(model, opt, str(tmp_path / "r"), memory_log=1 << 20)
