@@ -10,8 +10,9 @@ training step after the load, ``--repeat`` times each, the best reported:
 
 * memory     the memory tier's copy (checked completely, then loaded from tmpfs)
 * disk warm  the disk's checkpoint, its file in the page cache (just written)
-* disk cold  the disk's checkpoint, its file dropped from the page cache first
-             (posix_fadvise DONTNEED: the disk is the limit)
+* disk cold  the disk's checkpoint, dropped from the page cache first (all of it where
+             permitted, else its files by posix_fadvise DONTNEED; printed): the disk is the
+             limit
 
 Every restart's state is compared bitwise with the killed process's at its checkpoint. The
 restart's own parts (interpreter and torch start, building the model, the load, the step) are
@@ -42,6 +43,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench_storage import drop_caches  # noqa: E402  (experiments/: this script's folder)
 
 WIDTH = 2048  # Linear(WIDTH, WIDTH) layers: 4.2M parameters, 50 MB of checkpoint each
 
@@ -113,18 +116,6 @@ def child(args) -> None:
                       "total": t_step - t_start - (t_checked - t_loaded)}))
 
 
-def drop_cache(directory: str) -> None:
-    """Drop the page cache of every file under ``directory``."""
-    for base, _, files in os.walk(directory):
-        for f in files:
-            fd = os.open(os.path.join(base, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def run_child(role: str, layers: int, directory: str, memory_dir: str, log: bool = False):
     cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--layers", str(layers),
            "--dir", directory, "--memory-dir", memory_dir, "--t0", repr(time.time())] + \
@@ -171,7 +162,7 @@ def main(argv=None) -> int:
         for _ in range(args.repeat):
             for name, memory_dir in where.items():
                 if name == "disk cold":
-                    drop_cache(run)
+                    cold = drop_caches([run])
                 r = run_child("restart", layers, run, memory_dir)
                 expect_memory = name == "memory"
                 if r["path"].startswith(memory_tier.root_of(run, args.memory_dir)) != expect_memory:
@@ -180,6 +171,7 @@ def main(argv=None) -> int:
                     raise SystemExit(f"{name}: the restarted state differs from the killed one")
                 if name not in best or r["total"] < best[name]["total"]:
                     best[name] = r
+        print(f"(disk cold: {cold})")
         print(f"{'restart from':<12} {'start to 1st step':>18} {'interpreter+torch':>18} "
               f"{'build model':>12} {'load':>8} {'1st step':>9}  (s, best of {args.repeat}; "
               "every state bitwise)")
