@@ -11,7 +11,8 @@ failure times, counted from its job's start), each restart loading the latest ch
 Schemes (experiments/goodput_worker.py): ``none`` (a failure restarts from step 0), gockpt's
 ``sync``, ``async``, ``async-o``, ``gockpt-o`` (every ``--every`` steps, K = ``--k``),
 ``gockpt-o-auto`` (``interval="auto"`` with the MTBF; one rank only: several ranks need a
-fixed interval) and ``dcp`` (``torch.distributed.checkpoint.async_save`` every ``--every``
+fixed interval), ``gockpt-o-memory`` (gockpt-o with the memory tier and, on one rank, its
+step log: a restart resumes at the last step, not the last checkpoint) and ``dcp`` (``torch.distributed.checkpoint.async_save`` every ``--every``
 steps, staged as PyTorch's zero-overhead checkpointing stages: on a background thread while the
 next forward/backward runs, the optimizer step waiting for it). Both cross the same emulated
 device link, on which a full copy of the state takes ``LINK_STEPS`` training steps (the regime
@@ -51,7 +52,8 @@ from gockpt.testing import first_difference  # noqa: E402
 from goodput_worker import model_config  # noqa: E402
 from model import ModelConfig, build, num_params  # noqa: E402
 
-SCHEMES = ("none", "sync", "async", "async-o", "gockpt-o", "gockpt-o-auto", "dcp")
+SCHEMES = ("none", "sync", "async", "async-o", "gockpt-o", "gockpt-o-auto", "gockpt-o-memory",
+           "dcp")
 LINK_STEPS = 3  # one full copy of the state over the emulated link takes this many steps
 TOKENS_PER_STEP = 8 * ModelConfig().seq_len
 # torchrun shares its rendezvous store with the workers; after a restart, a process group
@@ -317,7 +319,8 @@ def main(argv=None) -> int:
                    "kills": len(job["kills"])}
             row["exact"] = exact(job["directory"], reference, args.ranks) \
                 if scheme != "none" or job["finished"] else "not finished"
-            if scheme in ("sync", "async", "async-o", "gockpt-o", "gockpt-o-auto"):
+            if scheme in ("sync", "async", "async-o", "gockpt-o", "gockpt-o-auto",
+                          "gockpt-o-memory"):
                 row["gockpt"] = gp.read(job["directory"]).to_dict()
                 bad |= row["exact"] != "bitwise"
             # the job's training throughput: steps it kept per second of wall time

@@ -41,7 +41,7 @@ from gockpt.testing import snapshot  # noqa: E402
 from model import ModelConfig, batch, build  # noqa: E402
 
 GOCKPT_MODES = {"sync": "sync", "async": "async", "async-o": "async-o", "gockpt-o": "gockpt-o",
-                "gockpt-o-auto": "gockpt-o"}
+                "gockpt-o-auto": "gockpt-o", "gockpt-o-memory": "gockpt-o"}
 
 
 class InjectedFailure(RuntimeError):
@@ -252,7 +252,7 @@ class Scheme:
                 overlap_steps=a.k if GOCKPT_MODES[self.name] == "gockpt-o" else None,
                 scheduler=self.sched, interval=interval,
                 mtbf=a.mtbf if interval == "auto" else None, emulate_link_gbps=a.link_gbps,
-                keep_last=2, storage_writer=self.die.writer())
+                keep_last=2, storage_writer=self.die.writer(), **self._memory_tier())
             self.ck.plan_checkpoint(a.steps)  # the last step is kept too
         elif self.name == "dcp":
             # its own group: the save's collectives run on a thread beside DDP's all-reduces,
@@ -262,6 +262,12 @@ class Scheme:
             start = self._dcp_load()
         self.last_committed = start
         return start
+
+    def _memory_tier(self) -> dict:
+        """gockpt-o-memory: the memory tier, and on one rank its step log."""
+        if self.name != "gockpt-o-memory":
+            return {}
+        return {"memory": "auto"} if self.several else {"memory": "auto", "memory_log": 1 << 30}
 
     def _dcp_load(self) -> int:
         import torch.distributed.checkpoint as dcp

@@ -159,14 +159,26 @@ def progress(records: List[dict]) -> List[List[Tuple[float, int]]]:
 
 
 def _reached(run: Attempt, step: int) -> float:
-    """When ``run`` reached ``step`` (the boundary of the checkpoint that holds it), or its
-    training start where it never went past where it began."""
+    """When ``run`` reached ``step``: the boundary of the checkpoint that holds it; a step the
+    memory tier's log restored, between the run's records around it (interpolated, or on at
+    the pace of its last two); its training start where it never went past where it began."""
     if step <= run.restored_step:
         return run.train_start
     for c in run.checkpoints:
         if c["final_step"] == step:
             return c["final_time"]
-    return run.train_start  # (restored from a checkpoint another process took)
+    points = sorted([(run.train_start, run.restored_step)] + [
+        (r["time"], r["step"]) for r in run.records
+        if r.get("record") == "progress" and r.get("step") is not None] + [
+        (c["final_time"], c["final_step"]) for c in run.checkpoints])
+    if len(points) < 2 or points[-1][1] == run.restored_step:
+        return run.train_start  # (restored from a checkpoint another process took)
+    after = next((i for i, (_, s) in enumerate(points) if s >= step), None)
+    (t0, s0), (t1, s1) = (points[-2], points[-1]) if after is None or after == 0 else \
+        (points[after - 1], points[after])
+    if s1 == s0:
+        return t1
+    return min(t0 + (t1 - t0) * (step - s0) / (s1 - s0), run.end)
 
 
 def _median(values: List[float]) -> Optional[float]:

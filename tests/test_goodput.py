@@ -110,3 +110,16 @@ def test_a_job_cut_after_a_failure_keeps_its_last_checkpoint():
     g = goodput.account([r for r in RUN if r.get("pid") == 1])  # process 1 only, killed
     assert g.seconds["productive"] == pytest.approx(9.0 - 2.0 - 1.0)  # to step 20's boundary
     assert g.seconds["wasted"] == pytest.approx(11.0 - 9.0)
+
+
+def test_a_restart_from_the_step_log_keeps_the_steps_it_replayed():
+    # the second process resumes at step 24 (the memory tier's log replayed 21..24, beyond
+    # step 20's checkpoint): process 1 reached step 24 between its records of step 20 (9 s)
+    # and step 25 (11 s), at 10.6 s by their pace; only 10.6 -> 11 s is computed again
+    run = [dict(r, step=24) if r.get("record") == "load" else r for r in RUN]
+    g = goodput.account(run)
+    kept_until = 9.0 + (11.0 - 9.0) * (24 - 20) / (25 - 20)
+    assert g.seconds["wasted"] == pytest.approx(11.0 - kept_until)
+    assert g.seconds["productive"] == pytest.approx(
+        (kept_until - 2.0 - 1.0) + (21.0 - 15.0 - 0.25))
+    assert sum(g.seconds.values()) == pytest.approx(g.wall_s)
