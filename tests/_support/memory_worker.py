@@ -5,8 +5,8 @@ mismatch.
 
 Scenarios: ``load`` -- the memory copy is a whole checkpoint of every rank, loaded bitwise on
 every rank; one byte of rank 1's part damaged in memory makes every rank load the disk's (a
-warning on each); close() removes the copies. ``hosts`` -- ranks declared on two hosts: the tier
-is off, with a warning, on every rank."""
+warning on each); close() removes the copies. ``hosts`` -- the step log refused on several ranks; ranks declared on two hosts: the tier is
+off, with a warning, on every rank."""
 
 import os
 import sys
@@ -57,8 +57,15 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if scenario == "hosts":
-        os.environ["GOCKPT_HOST"] = f"host-{rank}"
         ddp, opt = build()
+        try:  # (the step log: one process for now, refused on every rank alike)
+            gockpt.Checkpointer(ddp, opt, directory, memory="auto", memory_dir=shm,
+                                memory_log=1 << 20)
+        except gockpt.ConfigError as exc:
+            assert "the step log keeps one process's steps" in str(exc), exc
+        else:
+            raise AssertionError("memory_log on several ranks was not refused")
+        os.environ["GOCKPT_HOST"] = f"host-{rank}"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ck = gockpt.Checkpointer(ddp, opt, directory, mode="gockpt-o", overlap_steps=2,
