@@ -29,7 +29,7 @@ from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, re
                        warn_rng_not_restored)
 from .storage import manifest as manifest_mod
 from .storage.manifest import parts_of
-from .storage.reader import read_manifest
+from .storage.manifest_file import read_manifest
 from .storage.schema import Manifest, is_small_tensor
 from .storage.statedict import optimizer_state_dict
 

@@ -32,6 +32,7 @@ from .core.errors import CorruptCheckpointError
 from .core.names import Names
 from .restored import Restored, to_device
 from .storage import reader, tree
+from .storage.manifest_file import read_manifest
 from .storage.steplog import LogWriter, entries_after, log_root
 
 
@@ -147,7 +148,7 @@ def replay(memory_root: str, restored: Restored, model, optimizer, scheduler,
         with _without_step_hooks(optimizer):
             for path in entries_after(log_root(memory_root), restored.step):
                 try:  # read and checked whole before anything of it is applied
-                    manifest = reader.read_manifest(path)
+                    manifest = read_manifest(path)
                     tensors = reader.read_tensors(path, manifest, verify=True)
                 except CorruptCheckpointError as exc:
                     warnings.warn(f"gockpt: the step log's entry {path} is damaged ({exc}); "

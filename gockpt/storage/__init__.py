@@ -18,7 +18,8 @@ from .commit import cleanup_temporaries, list_checkpoints, resolve
 from .format import (ALIGN, CHUNK_BYTES, CODE_TO_DTYPE, DATA_FILE, DTYPE_TO_CODE, FORMAT,
                      FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, PAD_PREFIX, TMP_PREFIX,
                      checkpoint_name)
-from .reader import read_manifest, read_tensors
+from .manifest_file import read_manifest
+from .reader import read_tensors
 from .writer import CheckpointWriter
 
 __all__ = [

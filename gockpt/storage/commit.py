@@ -20,7 +20,7 @@ from ..core.paths import is_remote
 from .format import (LATEST_FILE, LATEST_MAX_BYTES, MANIFEST_FILE, MANIFEST_MAX_BYTES, TMP_PREFIX,
                      TMP_RE, check_name, fsync_dir, manifest_seal, write_all)
 from . import remote
-from .reader import read_small_file
+from .manifest_file import read_small_file
 
 log = logging.getLogger("gockpt")
 

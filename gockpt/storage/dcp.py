@@ -43,7 +43,8 @@ from ..core.errors import CorruptCheckpointError, GockptError, LoadError
 from .format import CODE_TO_DTYPE, MANIFEST_FILE
 from .index import boxes_problem
 from .manifest import parse, parts_of
-from .reader import read_manifest, read_spans, read_tensors
+from .manifest_file import read_manifest
+from .reader import read_spans, read_tensors
 from .refs import inverse, permuted
 from .schema import Manifest, is_small_tensor
 from .statedict import optimizer_state_dict

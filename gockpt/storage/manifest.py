@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..core.digest import is_hex
 from ..core.errors import CorruptCheckpointError, LoadError
-from .reader import read_manifest
+from .manifest_file import read_manifest
 from .refs import TensorRef
 from .schema import (ABSENT, SMALL_SECTIONS, Manifest, ModelSection, OptimizerSection,
                      SmallSection, check_part_name, optim_tensor, pack_prefix)

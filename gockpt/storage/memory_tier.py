@@ -28,7 +28,7 @@ from typing import Optional
 
 from ..core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StorageError
 from .commit import apply_retention, list_checkpoints, replace_file, resolve, write_file
-from .reader import read_manifest, read_small_file
+from .manifest_file import read_manifest, read_small_file
 from .writer import CheckpointWriter
 
 log = logging.getLogger("gockpt")

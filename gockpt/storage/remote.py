@@ -456,7 +456,7 @@ def bucket_of(url: str) -> tuple:
 # ------------------------------------------------------------------- as files
 
 def read_small(url: str, limit: int, what: str) -> bytes:
-    """:func:`~.reader.read_small_file` for an object."""
+    """:func:`~.manifest_file.read_small_file` for an object."""
     b, key = bucket_of(url)
     try:
         return b.get_small(key, limit)

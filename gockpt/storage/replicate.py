@@ -51,7 +51,7 @@ from . import io as _io
 from . import remote
 from .commit import is_committed, list_checkpoints, read_latest, resolve
 from .format import CHUNK_BYTES_KEY, DATA_FILE, LATEST_FILE, MANIFEST_FILE, MANIFEST_MAX_BYTES, manifest_seal
-from .reader import read_manifest, read_small_file
+from .manifest_file import read_manifest, read_small_file
 
 log = logging.getLogger("gockpt")
 

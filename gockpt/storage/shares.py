@@ -21,7 +21,8 @@ import torch
 from ..core.errors import CorruptCheckpointError
 from .format import CODE_TO_DTYPE, DTYPE_TO_CODE
 from .manifest import parse, parts_of
-from .reader import read_manifest, read_tensors
+from .manifest_file import read_manifest
+from .reader import read_tensors
 from .index import cover_problem
 from .refs import TensorRef, permuted
 from .schema import Manifest, ModelSection, OptimizerSection, is_small_tensor

@@ -21,7 +21,8 @@ from .manifest import parse as parse_manifest, parts_of
 from .schema import ABSENT, SMALL_SECTIONS, Manifest, is_small_tensor
 from .index import index_problems
 from .shares import coverage_problems
-from .reader import read_manifest, read_tensors
+from .manifest_file import read_manifest
+from .reader import read_tensors
 
 __all__ = ["verify", "VerifyReport", "CheckpointReport", "PartReport", "BadTensor",
            "MissingPart", "Part", "read_parts", "world_size_problems"]

@@ -20,7 +20,7 @@ import gockpt
 from gockpt import storage
 from gockpt.storage.commit import read_latest
 from gockpt.storage.manifest import parse
-from gockpt.storage.reader import read_manifest
+from gockpt.storage.manifest_file import read_manifest
 from tests._support.dist_ranks import run_ranks
 
 WORKER = "deepspeed_worker"  # a module of tests._support

@@ -1,5 +1,5 @@
-"""Tests of gockpt.storage.reader: manifest validation, reads into out tensors, corruption and
-truncation named down to tensor and chunk."""
+"""Tests of gockpt.storage.reader and .manifest_file: manifest validation, reads into out
+tensors, corruption and truncation named down to tensor and chunk."""
 
 import json
 import os
