@@ -53,6 +53,12 @@ def live_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return out
 
 
+def _gradients_of(model: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """Every parameter under the name its gradient has in an entry (``grad/<name>``)."""
+    names = Names(model)
+    return [(f"grad/{names.clean(name)}", p) for name, p in model.named_parameters()]
+
+
 def _groups(optimizer) -> list:
     """The param groups' settings (everything but the parameters)."""
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -65,8 +71,7 @@ class StepLog:
                  planned_ids):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.planned_ids = device, planned_ids
-        names = Names(model)
-        self._params = [(f"grad/{names.clean(name)}", p) for name, p in model.named_parameters()]
+        self._params = _gradients_of(model)
         self.writer = LogWriter(log_root(memory_root), limit)
         self.digester = LiveDigests(device)
         self._pending = None  # (gradients by name, the groups' settings) of this step's update
@@ -139,10 +144,7 @@ def replay(memory_root: str, restored: Restored, model, optimizer, scheduler,
     S + 2, ... through ``optimizer`` and restore the last one's small state, checked against
     its digests; what it restored (None: no entry after S). Raises CorruptCheckpointError
     (the caller loads S again) when an entry is damaged or a digest differs."""
-    params = {}
-    names = Names(model)
-    for name, p in model.named_parameters():
-        params[f"grad/{names.clean(name)}"] = p
+    params = dict(_gradients_of(model))
     manifest, replayed = None, None
     try:
         with _without_step_hooks(optimizer):
@@ -171,7 +173,7 @@ def replay(memory_root: str, restored: Restored, model, optimizer, scheduler,
     small = tree.decode(manifest["small"], tensors)
     with torch.no_grad():
         live = model.state_dict()
-        own = names.clean_all(live)
+        own = Names(model).clean_all(live)
         for name, value in (small["model"] or {}).items():
             live[own[name]].copy_(value)
     if scheduler is not None and small["scheduler"] is not None:

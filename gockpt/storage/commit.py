@@ -312,15 +312,19 @@ def apply_retention(directory: str, keep: Optional[int]) -> None:
     names = list_checkpoints(directory)
     latest = os.path.basename(resolve(directory))
     for name in [n for n in names if n != latest][:max(0, len(names) - keep)]:
-        # Rename first so the deletion is atomic for readers; a crash mid-delete leaves
-        # a .tmp-* entry that cleanup_temporaries removes.
-        doomed = os.path.join(directory,
-                              f"{TMP_PREFIX}{name}.old-{os.getpid()}-{os.urandom(4).hex()}")
         try:
-            os.rename(os.path.join(directory, name), doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            discard(directory, name)
         except OSError as exc:
             log.warning("gockpt: could not delete old checkpoint %s: %s", name, exc)
+
+
+def discard(root: str, name: str) -> None:
+    """Delete ``<root>/<name>`` as a reader sees it: renamed to a ``.tmp-*`` name first (gone
+    at once, whole; a crash mid-delete leaves what :func:`cleanup_temporaries` removes), then
+    removed. OSError when the rename fails."""
+    doomed = os.path.join(root, f"{TMP_PREFIX}{name}.old-{os.getpid()}-{os.urandom(4).hex()}")
+    os.rename(os.path.join(root, name), doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def ensure_writable(directory: str) -> None:

@@ -116,10 +116,8 @@ class MemoryTier:
                           f"{2 * nbytes} bytes, the memory tier has {self.limit}",
                           RuntimeWarning, stacklevel=2)
             return None
-        writer = CheckpointWriter(self.root, name, direct=False)
         try:
-            writer.write_tensors(tensors)
-            path = writer.commit(manifest, update_latest=True)
+            path = write_in_memory(self.root, name, tensors, manifest, update_latest=True)
         except Exception as exc:  # (the writer removed its temporary directory)
             warnings.warn(f"gockpt: checkpoint {name} not kept in memory ({self.root}): {exc}",
                           RuntimeWarning, stacklevel=2)
@@ -140,9 +138,7 @@ class MemoryTier:
             if not fits:
                 raise StorageError(f"two copies of every rank's part take more than the memory "
                                    f"tier's {self.limit} bytes")
-            writer = CheckpointWriter(shared, ranks.part_name(), direct=False)
-            writer.write_tensors(tensors)
-            writer.commit(manifest, update_latest=False)
+            write_in_memory(shared, ranks.part_name(), tensors, manifest, update_latest=False)
 
         try:
             path = ranks.commit(self.root, name, write_part, top,
@@ -161,11 +157,21 @@ class MemoryTier:
             remove(self.directory, os.path.dirname(self.root))
 
 
+def write_in_memory(root: str, name: str, tensors: dict, manifest: dict, *,
+                    update_latest: bool) -> str:
+    """Write and commit checkpoint ``name`` in ``root`` on a tmpfs (the writer's way: a
+    temporary directory renamed into place, the manifest last; no O_DIRECT, which tmpfs
+    refuses); its path."""
+    writer = CheckpointWriter(root, name, direct=False)
+    writer.write_tensors(tensors)
+    return writer.commit(manifest, update_latest=update_latest)
+
+
 def remove(directory: str, memory_dir: Optional[str] = None) -> bool:
     """Remove the memory copies of run ``directory`` (``gockpt clean``, ``close()``);
     whether there were any. Another run's are never touched (their ``run`` file differs)."""
-    root = root_of(directory, memory_dir)
-    if _run_of(root) != directory:
+    root = owned_root(directory, memory_dir)
+    if root is None:
         return False
     shutil.rmtree(root, ignore_errors=True)
     return True
@@ -188,9 +194,10 @@ def usable_copy(directory: str, disk: Optional[str], memory_dir: Optional[str] =
         return None
     try:
         step = read_manifest(path)["step"]
-        if same_step and (disk is None or step != read_manifest(disk)["step"]):
+        disk_step = read_manifest(disk)["step"] if disk is not None else None
+        if same_step and step != disk_step:
             return None
-        if disk is not None and step < read_manifest(disk)["step"]:
+        if disk_step is not None and step < disk_step:
             return None  # an older copy (its newer checkpoint was not kept in memory)
     except (CorruptCheckpointError, KeyError, TypeError) as exc:
         warnings.warn(f"gockpt: the memory copy {path} is damaged ({exc}); loading from disk",

@@ -17,14 +17,12 @@ import logging
 import os
 import queue
 import re
-import shutil
 import threading
 import warnings
 from typing import Callable, List
 
-from .commit import is_committed
-from .format import TMP_PREFIX
-from .writer import CheckpointWriter
+from .commit import discard, is_committed
+from .memory_tier import write_in_memory
 
 log = logging.getLogger("gockpt")
 
@@ -135,19 +133,15 @@ class LogWriter:
                               "next checkpoint", RuntimeWarning, stacklevel=2)
             self._full = True
             return
-        writer = CheckpointWriter(self.root, entry_name(step), direct=False)
-        writer.write_tensors(tensors)
-        path = writer.commit(manifest, update_latest=False)
+        path = write_in_memory(self.root, entry_name(step), tensors, manifest,
+                               update_latest=False)
         self._bytes += _size(path)
 
     def _delete(self, doomed) -> None:
         for s, path in _entries(self.root):
             if doomed(s):
                 self._bytes -= _size(path)
-                aside = os.path.join(self.root, f"{TMP_PREFIX}{os.path.basename(path)}.old")
-                shutil.rmtree(aside, ignore_errors=True)
-                os.rename(path, aside)  # (a reader sees it whole or not at all)
-                shutil.rmtree(aside, ignore_errors=True)
+                discard(self.root, os.path.basename(path))  # (a reader sees it whole or not)
 
 
 def _size(path: str) -> int:
