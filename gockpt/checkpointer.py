@@ -283,8 +283,14 @@ class Checkpointer:
                 self._job is not None and self._job.capturing):
             return
         k = self.schedule.window_k(self.plan, self.engine.bandwidth(), self.policy.replays)
-        if k > 1 and self.schedule.expected(step + k - 1):
-            self._start(step, k, None, None)
+        # The checkpoint due within the next K steps starts its window now, with the steps
+        # left: a K that grew from one step to the next (a slower step measured) had jumped
+        # over the step where it should have started, and the checkpoint was then copied at
+        # once, blocking, as one asked for without notice
+        for span in range(k, 1, -1):
+            if self.schedule.expected(step + span - 1):
+                self._start(step, span, None, None)
+                return
 
     def _on_durable(self, job: Job) -> None:
         """A checkpoint was committed (persist thread): the schedule learns its stall, the

@@ -40,6 +40,7 @@ class Schedule:
         self.several_ranks = several_ranks
         self.agreed_k = config.overlap_steps or 2  # several ranks: K agreed at each F
         self._warned_k = False
+        self._probed: Optional[float] = None    # host copy bandwidth, probed once
         self.fwd_bwd_times: List[float] = []    # boundary -> update_begin
         self.step_times: List[float] = []       # boundary -> boundary
         self._t_boundary = time.perf_counter()
@@ -179,13 +180,18 @@ class Schedule:
         gradients the replay needs.  A block copied during step j of the window needs the
         gradients of the K-1-j later steps, so on average the window moves
         ``S + G (K-1) / 2`` bytes (S: state, G: one step's gradients) in K passes;
-        ``bandwidth`` is bytes/s (0: not measured yet, probed once)."""
+        ``bandwidth`` is bytes/s (0: not measured yet, probed once: this is asked at every
+        step until a copy has measured it, and a probe moves 64 MiB)."""
         fixed = self.config.fixed_overlap_steps()
         if fixed is not None:
             return fixed
         if not self.fwd_bwd_times:
             return 2  # nothing measured yet
-        per_pass = statistics.median(self.fwd_bwd_times) * (bandwidth or _probe_bandwidth())
+        if not bandwidth:
+            if self._probed is None:
+                self._probed = _probe_bandwidth()
+            bandwidth = self._probed
+        per_pass = statistics.median(self.fwd_bwd_times) * bandwidth
         for k in range(1, MAX_K + 1):
             if k * per_pass >= state_bytes + grad_bytes * (k - 1) / 2:
                 return k

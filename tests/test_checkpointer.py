@@ -601,6 +601,29 @@ def test_the_spacing_of_forced_saves_is_learned(tmp_path):
     _assert_each_is_its_step(tmp_path, snaps, handles)
 
 
+def test_a_k_that_grows_at_the_windows_start_still_starts_the_window(tmp_path, monkeypatch):
+    # K measured 3 up to boundary 5 and 4 from boundary 6 on (a slower step measured there):
+    # the window of the checkpoint announced at step 8 was due to start at boundary 6 with
+    # K = 3, and K = 4 there points at step 9. It starts there all the same, with the 3 steps
+    # left, instead of being copied at once at step 8 as a save without notice.
+    from gockpt.checkpointer import Checkpointer
+    from gockpt.schedule import Schedule
+    at = {"step": 0}
+    start_window = Checkpointer._maybe_start_window
+
+    def spy(self, step):
+        at["step"] = step
+        return start_window(self, step)
+    monkeypatch.setattr(Checkpointer, "_maybe_start_window", spy)
+    monkeypatch.setattr(Schedule, "measured_k",
+                        lambda self, plan, bandwidth, replays: 3 if at["step"] < 6 else 4)
+    ck, snaps, handles = _saves(tmp_path, "gockpt-o", None, 10, at=(8,))
+    ck.close()
+    assert [(m["final_step"], m["overlap_steps"], m["start_step"]) for m in
+            gockpt.metrics.read(str(tmp_path))] == [(8, 3, 6)]
+    _assert_each_is_its_step(tmp_path, snaps, handles)
+
+
 def test_an_explicit_k_is_honoured_for_a_single_block_of_state(tmp_path):
     # one flat parameter of 3000 elements is one 4 MiB block: the blocks are cut for K = 3
     torch.manual_seed(0)

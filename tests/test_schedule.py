@@ -125,6 +125,11 @@ def test_choose_k_probes_the_bandwidth_when_none_was_measured(clock, monkeypatch
     s = Schedule(Config(directory="x"))
     steps(s, clock, 1, 0.125, 1.0)
     assert s.choose_k(320, 0, 0.0) == 3 and probed == [1]
+    # asked again at every step until a copy measures the bandwidth: probed once (a probe
+    # allocates and copies 64 MiB, which the training step paid at every step before)
+    steps(s, clock, 2, 0.125, 1.0)
+    assert s.choose_k(320, 0, 0.0) == 3 and s.choose_k(256, 0, 0.0) == 2 and probed == [1]
+    assert s.choose_k(320, 0, 2048.0) == 2 and probed == [1]  # measured: taken as it is
 
 
 @pytest.mark.parametrize("grad_bytes,expected", [(0, 3), (64, 3), (96, 4), (180, 7), (256, 8)])

@@ -25,7 +25,7 @@ from ..core.records import StepRecord
 from ..core.staging import GradPool
 from .addresses import data_ptrs, in_memory_order
 from .states import StateWatch
-from .transfer import GRADIENT, CopyEngine
+from .transfer import GRADIENT, SNAPSHOT, CopyEngine
 from .transport import Bf16Transport
 
 class GradientCopies:
@@ -35,7 +35,9 @@ class GradientCopies:
                  transport: Optional[Bf16Transport] = None):
         self.engine, self.states = engine, states
         self.transport = transport  # None: gradients cross in fp32
-        self._snapshot = None  # (plan, the device-side gradient snapshot, its D2H ticket)
+        # (plan, [two device-side gradient snapshots, each with the ticket of its D2H copy]):
+        # a step's snapshot is written while the previous step's is still being copied
+        self._snapshots = None
 
     def record(self, job: Job, j: int, groups, grad_pool: GradPool, adapter: ReplayAdapter,
                snapshot: bool = False) -> Optional[StepRecord]:
@@ -93,15 +95,20 @@ class GradientCopies:
 
     def _copy_snapshot(self, job: Job, table: BlockTable, grads, grad_base: np.ndarray,
                        at: Optional[np.ndarray]):
-        """Copy the gradients of ``table``'s blocks to the device-side snapshot now, then queue
-        the device-to-host copy from it (the snapshot is reused once that copy has landed).
+        """Copy the gradients of ``table``'s blocks to a device-side snapshot now, then queue
+        the device-to-host copy from it, after the state's copies (:data:`SNAPSHOT`). The
+        snapshots alternate: one is written while the previous step's is still copied, which
+        has the whole next step to land (only a snapshot's reuse waits for its copy).
         ``at``: per slot, the address of its gradient in its parameter's memory order (None:
         read here)."""
         device, plan = self.engine.device, job.plan
-        if self._snapshot is None or self._snapshot[0] is not plan:
+        if self._snapshots is None or self._snapshots[0] is not plan:
             extents = plan.extents(plan.optimized_slots)
-            self._snapshot = (plan, device.device_arena(torch.float32, extents), None)
-        _, arena, previous = self._snapshot
+            self._snapshots = (plan, [[device.device_arena(torch.float32, extents), None]
+                                      for _ in range(2)])
+        ring = self._snapshots[1]
+        ring.append(ring.pop(0))  # the one written the longest ago
+        arena, previous = ring[-1]
         if previous is not None:  # its copy still reads the snapshot
             device.order_after(previous)
         live, _ = _bases(job, table, grads, at)
@@ -109,8 +116,8 @@ class GradientCopies:
         offset, nbytes = table.start * 4, table.numel * 4  # float32 (the replay modes)
         device.copy_now(snap[table.slot] + offset, live[table.slot] + offset, nbytes)
         ticket = self.engine.submit_segments(grad_base[table.slot] + offset,
-                                             snap[table.slot] + offset, nbytes, GRADIENT)
-        self._snapshot = (plan, arena, ticket)
+                                             snap[table.slot] + offset, nbytes, SNAPSHOT)
+        ring[-1][1] = ticket
         return ticket
 
     def _copy(self, job: Job, table: BlockTable, grads, bufs, grad_pool: GradPool,

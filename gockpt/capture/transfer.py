@@ -1,6 +1,11 @@
 """Copy engine: one priority queue of device-to-host copies.
 
-Gradient copies (small, needed soon by the replay) always go before state copies. On the CPU
+Copies go by their deadline. Gradient copies that read ``.grad`` go first: the loop's next
+backward overwrites what they read. State copies go next: the next ``update_begin`` waits for
+them. Gradient copies that read a private snapshot go last: nothing waits for them but the
+snapshot's reuse two steps later and the replay, so they trail the state's copies (in a window's
+last steps, before this order, the state group queued behind a step's gradients and the update
+waited for both). On the CPU
 the C++ engine (``_C.CopyEngine``, csrc/copy_engine.h) runs them on its own thread in pieces of
 at most 1 MiB, re-choosing by priority after each piece, so a gradient submitted while a long
 state transfer is running waits for at most one piece; a whole group of copies is one call.
@@ -24,6 +29,7 @@ from gockpt.core.arrays import check_non_negative, int64_arrays
 
 GRADIENT = 0  # priority classes: smaller runs first
 STATE = 1
+SNAPSHOT = 2  # gradients copied from a private snapshot (no deadline but its reuse)
 PIECE_BYTES = 1 << 20  # the most a better priority waits for
 
 

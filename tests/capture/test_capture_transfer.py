@@ -10,7 +10,8 @@ import torch
 
 from gockpt import _C
 from gockpt.capture.device import HostDevice
-from gockpt.capture.transfer import GRADIENT, PIECE_BYTES, STATE, CopyEngine, Ticket
+from gockpt.capture.transfer import (GRADIENT, PIECE_BYTES, SNAPSHOT, STATE, CopyEngine,
+                                    Ticket)
 
 MIB = 1 << 20
 
@@ -42,6 +43,30 @@ def test_copies_land_and_gradients_overtake_state():
     assert torch.equal(big_dst, big_src)
     assert state.nbytes == 3 * 4000 and first.nbytes == 400 * MIB and engine.bandwidth() > 0
     assert engine.bytes_copied == 400 * MIB + 5 * 4000
+    engine.close()
+
+
+def test_snapshot_gradients_trail_the_state():
+    # A window's step: the gradients copied from a private snapshot are queued at the
+    # optimizer step, the next group's state at the boundary after it. The state lands first
+    # (the next update_begin waits for it; only the snapshot's reuse waits for the gradients),
+    # while both were queued behind a long copy: proven by order of completion (the
+    # gradients' copy is as long as the first, ~0.4 s, once the state's has landed).
+    engine = CopyEngine(HostDevice(), link_gbps=1.0)
+    big_src = torch.randn(MIB // 4)
+    big_dst, grad_dst = torch.empty_like(big_src), torch.empty_like(big_src)
+    srcs = [torch.full((1000,), float(i)) for i in range(2)]
+    dsts = [torch.empty(1000) for _ in srcs]
+    first = _long_state_job(engine, big_src, big_dst, 400)
+    n = np.full(400, 1, dtype=np.int64)
+    grads = engine.submit_segments(n * grad_dst.data_ptr(), n * big_src.data_ptr(), n * MIB,
+                                   SNAPSHOT)
+    state = engine.submit([(dsts[i], srcs[i]) for i in (0, 1)], STATE)
+    state.wait()
+    assert first.done() and not grads.done()
+    grads.wait()
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert torch.equal(grad_dst, big_src)
     engine.close()
 
 
