@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 
 from .core.errors import Adaptation, ConsistencyError, HookOrderError
 from .core.job import Job
-from .core.plan import stepped_groups
+from .core.planning import stepped_groups
 from .core.staging import HostStaging
 from .loop import UPDATE, Loop
 from .pipeline import Pipeline

@@ -14,7 +14,7 @@ import gockpt
 from gockpt import storage
 from gockpt.core.errors import ConsistencyError, HookOrderError
 from gockpt.core.job import Job, State
-from gockpt.core.plan import build_plan
+from gockpt.core.planning import build_plan
 from gockpt.hooks import BlockedTime, StepHooks
 from gockpt.loop import UPDATE, Loop
 

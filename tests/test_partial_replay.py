@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from gockpt import storage
-from gockpt.core.plan import Plan, build_plan
+from gockpt.core.plan import Plan
+from gockpt.core.planning import build_plan
 from gockpt.replay import adapters
 from tests._support.loops import Run, loaded, same
 

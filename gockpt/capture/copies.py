@@ -25,7 +25,7 @@ from ..core.errors import Adaptation, ConsistencyError
 from ..core.job import Job
 from ..core.optstate import optimizer_small
 from ..core.memory import flat, local
-from ..core.plan import fingerprint
+from ..core.planning import fingerprint
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
 from ..core.staging import GradPool, HostCopy

@@ -32,7 +32,8 @@ from typing import Callable, List, Optional
 import torch
 
 from ..core.errors import CheckpointFailedError, ConfigError, StorageError
-from ..core.plan import Plan, mark_parallel
+from ..core.plan import Plan
+from ..core.planning import mark_parallel
 from .format import TMP_PREFIX
 from .schema import PartsManifest, part_name
 
@@ -96,7 +97,7 @@ class Ranks:
         return self.agree_max(value) == -self.agree_max(-value)
 
     def share(self, plan: Plan, replicated, global_slices=None) -> Plan:
-        """``plan`` with its slots marked (:func:`~gockpt.core.plan.mark_parallel`:
+        """``plan`` with its slots marked (:func:`~gockpt.core.planning.mark_parallel`:
         ``Config.replicated`` / ``global_slices``, DTensors' placements) and, when ranks are
         replicas of some of it, narrowed to this rank's share of that (:meth:`Plan.take_share`):
         each of N replicas copies, replays and writes 1/N of what they hold alike, and all of

@@ -13,7 +13,7 @@ from gockpt.capture.copies import Capture
 from gockpt.capture.gradients import live_gradients as _live_gradients
 from gockpt.capture.device import HostDevice
 from gockpt.core.memory import flat
-from gockpt.core.plan import build_plan, stepped_groups
+from gockpt.core.planning import build_plan, stepped_groups
 from gockpt.core.staging import GradPool, HostCopy
 from gockpt.capture.transfer import CopyEngine
 from gockpt.core.errors import ConfigError, HookOrderError

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gockpt.core.errors import ConfigError
-from gockpt.core.plan import build_plan, mark_parallel
+from gockpt.core.planning import build_plan, mark_parallel
 
 from tests._support import harness as H
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gockpt.capture.device import HostDevice
-from gockpt.core.plan import build_plan
+from gockpt.core.planning import build_plan
 from gockpt.core.staging import (PACK_BYTES, PACK_MIN_COUNT, Arena, GradPool, HostCopy,
                                     StagingAllocation)
 

@@ -10,7 +10,8 @@ import torch
 
 from gockpt.capture.device import HostDevice
 from gockpt.core.memory import flat
-from gockpt.core.plan import Block, build_plan
+from gockpt.core.plan import Block
+from gockpt.core.planning import build_plan
 from gockpt.core.blocks import BlockTable
 from gockpt.core.staging import GradPool, HostCopy
 from gockpt.capture.transfer import Ticket

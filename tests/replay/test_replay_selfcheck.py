@@ -12,7 +12,7 @@ import torch
 
 from gockpt.capture.device import HostDevice
 from gockpt.core.memory import flat
-from gockpt.core.plan import build_plan
+from gockpt.core.planning import build_plan
 from gockpt.core.staging import HostCopy
 from gockpt.core.errors import ConsistencyError
 from gockpt.core.job import Job

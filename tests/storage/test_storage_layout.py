@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gockpt.capture.device import HostDevice
-from gockpt.core.plan import build_plan
+from gockpt.core.planning import build_plan
 from gockpt.core.staging import PACK_BYTES, PACK_MIN_COUNT, HostCopy
 from gockpt.storage.layout import stored_layout
 from gockpt.storage.refs import TensorRef

@@ -17,7 +17,7 @@ from gockpt import storage
 from gockpt.core import metrics
 from gockpt.capture.copies import Capture
 from gockpt.capture.device import HostDevice
-from gockpt.core.plan import build_plan
+from gockpt.core.planning import build_plan
 from gockpt.core.staging import HostCopy
 from gockpt.capture.transfer import CopyEngine
 from gockpt.core.config import Config
