@@ -278,19 +278,15 @@ class Checkpointer(Lifecycle):
 
     def _maybe_start_window(self, step: int) -> None:
         """Start the window of the next expected checkpoint when it must start here: K - 1
-        steps before its step, so that it ends at the step asked for."""
+        steps before its step, so that it ends at the step asked for (fewer, where K grew past
+        that boundary: :meth:`Schedule.window_starting`)."""
         if not self.policy.replays or self._windows_off or (
                 self._job is not None and self._job.capturing):
             return
         k = self.schedule.window_k(self.plan, self.engine.bandwidth(), self.policy.replays)
-        # The checkpoint due within the next K steps starts its window now, with the steps
-        # left: a K that grew from one step to the next (a slower step measured) had jumped
-        # over the step where it should have started, and the checkpoint was then copied at
-        # once, blocking, as one asked for without notice
-        for span in range(k, 1, -1):
-            if self.schedule.expected(step + span - 1):
-                self._start(step, span, None, None)
-                return
+        span = self.schedule.window_starting(step, k)
+        if span is not None:
+            self._start(step, span, None, None)
 
     def _on_durable(self, job: Job) -> None:
         """A checkpoint was committed (persist thread): the schedule learns its stall, the

@@ -120,6 +120,17 @@ class Schedule:
         return self.config.interval is None and self._learned is not None \
             and not self._last_announced and step == self._last_asked + self._learned
 
+    def window_starting(self, step: int, k: int) -> Optional[int]:
+        """K of the window to start at boundary ``step`` (the checkpoint expected within the
+        next ``k`` steps, ``k`` as measured now), with the steps left: a K that grew by one
+        since the last boundary (a slower step measured) jumps over the boundary where its
+        window was due, and the checkpoint would then be copied at once, blocking, as one
+        asked for without notice. None: no window starts here."""
+        for span in range(k, 1, -1):
+            if self.expected(step + span - 1):
+                return span
+        return None
+
     def spacing(self) -> Optional[int]:
         """Steps between two checkpoints as known now (the interval, N*, or the learned
         spacing of forced saves); None when unknown. A window of K steps must fit in it."""

@@ -30,7 +30,7 @@ from .capture import smallstate
 from .core.digest import LiveDigests, as_pairs, digests, to_hex
 from .core.errors import CorruptCheckpointError
 from .core.names import Names
-from .restored import Restored, to_device
+from .restored import Restored, apply_rest
 from .storage import reader, tree
 from .storage.manifest_file import read_manifest
 from .storage.steplog import LogWriter, entries_after, log_root
@@ -176,10 +176,10 @@ def replay(memory_root: str, restored: Restored, model, optimizer, scheduler,
         own = Names(model).clean_all(live)
         for name, value in (small["model"] or {}).items():
             live[own[name]].copy_(value)
-    if scheduler is not None and small["scheduler"] is not None:
-        scheduler.load_state_dict(small["scheduler"])
-    if restore_rng:
-        smallstate.restore_rng(small["rng"])
+    rest = {"scheduler": small["scheduler"], "extra_state": small["extra_state"],
+            **({"rng": small["rng"]} if restore_rng else {})}
+    extra = apply_rest(rest, scheduler if small["scheduler"] is not None else None,
+                       map_location)
     now = live_tensors(model, optimizer)
     got = dict(zip([n for n, _ in now], map(to_hex, as_pairs(digests([t for _, t in now])))))
     logged = manifest["digests"]
@@ -188,11 +188,8 @@ def replay(memory_root: str, restored: Restored, model, optimizer, scheduler,
         raise LogMismatch(f"{path}: the state replayed to step {manifest['step']} differs from "
                           f"its logged digests ({', '.join(wrong[:3])}"
                           f"{' ...' if len(wrong) > 3 else ''})")
-    extra = small["extra_state"]
-    return Restored(step=manifest["step"], extra_state=to_device(extra, map_location)
-                    if map_location is not None else extra, path=path,
-                    manifest=restored.manifest, rng_restored=restore_rng,
-                    resharded=False)
+    return Restored(step=manifest["step"], extra_state=extra, path=path,
+                    manifest=restored.manifest, rng_restored=restore_rng, resharded=False)
 
 
 def _set_groups(optimizer, groups) -> None:

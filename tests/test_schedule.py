@@ -140,6 +140,15 @@ def test_choose_k_counts_the_gradients_the_replay_needs(clock, grad_bytes, expec
     assert s.choose_k(320, grad_bytes, 1024.0) == expected
 
 
+def test_a_window_starts_with_the_steps_left_to_the_expected_checkpoint():
+    s = Schedule(Config(directory="x", interval=10))
+    assert s.window_starting(7, 4) == 4  # 7, 8, 9, 10
+    assert s.window_starting(6, 4) is None  # step 9 is not expected: not yet
+    assert s.window_starting(8, 4) == 3  # K grew from 3 at boundary 7: the 3 steps left
+    assert s.window_starting(10, 4) is None  # the next, step 20, is further than K away
+    assert s.window_starting(9, 1) is None  # K = 1: no window
+
+
 def test_the_spacing_of_the_users_saves_is_learned():
     s = Schedule(Config(directory="x"))
     assert s.spacing() is None and not s.expected(10)

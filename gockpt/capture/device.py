@@ -70,8 +70,9 @@ class Device(Protocol):
         thread, at construction (or the first checkpoint); its contents are undefined."""
 
     def submit(self, engine, group: CopyGroup, priority: int) -> Ticket:
-        """Queue ``group``'s copies (``priority``: GRADIENT before STATE) through ``engine``
-        (a :class:`~gockpt.capture.transfer.CopyEngine` of this device). Training thread.
+        """Queue ``group``'s copies (``priority``: GRADIENT before STATE before SNAPSHOT)
+        through ``engine`` (a :class:`~gockpt.capture.transfer.CopyEngine` of this device).
+        Training thread.
         Before: the sources hold the version to copy, and every write of them issued so far
         precedes the copies. After: the destinations are valid only once the ticket is done
         (``wait``/``done``); the sources must not be written, nor freed, by training work

@@ -1,11 +1,11 @@
 """Copy engine: one priority queue of device-to-host copies.
 
-Copies go by their deadline. Gradient copies that read ``.grad`` go first: the loop's next
-backward overwrites what they read. State copies go next: the next ``update_begin`` waits for
-them. Gradient copies that read a private snapshot go last: nothing waits for them but the
-snapshot's reuse two steps later and the replay, so they trail the state's copies (in a window's
-last steps, before this order, the state group queued behind a step's gradients and the update
-waited for both). On the CPU
+Copies go by their deadline. Gradient copies go first: those that read ``.grad`` must land
+before the loop's next backward overwrites it (the bf16 images, which need not, go with them).
+State copies go next: the next ``update_begin`` waits for them. Gradient copies that read a
+private snapshot (the CPU) go last: nothing waits for them but the snapshot's reuse two steps
+later and the replay, so the state's copies of a window's last steps, which carry the most
+gradients, are not queued behind them. On the CPU
 the C++ engine (``_C.CopyEngine``, csrc/copy_engine.h) runs them on its own thread in pieces of
 at most 1 MiB, re-choosing by priority after each piece, so a gradient submitted while a long
 state transfer is running waits for at most one piece; a whole group of copies is one call.

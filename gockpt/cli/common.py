@@ -15,7 +15,7 @@ from .. import storage
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError
 from ..core.paths import is_remote, real_directory
 from ..storage import remote
-from ..storage.commit import checkpoint_of
+from ..storage.commit import bytes_under, checkpoint_of
 from ..storage.format import MANIFEST_FILE
 from ..storage.verify import Part, read_parts
 
@@ -195,16 +195,7 @@ def disk_usage(path: str) -> Optional[int]:
         except GockptError:
             return None
     try:
-        if not os.path.isdir(path) or os.path.islink(path):
-            return os.lstat(path).st_size
-        total = 0
-        for dirpath, _dirs, files in os.walk(path):
-            for f in files:
-                try:
-                    total += os.lstat(os.path.join(dirpath, f)).st_size
-                except OSError:
-                    pass
-        return total
+        return bytes_under(path)
     except OSError:
         return None
 

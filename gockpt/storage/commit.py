@@ -327,6 +327,22 @@ def discard(root: str, name: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+def bytes_under(path: str) -> int:
+    """Bytes of the regular files under directory ``path`` (of ``path`` itself if it is a
+    file or a link), links not followed; a file gone meanwhile counts nothing. OSError when
+    ``path`` itself cannot be read."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return os.lstat(path).st_size
+    total = 0
+    for base, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(base, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
 def ensure_writable(directory: str) -> None:
     """Fail at construction, not at the first checkpoint, when the directory is unusable."""
     try:

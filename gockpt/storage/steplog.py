@@ -21,7 +21,7 @@ import threading
 import warnings
 from typing import Callable, List
 
-from .commit import discard, is_committed
+from .commit import bytes_under, discard, is_committed
 from .memory_tier import write_in_memory
 
 log = logging.getLogger("gockpt")
@@ -72,7 +72,7 @@ class LogWriter:
     def __init__(self, root: str, limit: int):
         self.root, self.limit = root, limit
         os.makedirs(root, exist_ok=True)
-        self._bytes = sum(_size(p) for _, p in _entries(root))
+        self._bytes = sum(bytes_under(p) for _, p in _entries(root))
         self._full = False  # an entry did not fit: none until the next prune
         self._queue: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="gockpt-log", daemon=True)
@@ -135,21 +135,11 @@ class LogWriter:
             return
         path = write_in_memory(self.root, entry_name(step), tensors, manifest,
                                update_latest=False)
-        self._bytes += _size(path)
+        self._bytes += bytes_under(path)
 
     def _delete(self, doomed) -> None:
         for s, path in _entries(self.root):
             if doomed(s):
-                self._bytes -= _size(path)
+                self._bytes -= bytes_under(path)
                 discard(self.root, os.path.basename(path))  # (a reader sees it whole or not)
 
-
-def _size(path: str) -> int:
-    total = 0
-    for base, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(base, f))
-            except OSError:
-                pass
-    return total

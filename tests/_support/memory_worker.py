@@ -21,6 +21,7 @@ from gockpt import storage
 from gockpt.storage import memory_tier
 from gockpt.testing import assert_same, snapshot
 from tests._support.cli_helpers import flip_byte
+from tests._support.exit_worker import step
 
 
 def build():
@@ -32,14 +33,7 @@ def build():
 
 def train(ddp, opt, ck, steps, rank):
     for s in range(steps):
-        g = torch.Generator().manual_seed(1000 * s + rank)
-        loss = ddp(torch.randn(8, 16, generator=g)).pow(2).mean()
-        ck.backward_begin()
-        loss.backward()
-        ck.update_begin()
-        opt.step()
-        opt.zero_grad()
-        ck.save_checkpoint(s + 1)
+        step(ddp, opt, ck, s, rank)
     ck.wait()
 
 
