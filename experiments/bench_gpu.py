@@ -204,7 +204,7 @@ def fmt(x) -> str:
     return "-" if x is None else f"{x * 1e3:.1f} ms"
 
 
-COLUMNS = ("run", "blocked/ckpt", "first", "vs ref", "vs dcp", "vs ds-native", "overhead",
+COLUMNS = ("run", "blocked/ckpt", "first", "in hooks", "wall lost", "vs ref", "vs dcp", "vs ds-native", "overhead",
            "staged", "durable", "copy GB/s", "host MB", "verify")
 
 
@@ -226,7 +226,8 @@ def table_rows(results: dict) -> list:
         b = r["blocked_median_s"]
         ds = name.startswith("ds-")
         rows.append([
-            name, fmt(b), fmt(r["blocked_first_s"]),
+            name, fmt(b), fmt(r["blocked_first_s"]), fmt(r.get("gockpt_blocked_median_s")),
+            fmt(r.get("wall_lost_median_s")),
             "-" if ds else ratio(b, base("reference")), "-" if ds else ratio(b, base("dcp-async")),
             ratio(b, base("ds-native")) if ds else "-",
             f"{r['overhead_vs_none']:+.1%}",
@@ -253,8 +254,12 @@ def markdown(setup, results: dict) -> str:
              "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
     lines += ["", "Blocked: the time the training loop lost per checkpoint (median, and the "
-              "first); overhead: wall time against `none` (the DeepSpeed runs: against "
-              "`ds-none`) over the whole run, first checkpoint included."]
+              "first); in hooks: gockpt's hooks on the training thread as the library counts "
+              "them (`blocked_s`: the same count in the custom loop and the DeepSpeed engine); "
+              "wall lost: what the steps of a checkpoint's window took beyond the loop's "
+              "median step (on the CPU also gockpt's threads contending for the cores); "
+              "overhead: wall time against `none` (the DeepSpeed runs: against `ds-none`) "
+              "over the whole run, first checkpoint included."]
     return "\n".join(lines) + "\n"
 
 

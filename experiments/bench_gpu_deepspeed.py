@@ -5,11 +5,16 @@ gockpt's patched one.
 ``ds-none`` trains without checkpoints: the step time the others are measured against.
 ``ds-native`` saves with DeepSpeed's ``save_checkpoint``; ``ds-async-o`` and ``ds-gockpt-o``
 with the same call patched by ``gockpt.integrations.deepspeed.install`` (``async-o``, the
-patch's default, and ``gockpt-o``). Blocked time per checkpoint is the wall time the steps of
-its window took beyond ``ds-none``'s median step: DeepSpeed's save is inside the step that
-calls it, and gockpt's window runs from that step to the update after F (its metrics say F).
-Committed checkpoints are deleted between steps, outside the timed part, so that a large
-model's saves fit on the machine.
+patch's default, and ``gockpt-o``). Blocked time per checkpoint is the time the training
+thread spent in what checkpoints: DeepSpeed's ``save_checkpoint`` call for ``ds-native``;
+gockpt's hooks (inside the engine's forward, backward and step, and the patched save) as the
+library counts them for the patched runs -- the same count as the custom loop's ``in hooks``
+column, so the two loops compare like with like. On a GPU, where a wait can be a stream wait
+the CPU does not see, it is the wall time the steps of the window took beyond ``ds-none``'s
+median step (gockpt's window runs from the save's step to the update after F: its metrics say
+F); that wall measure is also the ``wall lost`` column of every run. Committed checkpoints are
+deleted between steps, outside the timed part, so that a large model's saves fit on the
+machine.
 """
 
 from __future__ import annotations
@@ -74,8 +79,10 @@ def train_engine(setup: Setup, engine, save_dir: Optional[str]) -> Timing:
         engine.backward(loss)
         engine.step()
         saved = save_dir is not None and step % setup.args.every == 0
+        ts = time.perf_counter()
         if saved:
             engine.save_checkpoint(save_dir)
+        timing.lost.append(time.perf_counter() - ts)
         loss.item()
         sync()
         timing.wall.append(time.perf_counter() - t0)
@@ -100,7 +107,7 @@ def run_native(setup: Setup) -> dict:
     save_dir = os.path.join(setup.work, "ds-native")
     timing = train_engine(setup, engine, save_dir)
     every = setup.args.every
-    timing.windows = [range(s - 1, s + 1) for s in range(every, len(timing.wall) + 1, every)]
+    timing.windows = [range(s - 1, s) for s in range(every, len(timing.wall) + 1, every)]
     engine.destroy()
     return summarise(setup, timing, {}, step_s=setup.ds_step_s)
 
@@ -129,7 +136,12 @@ def gockpt_run(mode: str):
         timing.windows = [range(r["start_step"] - 1, r["final_step"] + 1)
                           for r in gockpt.metrics.read(save_dir)]
         engine.destroy()
-        return summarise(setup, timing, from_metrics(save_dir, host), step_s=setup.ds_step_s)
+        result = summarise(setup, timing, from_metrics(save_dir, host), step_s=setup.ds_step_s)
+        if setup.device != "cuda":  # gockpt's hooks, as the library counts them
+            hooks = result.get("gockpt_blocked_all_s") or []
+            result.update(blocked_median_s=result.get("gockpt_blocked_median_s"),
+                          blocked_first_s=hooks[0] if hooks else None, blocked_all_s=hooks)
+        return result
     return run
 
 

@@ -128,22 +128,25 @@ def _timed(fn) -> float:
 
 def summarise(setup: Setup, timing: Timing, extra: dict, step_s: Optional[float] = None) -> dict:
     """The JSON record of one run. ``step_s``: the baseline step time of another loop than
-    ``none``'s, whose steps' wall time is then what a window lost."""
+    ``none``'s (DeepSpeed's: its steps' ``timing.lost`` is the time inside the calls that
+    block, without an update of its own)."""
     # On a GPU a stream wait that the CPU does not see shows up as a longer step
-    by_wall = step_s is not None or setup.device == "cuda"
+    by_wall = setup.device == "cuda"
     step_s = setup.step_s if step_s is None else step_s
-    lost = []
+    lost, wall = [], []
     for window in timing.windows:
         steps = [s for s in window if s < len(timing.wall)]
-        if by_wall:
-            lost.append(sum(max(0.0, timing.wall[s] - step_s) for s in steps))
-        else:
-            lost.append(sum(timing.lost[s] + max(0.0, timing.update[s] - setup.update_s)
-                            for s in steps))
+        wall.append(sum(max(0.0, timing.wall[s] - step_s) for s in steps))
+        lost.append(wall[-1] if by_wall else
+                    sum(timing.lost[s] + (max(0.0, timing.update[s] - setup.update_s)
+                                          if timing.update else 0.0) for s in steps))
     base = step_s * len(timing.wall)
     return {"blocked_median_s": statistics.median(lost) if lost else None,
             "blocked_first_s": lost[0] if lost else None,
             "blocked_all_s": lost,
+            # every loop alike: what the window's steps took beyond the loop's median step
+            # (on the CPU this also counts gockpt's threads contending for the cores)
+            "wall_lost_median_s": statistics.median(wall) if wall else None,
             "overhead_vs_none": (timing.total - base) / base if base else 0.0,
             **extra}
 
@@ -216,7 +219,10 @@ def from_metrics(directory: str, host: int) -> dict:
               if r["copy_s"] > 0]
     return {"blocked_by_hook_s": {h: statistics.median(r["blocked_by_hook_s"].get(h, 0.0)
                                                        for r in records) for h in hooks},
+            # what gockpt's hooks took on the training thread, as the library counts it
+            # (``metrics.jsonl``'s ``blocked_s``), per checkpoint in order
             "gockpt_blocked_median_s": statistics.median(r["blocked_s"] for r in records),
+            "gockpt_blocked_all_s": [r["blocked_s"] for r in records],
             "k": [r["overlap_steps"] for r in records],
             "time_to_staged_median_s": statistics.median(r["time_to_staged_s"] for r in records),
             "time_to_durable_median_s": statistics.median(r["time_to_durable_s"]

@@ -130,6 +130,28 @@ def test_bf16_gradient_transport(tmp_path, mode, k, bf16_grads):
         assert [m["grad_transport"] for m in fp32] == ["fp32", "fp32"]
 
 
+def test_bf16_images_are_copied_after_the_states_copies(tmp_path, monkeypatch):
+    # the images are private to gockpt (nothing in training waits for them but the replay),
+    # so they trail the state's copies, which the next update_begin waits for: queued at
+    # SNAPSHOT priority, not GRADIENT's (which put the last group behind them: DeepSpeed's
+    # update_begin waited 7-10 ms at the end of a window over the emulated link)
+    from gockpt.capture.transfer import SNAPSHOT, CopyEngine
+    queued, submit = [], CopyEngine.submit_group
+
+    def recorded(engine, group, priority):
+        queued.append((type(group).__name__, priority))
+        return submit(engine, group, priority)
+    monkeypatch.setattr(CopyEngine, "submit_group", recorded)
+    clip = Bf16Clip()
+    snaps, handles = run_and_snapshot(tmp_path, "gockpt-o", 3, grad_transport="bf16",
+                                      grad_multiplier=lambda: clip.coef, clip=clip)
+    images = [priority for name, priority in queued if name == "_GradientCopies"]
+    assert len(images) == 2 * (3 - 1) and set(images) == {SNAPSHOT}
+    assert [m["grad_transport"] for m in gockpt.metrics.read(str(tmp_path))] == ["bf16"] * 2
+    _, state = load_snapshot(tmp_path, None)
+    H.assert_same(snaps[handles[-1].final_step], state)
+
+
 @pytest.mark.parametrize("optim", ["adamw", "adam"])
 @pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
 def test_every_adam_implementation_replays_bitwise(tmp_path, optim, impl):

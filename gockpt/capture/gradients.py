@@ -68,7 +68,8 @@ class GradientCopies:
             table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))
         # bf16: images made on the device now, so the copy reads them and not .grad (a
         # snapshot); fp32 when the transport is off or this step's images are not exact
-        encoded = self.transport.encode({si: grads[si] for si in table.slots.tolist()}) \
+        encoded = self.transport.encode({si: grads[si] for si in table.slots.tolist()},
+                                        _extents(table) if at is not None else None) \
             if self.transport is not None else None
         dtype, mul = (torch.bfloat16, encoded[1]) if encoded else (torch.float32, 1.0)
         bufs = grad_pool.acquire()
@@ -76,8 +77,9 @@ class GradientCopies:
         # an overlapped copy reads a device-side snapshot where the device cannot queue the
         # training work behind the copy (the CPU); elsewhere .grad, the stream waiting for it
         snapshot = encoded is not None or (snapshot and self.engine.device.overlap_needs_snapshot)
-        if encoded is not None:
-            ticket = self._copy(job, table, encoded[0], bufs, grad_pool, grad_base)
+        if encoded is not None:  # private images, like a snapshot: after the state's copies
+            ticket = self._copy(job, table, encoded[0], bufs, grad_pool, grad_base,
+                                priority=SNAPSHOT)
             ticket.keep(encoded[0])  # the images the copy reads
         elif snapshot:
             ticket = self._copy_snapshot(job, table, grads, grad_base, at)
@@ -121,12 +123,12 @@ class GradientCopies:
         return ticket
 
     def _copy(self, job: Job, table: BlockTable, grads, bufs, grad_pool: GradPool,
-              grad_base: np.ndarray, at: Optional[np.ndarray] = None):
-        """Queue the copies of ``grads`` (slot -> live gradient; ``at``: their addresses as
-        :func:`_bases` takes them) for ``table``'s blocks into the gradient set ``bufs``, in
-        the parameters' memory order."""
+              grad_base: np.ndarray, at: Optional[np.ndarray] = None, priority=GRADIENT):
+        """Queue the copies of ``grads`` (slot -> live gradient, or its bf16 image; ``at``:
+        their addresses as :func:`_bases` takes them) for ``table``'s blocks into the gradient
+        set ``bufs``, in the parameters' memory order."""
         return self.engine.submit_group(
-            _GradientCopies(job, table, grads, bufs, grad_pool, grad_base, at), GRADIENT)
+            _GradientCopies(job, table, grads, bufs, grad_pool, grad_base, at), priority)
 
 
 class _GradientCopies:
@@ -167,6 +169,16 @@ def block_runs(table: BlockTable) -> List[Tuple[int, int, int]]:
     last = np.append(first[1:], len(table)) - 1
     return list(zip(table.slot[first].tolist(), table.start[first].tolist(),
                     end[last].tolist()))
+
+
+def _extents(table: BlockTable) -> Dict[int, Tuple[int, int]]:
+    """Per slot of ``table``: the element range ``[lo, hi)`` its blocks span."""
+    row = np.searchsorted(table.slots, table.slot)
+    lo = np.full(len(table.slots), np.iinfo(np.int64).max)
+    hi = np.zeros(len(table.slots), dtype=np.int64)
+    np.minimum.at(lo, row, table.start)
+    np.maximum.at(hi, row, table.start + table.numel)
+    return dict(zip(table.slots.tolist(), zip(lo.tolist(), hi.tolist())))
 
 
 def _bases(job: Job, table: BlockTable, grads, at: Optional[np.ndarray] = None):

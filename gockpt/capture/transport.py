@@ -30,22 +30,36 @@ class Bf16Transport:
         self.multiplier = multiplier
         self.fallbacks = 0  # steps carried in fp32 because the images were not exact
 
-    def encode(self, grads: Dict[int, torch.Tensor]
+    def encode(self, grads: Dict[int, torch.Tensor],
+               ranges: Optional[Dict[int, Tuple[int, int]]] = None
                ) -> Optional[Tuple[Dict[int, torch.Tensor], float]]:
         """(slot -> bfloat16 image, the float32 multiplier as a Python float), or None when
-        some gradient is not ``float(image) * multiplier`` bit for bit (carry it in fp32)."""
+        some gradient is not ``float(image) * multiplier`` bit for bit (carry it in fp32).
+
+        ``ranges``: per slot, the elements ``[lo, hi)`` of its flat gradient that are copied
+        (the blocks captured so far), for contiguous gradients: only those are made and
+        checked, the rest of the image is left unwritten (a window's steps copy a growing
+        part of each gradient; encoding all of it at every step cost DeepSpeed's flat
+        partitions K - 1 full passes per window)."""
         if not grads:
             return {}, 1.0
         mul = self.multiplier() if self.multiplier is not None else None
         if mul is not None:
             mul = torch.as_tensor(mul).reshape(()).to(torch.float32)
+        ranges = ranges or {}
         if all(g.device.type == "cpu" and g.is_contiguous() for g in grads.values()):
-            return self._cpu_images(grads, mul)
+            return self._cpu_images(grads, mul, ranges)
         images, wrong = {}, []
         for si, g in grads.items():
             m = None if mul is None else mul.to(g.device)
-            image = (g if m is None else g / m).to(torch.bfloat16)
-            back = image.float() if m is None else image.float() * m
+            part = ranges.get(si) if g.is_contiguous() else None
+            if part is not None:
+                image = torch.empty(g.shape, dtype=torch.bfloat16, device=g.device)
+                g, out = g.view(-1)[part[0]:part[1]], image.view(-1)[part[0]:part[1]]
+                out.copy_((g if m is None else g / m).to(torch.bfloat16))
+            else:
+                image = out = (g if m is None else g / m).to(torch.bfloat16)
+            back = out.float() if m is None else out.float() * m
             wrong.append((back.view(torch.int32) != g.view(torch.int32)).any())
             images[si] = image
         # one device read for the whole step (not one per tensor)
@@ -53,7 +67,8 @@ class Bf16Transport:
             return self._fall_back()
         return images, 1.0 if mul is None else float(mul)
 
-    def _cpu_images(self, grads: Dict[int, torch.Tensor], mul: Optional[torch.Tensor]):
+    def _cpu_images(self, grads: Dict[int, torch.Tensor], mul: Optional[torch.Tensor],
+                    ranges: Dict[int, Tuple[int, int]]):
         """:meth:`encode` of CPU gradients: each image made and checked in one pass of gockpt's
         C++ core (``csrc/digest.cpp``; the same rounding and arithmetic as the torch ops a
         device runs, and the check is what makes an image valid), not six torch ops on the
@@ -62,8 +77,9 @@ class Bf16Transport:
         images = {}
         for si, g in grads.items():
             image = torch.empty(g.shape, dtype=torch.bfloat16)
-            if not _C.bf16_images(g.data_ptr(), image.data_ptr(), g.numel(), mul is not None,
-                                  m):
+            lo, hi = ranges.get(si, (0, g.numel()))
+            if not _C.bf16_images(g.data_ptr() + 4 * lo, image.data_ptr() + 2 * lo, hi - lo,
+                                  mul is not None, m):
                 return self._fall_back()
             images[si] = image
         return images, m

@@ -65,3 +65,20 @@ def test_the_cpu_images_are_the_ones_torch_makes():
     strided = bf16_valued(200, 6).reshape(20, 10).t()
     images, _ = Bf16Transport().encode({0: strided})
     assert torch.equal(images[0].float(), strided)
+
+
+def test_only_the_copied_range_of_a_gradient_is_made_and_checked():
+    # a window's step copies the blocks captured so far: the images of the rest are not made,
+    # and an element outside the range that bf16 cannot hold does not send the step in fp32
+    coef = torch.tensor(0.37, dtype=torch.float32)
+    g = bf16_valued(1000, 7) * coef
+    g[900] += g[900] * 2 ** -12
+    strided = bf16_valued(200, 8).reshape(20, 10).t() * coef
+    # C++'s pass (contiguous CPU gradients), then torch's ops (a strided one beside it)
+    for grads in ({0: g}, {0: g, 1: strided}):
+        images, mul = Bf16Transport(lambda: coef).encode(grads, {0: (100, 700)})
+        back = images[0][100:700].float() * coef
+        assert torch.equal(back.view(torch.int32), g[100:700].view(torch.int32))
+        assert torch.equal(images[1].float() * coef, strided) if 1 in grads else True
+        assert Bf16Transport(lambda: coef).encode(grads, {0: (100, 950)}) is None
+        assert Bf16Transport(lambda: coef).encode(grads) is None
