@@ -2,6 +2,7 @@
 // into pieces of whole rows so that one large tensor spreads over the threads, each piece's
 // partial (a, b) added to its region's in a fixed order afterwards (integer sums: the result
 // does not depend on how the work was cut).
+#include <algorithm>
 #include "digest.h"
 
 #include <cmath>
@@ -139,17 +140,26 @@ namespace {
 // One pass: each image made and compared back, bit for bit. IEEE division and product, one
 // rounding each (the file is built with -ffp-contract=off): what the replay computes from the
 // image. Inlined into each ISA's copy below, which the compiler vectorises for that ISA.
+// Checked a chunk at a time: gradients that are not bf16 values (an fp32 model's, where the
+// transport is on because a link carries the copies) are refused after their first chunk,
+// not a whole pass (the training thread pays for it at every step of a window).
+constexpr int64_t kImageChunk = 4096;
+
 template <bool WithMul>
 inline bool images_pass(const float* g, uint16_t* out, int64_t n, float mul) {
-  uint32_t wrong = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = g[i];
-    const uint16_t image = to_bf16(WithMul ? x / mul : x);
-    out[i] = image;
-    const float back = float_of(static_cast<uint32_t>(image) << 16);
-    wrong |= bits_of(WithMul ? back * mul : back) ^ bits_of(x);
+  for (int64_t lo = 0; lo < n; lo += kImageChunk) {
+    const int64_t hi = std::min(n, lo + kImageChunk);
+    uint32_t wrong = 0;
+    for (int64_t i = lo; i < hi; ++i) {
+      const float x = g[i];
+      const uint16_t image = to_bf16(WithMul ? x / mul : x);
+      out[i] = image;
+      const float back = float_of(static_cast<uint32_t>(image) << 16);
+      wrong |= bits_of(WithMul ? back * mul : back) ^ bits_of(x);
+    }
+    if (wrong != 0) return false;
   }
-  return wrong == 0;
+  return true;
 }
 
 bool images_portable(const float* g, uint16_t* out, int64_t n, bool with_mul, float mul) {

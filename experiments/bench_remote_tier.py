@@ -66,7 +66,7 @@ from gockpt import storage  # noqa: E402
 from gockpt.storage import remote  # noqa: E402
 from gockpt.storage.format import fsync_path  # noqa: E402
 from gockpt.storage import replicate  # noqa: E402
-from gockpt.storage.replicate import upload_order  # noqa: E402
+from gockpt.storage.upload import upload_order  # noqa: E402
 from tests._support.s3server import S3Server  # noqa: E402
 
 

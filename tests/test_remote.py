@@ -19,7 +19,7 @@ import gockpt
 from gockpt import storage
 from gockpt.core.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                                 StorageError)
-from gockpt.storage import remote, replicate
+from gockpt.storage import remote, replicate, upload
 from gockpt.storage.format import CHUNK_BYTES_KEY
 from gockpt.storage.schema import is_small_tensor
 from gockpt.storage.commit import list_checkpoints, read_latest
@@ -347,7 +347,7 @@ def test_the_uploads_run_at_the_lowest_cpu_priority(tmp_path, url):
     runtime = [t for t, n in names.items() if n.startswith("tokio-")]
     assert runtime, names
     uploaders = [ck.tiers.replicator._thread.native_id] + runtime
-    assert {os.getpriority(os.PRIO_PROCESS, t) for t in uploaders} == {replicate.UPLOAD_NICE}
+    assert {os.getpriority(os.PRIO_PROCESS, t) for t in uploaders} == {upload.UPLOAD_NICE}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
     ck.close()
 

@@ -10,6 +10,11 @@ import os
 
 import torch
 
+try:  # an optional package: --to safetensors and --to fp32 say so when it is missing
+    from safetensors.torch import save_file
+except ImportError:
+    save_file = None
+
 from .. import storage
 from ..core.paths import shown
 from ..loading import check_digests
@@ -37,12 +42,9 @@ def cmd_export(args) -> int:
         raise UsageError(f"{args.out}: is a directory; give the output file name")
     if os.path.exists(args.out) and not args.force:
         raise UsageError(f"{args.out}: exists; pass --force to overwrite it")
-    if args.to in ("safetensors", "fp32"):
-        try:
-            import safetensors.torch  # noqa: F401  (an optional package: asked for here)
-        except ImportError:
-            raise UsageError("--to safetensors needs the safetensors package "
-                             "(pip install safetensors)") from None
+    if args.to in ("safetensors", "fp32") and save_file is None:
+        raise UsageError(f"--to {args.to} needs the safetensors package (pip install "
+                         "safetensors)")
     if args.to == "fp32":
         return _export_fp32(args)
     shard_size = getattr(args, "shard_size", None)
@@ -183,8 +185,6 @@ def _save_safetensors(out: str, sd: dict, aliases: dict, meta: dict,
     (a tensor larger alone in its file) and Hugging Face's index beside them: ``OUT`` names
     ``<stem>.safetensors.index.json``, the files ``<stem>-0000i-of-0000n.safetensors``; returns
     (tensors written, what, notes)."""
-    from safetensors.torch import save_file  # (optional: checked by cmd_export)
-
     tensors, notes = {}, []
     for name, v in sd.items():
         if not isinstance(v, torch.Tensor):

@@ -8,25 +8,17 @@ The client is ``obstore`` (Rust's ``object_store``; its synchronous calls releas
 a pool of Python threads keeps many requests in flight). A checkpoint in the store has the
 same names as on disk: ``<prefix>/<checkpoint>/manifest.json``, ``.../data.safetensors``,
 ``.../rank-00001/...`` and ``<prefix>/latest``; a path string ``s3://bucket/prefix/step-N``
-names it as a directory path names a local one (:func:`is_remote` tells them apart).
-
-Credentials, region and endpoint come the standard way: the options given
-(``Config.remote_options``, :class:`RemoteOptions`), else ``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
-``AWS_ENDPOINT_URL`` (read by obstore), else the profile (``AWS_PROFILE`` or ``default``)
-of ``~/.aws/credentials`` and ``~/.aws/config`` (``AWS_SHARED_CREDENTIALS_FILE``,
-``AWS_CONFIG_FILE``)."""
+names it as a directory path names a local one (:func:`is_remote` tells them apart). How a
+bucket is reached (credentials, region, endpoint) is :mod:`.remote_config`'s."""
 
 from __future__ import annotations
 
-import configparser
 import ctypes
 import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Iterator, Optional
 
 import numpy as np
@@ -35,6 +27,7 @@ from ..core.errors import ConfigError, StorageError
 from ..core.remote_options import RemoteOptions
 from ..core.paths import REMOTE_SCHEME as SCHEME, split_remote
 from . import io as _io
+from .remote_config import describe, storage_error, store_config
 
 
 def split(url: str) -> tuple:
@@ -43,62 +36,6 @@ def split(url: str) -> tuple:
         return split_remote(url)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def _profile_settings(options: RemoteOptions) -> dict:
-    """Credentials and region from the AWS config files' profile, as obstore config keys."""
-    profile = options.profile or os.environ.get("AWS_PROFILE") or "default"
-    home = os.path.expanduser("~")
-    files = [(os.environ.get("AWS_SHARED_CREDENTIALS_FILE")
-              or os.path.join(home, ".aws", "credentials"), profile),
-             (os.environ.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
-              profile if profile == "default" else f"profile {profile}")]
-    found: dict = {}
-    for path, section in files:
-        parser = configparser.ConfigParser(interpolation=None)
-        try:
-            parser.read(path)
-        except configparser.Error as e:
-            raise ConfigError(f"cannot parse the AWS config file {path!r}: {e}") from e
-        if parser.has_section(section):
-            for key in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token",
-                        "region", "endpoint_url"):
-                if parser.has_option(section, key) and key not in found:
-                    found[key] = parser.get(section, key)
-    return found
-
-
-def _store_config(bucket: str, options: RemoteOptions) -> dict:
-    env = os.environ
-    cfg: dict = {}
-    creds_in_env = bool(env.get("AWS_ACCESS_KEY_ID"))
-    profile = {} if (options.access_key_id or creds_in_env) else _profile_settings(options)
-    endpoint = options.endpoint or env.get("AWS_ENDPOINT_URL") or env.get("AWS_ENDPOINT_URL_S3") \
-        or profile.get("endpoint_url")
-    region = options.region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") \
-        or profile.get("region") or "us-east-1"
-    cfg["region"] = region
-    if endpoint:
-        cfg["endpoint"] = endpoint
-    key_id = options.access_key_id or profile.get("aws_access_key_id")
-    secret = options.secret_access_key or profile.get("aws_secret_access_key")
-    token = options.session_token or profile.get("aws_session_token")
-    if key_id:
-        cfg["access_key_id"] = key_id
-        if not secret:
-            raise ConfigError(f"s3://{bucket}: an access key id without a secret access key")
-        cfg["secret_access_key"] = secret
-        if token:
-            cfg["session_token"] = token
-    allow_http = options.allow_http if options.allow_http is not None else \
-        bool(endpoint and endpoint.startswith("http://"))
-    client = {"timeout": f"{options.timeout_s}s", "connect_timeout": f"{options.connect_timeout_s}s",
-              "allow_http": allow_http}
-    retry = {"max_retries": options.max_retries, "backoff": {
-        "init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15),
-        "base": 2.0},
-        "retry_timeout": timedelta(seconds=options.timeout_s * (options.max_retries + 1))}
-    return {"config": cfg, "client_options": client, "retry_config": retry}
 
 
 class Bucket:
@@ -112,7 +49,7 @@ class Bucket:
             raise ConfigError("object storage needs the obstore package: pip install obstore") from e
         self.name = bucket
         self.options = options
-        kw = _store_config(bucket, options)
+        kw = store_config(bucket, options)
         try:
             self.store = S3Store(bucket, config=kw["config"], client_options=kw["client_options"],
                                  retry_config=kw["retry_config"])
@@ -141,7 +78,7 @@ class Bucket:
         except FileNotFoundError:
             return None
         except Exception as e:
-            raise _storage_error(f"cannot look up {self.where(key)}", e) from e
+            raise storage_error(f"cannot look up {self.where(key)}", e) from e
         return {"size": int(meta["size"]), "e_tag": meta.get("e_tag"),
                 "last_modified": meta.get("last_modified")}
 
@@ -159,7 +96,7 @@ class Bucket:
         except (FileNotFoundError, ValueError):
             raise
         except Exception as e:
-            raise _storage_error(f"cannot read {self.where(key)}", e) from e
+            raise storage_error(f"cannot read {self.where(key)}", e) from e
 
     def put_bytes(self, key: str, data: bytes) -> str:
         """Put ``data`` as object ``key`` in one request, checked by its ETag (the MD5 of the
@@ -168,7 +105,7 @@ class Bucket:
         try:
             res = obstore.put(self.store, key, data, use_multipart=False)
         except Exception as e:
-            raise _storage_error(f"cannot upload {self.where(key)}", e) from e
+            raise storage_error(f"cannot upload {self.where(key)}", e) from e
         _check_etag(self.where(key), res.get("e_tag"), [hashlib.md5(data).digest()], True)
         return res.get("e_tag")
 
@@ -196,7 +133,7 @@ class Bucket:
         except Exception as e:
             if parts.refused:  # the caller's check or gate stopped it
                 raise parts.refused[0] from None
-            raise _storage_error(f"cannot upload {path!r} to {self.where(key)}", e) from e
+            raise storage_error(f"cannot upload {path!r} to {self.where(key)}", e) from e
         _check_etag(self.where(key), res.get("e_tag"), parts.digests, single=False)
         if parts.total != size:
             raise StorageError(f"{path!r} changed size while it was uploaded to "
@@ -249,7 +186,7 @@ class Bucket:
             except Exception as e:
                 with lock:
                     if not result.err:
-                        result.err, result.msg, result.bad_item = 5, _describe(e), i  # EIO
+                        result.err, result.msg, result.bad_item = 5, describe(e), i  # EIO
                 return
             got = memoryview(data)
             if len(got) < n:
@@ -288,7 +225,7 @@ class Bucket:
         except FileNotFoundError:
             return []
         except Exception as e:
-            raise _storage_error(f"cannot list {self.where(prefix)}", e) from e
+            raise storage_error(f"cannot list {self.where(prefix)}", e) from e
 
     def delete_all(self, prefix: str) -> None:
         """Delete every object under ``prefix/`` (never the whole bucket: ``prefix`` empty is
@@ -305,7 +242,7 @@ class Bucket:
                 obstore.delete(self.store, keys[lo:lo + 1000])
         except Exception as e:
             more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
-            raise _storage_error(f"cannot delete {self.where(keys[0])}{more}", e) from e
+            raise storage_error(f"cannot delete {self.where(keys[0])}{more}", e) from e
 
     def delete(self, key: str) -> None:
         import obstore
@@ -314,7 +251,7 @@ class Bucket:
         except FileNotFoundError:
             pass
         except Exception as e:
-            raise _storage_error(f"cannot delete {self.where(key)}", e) from e
+            raise storage_error(f"cannot delete {self.where(key)}", e) from e
 
 
 @dataclass
@@ -326,24 +263,6 @@ class RangedReadResult:
     bad_item: int = -1
     mismatches: list = field(default_factory=list)  # (item, chunk, crc32c found)
     truncated: list = field(default_factory=list)  # (item, offset where the object ended)
-
-
-def _describe(e: BaseException) -> str:
-    """An obstore error in one line (its text carries a multi-line debug dump)."""
-    text = str(e).split("\n\nDebug source:", 1)[0].strip()
-    return f"{type(e).__name__}: {text}"
-
-
-# What a refusal of the credentials means, and which settings to look at.
-_REFUSED_HINT = ("; the store refused these credentials for this bucket: check the access key "
-                 "and secret (Config.remote_options access_key_id / secret_access_key / profile, "
-                 "else AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE), the region and "
-                 "endpoint, and that the key may read and write the bucket")
-
-
-def _storage_error(doing: str, e: BaseException) -> StorageError:
-    refused = type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError")
-    return StorageError(f"{doing}: {_describe(e)}" + (_REFUSED_HINT if refused else ""))
 
 
 def _expected_etag(digests: list, single: bool) -> str:

@@ -1,17 +1,8 @@
 """The remote tier: every checkpoint committed in the local directory is copied to an object
 store (``Config.remote``) by one background thread, behind training and never in its way.
 
-One checkpoint's upload, in this order (a store's object appears whole or not at all, so the
-order is the commit protocol):
-
-1. every data file of every part (``data.safetensors`` of the checkpoint and of each
-   ``rank-*``), each byte checked against the manifest's crc32c chunks as it is read (a
-   checkpoint damaged on the local disk is never replicated) and each part's MD5 against the
-   store's ETag;
-2. each part's ``manifest.json``, then the checkpoint's own ``manifest.json``: from then on the
-   store holds a committed checkpoint (:func:`~.commit.is_committed`);
-3. the store's ``latest``, the same pointer as on disk (name and manifest seal), moved only
-   forward; then the store's retention (``Config.remote_keep_last``).
+One checkpoint's upload commits it in the store by the order of its objects
+(:mod:`.upload`: the data files checked as they are read, the manifests, ``latest`` last).
 
 A failed upload (the store unreachable, paused past the request timeout, refusing) is
 retried with backoff (``Config.remote_retry_s``, doubled up to 5 minutes); training goes on,
@@ -33,12 +24,9 @@ reused, attempts)."""
 
 from __future__ import annotations
 
-import bisect
 import collections
 import logging
 import os
-import re
-import sys
 import threading
 import time
 import warnings
@@ -47,17 +35,17 @@ from typing import Callable, Optional
 
 from ..core import metrics
 from ..core.errors import CorruptCheckpointError, GockptError, StorageError
-from . import io as _io
 from . import remote
 from .commit import is_committed, list_checkpoints, read_latest, resolve
-from .format import CHUNK_BYTES_KEY, DATA_FILE, LATEST_FILE, MANIFEST_FILE, MANIFEST_MAX_BYTES, manifest_seal
-from .manifest_file import read_manifest, read_small_file
+from .format import LATEST_FILE, MANIFEST_FILE, MANIFEST_MAX_BYTES, manifest_seal
+from .manifest_file import read_small_file
+from .upload import (delete_leftovers, drop_leftovers, find_leftovers, lower_priority,
+                     store_key, upload_order)
 
 log = logging.getLogger("gockpt")
 
 MAX_RETRY_S = 300.0
 MAX_HOLD_S = 10.0  # the longest the uploads pause for one checkpoint's copies, in all
-UPLOAD_NICE = 19  # the CPU priority of the uploads' threads (Linux nice: the lowest)
 PROGRESS_S = 30.0  # a close() waiting for the uploads says how far they are this often
 
 
@@ -212,7 +200,7 @@ class Replicator:
 
     def _run(self) -> None:
         delay = self.retry_s
-        _lower_priority()
+        lower_priority()
         while True:
             with self._cv:
                 while not self._queue and not self._stop:
@@ -279,8 +267,9 @@ class Replicator:
         # not one of those just queued (their objects are reused), not committed in the store
         with self._cv:
             queued = set(n for n in self._queue if n is not _RESUME)
-        self._delete_leftovers({n: keys for n, keys in self._leftovers().items()
-                                if n not in queued})
+        found = find_leftovers(self.bucket, self.prefix, set(list_checkpoints(self.directory)))
+        delete_leftovers(self.bucket, self.url, {n: keys for n, keys in found.items()
+                                                 if n not in queued})
 
     def _in_store(self, name: str) -> bool:
         """Whether the store holds checkpoint ``name`` committed with the local manifest."""
@@ -295,24 +284,8 @@ class Replicator:
             return False
         return stored == data
 
-    def _leftovers(self) -> dict:
-        """{name: its keys} of the checkpoints the store holds objects of but no manifest (an
-        upload cut off), counting only what is surely gockpt's: a name of
-        :func:`checkpoint_name`'s form or of a local checkpoint, holding nothing but data files
-        and parts' manifests (so never a committed checkpoint: its manifest is none of them)."""
-        local = set(list_checkpoints(self.directory))
-        found: dict = collections.defaultdict(list)  # name -> [(key under it, full key)]
-        for meta in self.bucket.list_all(self.prefix):
-            rel = meta["path"][len(self.prefix) + 1:] if self.prefix else meta["path"]
-            name, sep, rest = rel.partition("/")
-            if sep:
-                found[name].append((rest, meta["path"]))
-        return {name: [key for _, key in objects] for name, objects in found.items()
-                if (name in local or _STEP_NAME.fullmatch(name))
-                and all(_LEFTOVER_OBJECT.fullmatch(rest) for rest, _ in objects)}
-
     def _key(self, *names: str) -> str:
-        return "/".join([self.prefix, *names]) if self.prefix else "/".join(names)
+        return store_key(self.prefix, *names)
 
     def _upload(self, name: str) -> bool:
         """Upload checkpoint ``name``; False if it was deleted locally first (retention). A data
@@ -321,7 +294,7 @@ class Replicator:
         path = os.path.join(self.directory, name)
         if not is_committed(path):
             return self._given_up(name)
-        _lower_priority()  # (obstore's runtime threads start with the first request)
+        lower_priority()  # (obstore's runtime threads start with the first request)
         t0 = time.perf_counter()
         self._paused_s = 0.0
         sent, reused = 0, []
@@ -334,7 +307,7 @@ class Replicator:
                     continue
                 sent += self.bucket.put_file(key, local, check=check, gate=self._gate)
         except CorruptCheckpointError:
-            self._drop_leftovers(name)  # never retried: what it put would stay for good
+            drop_leftovers(self.bucket, self.url, self.prefix, name)  # never retried: what it put would stay for good
             raise
         except (OSError, StorageError):
             if not is_committed(path):  # deleted locally while it was read (retention)
@@ -380,35 +353,8 @@ class Replicator:
     def _given_up(self, name: str) -> bool:
         """Checkpoint ``name`` was deleted locally before its upload completed: not uploaded."""
         log.info("gockpt: %s was deleted locally before it was uploaded", name)
-        self._drop_leftovers(name)
+        drop_leftovers(self.bucket, self.url, self.prefix, name)
         return False
-
-    def _drop_leftovers(self, name: str) -> None:
-        """Delete what the store holds of checkpoint ``name`` (given up: never completed here)
-        unless it is committed there -- gockpt's objects only (``_LEFTOVER_OBJECT``)."""
-        try:
-            if is_committed(f"{self.url}/{name}"):
-                return
-            prefix = self._key(name)
-            keys = [o["path"] for o in self.bucket.list_all(prefix)
-                    if _LEFTOVER_OBJECT.fullmatch(o["path"][len(prefix) + 1:])]
-        except StorageError as e:
-            log.warning("gockpt: could not look up what a cut-off upload left of %s in %s "
-                        "(%s)", name, self.url, e)
-            return
-        self._delete_leftovers({name: keys})
-
-    def _delete_leftovers(self, found: dict) -> None:
-        """Delete the objects ``found`` ({name: keys}) of uploads that will never complete
-        (nothing lists them as a checkpoint, but they take space). Best effort: a store that
-        refuses (no delete permission, object lock) keeps them, with a warning; uploads go
-        on."""
-        for name, keys in found.items():
-            try:
-                self.bucket.delete_keys(keys)
-            except StorageError as e:
-                log.warning("gockpt: could not delete what a cut-off upload left of %s in %s "
-                            "(%s); it stays there, unlisted", name, self.url, e)
 
     def _point_latest(self, name: str, path: str) -> None:
         """The store's ``latest`` -> ``name``, unless it names a checkpoint committed after
@@ -440,87 +386,8 @@ class Replicator:
             self.bucket.delete_all(self._key(old))
 
 
-def _lower_priority() -> None:
-    """The uploads' threads -- this one and obstore's runtime threads -- at the lowest CPU
-    priority (nice ``UPLOAD_NICE``): where they compete with training for a core, training's
-    threads go first; idle cores still serve the uploads at full speed. Linux only (a thread
-    is a task there; elsewhere nothing changes). obstore's runtime serves this process's reads
-    too: they run at that priority from then on (a load does not compete with training)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UPLOAD_NICE)
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().startswith("tokio-"):
-                    os.setpriority(os.PRIO_PROCESS, int(tid), UPLOAD_NICE)
-    except OSError:  # a task gone meanwhile, or a /proc not mounted: priority as it was
-        pass
-
-
 class _Stopped(Exception):
     """close() was called: the upload in progress stops before its next part."""
 
 
 _RESUME = object()  # queue entry: look for checkpoints an earlier run left unuploaded
-_STEP_NAME = re.compile(r"step-\d{9,}")  # format.checkpoint_name's
-# the objects of a checkpoint whose upload was cut off before its manifest
-_LEFTOVER_OBJECT = re.compile(rf"(rank-\d{{5,}}/)?{re.escape(DATA_FILE)}|"
-                              rf"rank-\d{{5,}}/{re.escape(MANIFEST_FILE)}")
-
-
-def upload_order(path: str) -> list:
-    """Every file of checkpoint ``path`` in upload order -- the data files, the parts'
-    manifests, the checkpoint's manifest last -- each data file with the check of its bytes
-    against the chunk checksums its manifest records."""
-    files = sorted(os.path.relpath(os.path.join(d, f), path)
-                   for d, _, names in os.walk(path) for f in names)
-    manifests = [rel for rel in files if os.path.basename(rel) == MANIFEST_FILE]
-    manifests.sort(key=lambda rel: (rel == MANIFEST_FILE, rel))  # the top one last
-    entries: dict = {}  # data file -> its manifest's entries
-    for rel in manifests:
-        d = os.path.dirname(rel)
-        for e in read_manifest(os.path.join(path, d) if d else path)["tensors"].values():
-            entries.setdefault(os.path.join(d, e["file"]) if d else e["file"], []).append(e)
-    data = [(rel, _ChunkCheck(os.path.join(path, rel), entries.get(rel, [])))
-            for rel in files if rel not in manifests]
-    return data + [(rel, None) for rel in manifests]
-
-
-class _ChunkCheck:
-    """Checks the bytes of one data file as they stream by (in order) against the crc32c of
-    every checksum chunk its manifest entries record; raises CorruptCheckpointError naming the
-    file and chunk at the first mismatch."""
-
-    def __init__(self, where: str, entries: list):
-        self.where = where
-        bounds = []
-        for e in entries:
-            chunk, off, n = e[CHUNK_BYTES_KEY], e["offset"], e["nbytes"]
-            for k, crc in enumerate(e["crc32c"]):
-                lo = off + k * chunk
-                bounds.append((lo, min(off + n, lo + chunk), crc))
-        bounds.sort()
-        self.starts = [b[0] for b in bounds]
-        self.bounds = bounds
-        self.partial: dict = {}  # chunk index -> crc so far
-
-    def __call__(self, offset: int, view: memoryview) -> None:
-        if offset == 0:  # read again from the start (Bucket.holds_file, then put_file)
-            self.partial.clear()
-        end = offset + len(view)
-        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
-        while i < len(self.bounds) and self.bounds[i][0] < end:
-            lo, hi, expected = self.bounds[i]
-            a, b = max(lo, offset), min(hi, end)
-            if a < b:
-                crc = _io.crc32c(view[a - offset:b - offset], self.partial.pop(i, 0))
-                if b == hi:
-                    if crc != expected:
-                        raise CorruptCheckpointError(
-                            f"{self.where}: bytes {lo}..{hi} do not match their checksum "
-                            f"(crc32c {crc:#010x}, expected {expected:#010x}): the local "
-                            "checkpoint is damaged and is not uploaded")
-                else:
-                    self.partial[i] = crc
-            i += 1
