@@ -127,8 +127,9 @@ class Checkpointer(Lifecycle):
     def _build(self, model, optimizer, scheduler) -> None:
         """Everything that needs the directory lock."""
         cleanup_temporaries(self.config.directory)
-        self.planned_host_bytes = planned_host_bytes(self.plan, self.policy.replays, self.config.max_host_bytes)
         self.device = device_for(self.plan.locals())
+        self.planned_host_bytes = planned_host_bytes(self.plan, self.policy, self.device,
+                                                     self.config.max_host_bytes)
         if self.config.emulate_link_gbps is not None and self.device.kind != "cpu":
             raise ConfigError("emulate_link_gbps emulates a GPU link for training on the CPU; "
                               f"the parameters live on {self.device.kind}")
@@ -307,8 +308,9 @@ class Checkpointer(Lifecycle):
 
     @property
     def host_bytes(self) -> int:
-        """Host memory gockpt holds for staging (state copy + gradient buffers)."""
-        return self.staging.nbytes()
+        """Host memory gockpt holds for staging (state copy + gradient buffers; training on
+        the CPU, gockpt-o's gradient snapshots too)."""
+        return self.staging.nbytes() + self.capture.grads.snapshot_bytes()
 
     @property
     def host(self):
@@ -379,7 +381,8 @@ class Checkpointer(Lifecycle):
         if device_for(plan.locals()).kind != self.device.kind:
             raise ConfigError("the optimizer's new parameters live on another device")
         self.plan = plan
-        self.planned_host_bytes = planned_host_bytes(self.plan, self.policy.replays, self.config.max_host_bytes)
+        self.planned_host_bytes = planned_host_bytes(self.plan, self.policy, self.device,
+                                                     self.config.max_host_bytes)
         self.staging.replanned()
         log.info("gockpt: the optimizer's parameters changed: planned again (%d tensors)",
                  len(plan.slots))

@@ -325,6 +325,26 @@ def test_host_memory_is_planned_and_capped(tmp_path):
         gockpt.Checkpointer(model, opt, str(tmp_path), max_host_bytes=planned - 1)
 
 
+def test_the_cpus_gradient_snapshots_are_host_memory_planned_and_counted(tmp_path):
+    # gockpt-o on the CPU copies each step's gradients from one of two snapshots (float32)
+    # that live in host memory: planned against max_host_bytes and counted in host_bytes
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    n_params = sum(p.numel() for g in opt.param_groups for p in g["params"])  # the optimized
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path / "g"), mode="gockpt", overlap_steps=2)
+    without = ck.planned_host_bytes  # gockpt: the update waits for the copies, no snapshot
+    ck.close()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path / "o"), mode="gockpt-o", overlap_steps=2,
+                             scheduler=sched, interval=3)
+    assert ck.planned_host_bytes == without + 2 * 4 * n_params
+    H.train_steps(model, opt, sched, 0, 4, ck)  # a window: the snapshots are made
+    assert ck.host_bytes == ck.staging.nbytes() + 2 * 4 * n_params
+    ck.close()
+    with pytest.raises(gockpt.ConfigError, match="gradient snapshots"):
+        gockpt.Checkpointer(model, opt, str(tmp_path / "o"), mode="gockpt-o",
+                            max_host_bytes=without)
+
+
 def test_blocks_are_streamed_to_storage_as_they_reach_F(tmp_path, monkeypatch):
     import threading
     from gockpt.replay import adapters as replay

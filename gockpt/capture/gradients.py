@@ -22,7 +22,7 @@ from ..core.lists import has_none
 from ..core.memory import flat, is_dtensor, local
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
-from ..core.staging import GradPool
+from ..core.staging import SNAPSHOTS, GradPool
 from .addresses import data_ptrs, in_memory_order
 from .states import StateWatch
 from .transfer import GRADIENT, SNAPSHOT, CopyEngine
@@ -38,6 +38,12 @@ class GradientCopies:
         # (plan, [two device-side gradient snapshots, each with the ticket of its D2H copy]):
         # a step's snapshot is written while the previous step's is still being copied
         self._snapshots = None
+
+    def snapshot_bytes(self) -> int:
+        """Device memory held by the gradient snapshots (host memory on the CPU)."""
+        if self._snapshots is None:
+            return 0
+        return sum(arena.nbytes() for arena, _ in self._snapshots[1])
 
     def record(self, job: Job, j: int, groups, grad_pool: GradPool, adapter: ReplayAdapter,
                snapshot: bool = False) -> Optional[StepRecord]:
@@ -107,7 +113,7 @@ class GradientCopies:
         if self._snapshots is None or self._snapshots[0] is not plan:
             extents = plan.extents(plan.optimized_slots)
             self._snapshots = (plan, [[device.device_arena(torch.float32, extents), None]
-                                      for _ in range(2)])
+                                      for _ in range(SNAPSHOTS)])
         ring = self._snapshots[1]
         ring.append(ring.pop(0))  # the one written the longest ago
         arena, previous = ring[-1]

@@ -108,8 +108,9 @@ class Config:
     newer one is committed (never the one being written). ``None`` keeps all."""
 
     max_host_bytes: Optional[int] = None
-    """Refuse at construction if the planned host staging memory (one copy of the state plus
-    the gradient buffers in flight) exceeds this many bytes. ``None``: no cap."""
+    """Refuse at construction if the planned host staging memory (one copy of the state, the
+    gradient buffers in flight, and training on the CPU in gockpt-o two gradient snapshots)
+    exceeds this many bytes. ``None``: no cap."""
 
     replay_threads: Optional[int] = None
     """Threads of the C++ replay kernel; ``None``: the number of CPU cores."""

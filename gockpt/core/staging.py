@@ -17,6 +17,7 @@ import torch
 
 from .config import GradTransport
 from .errors import ConfigError
+from .modes import GRADS_AT_BACKWARD, ModePolicy
 from .plan import Plan
 from .blocks import slot_array
 
@@ -26,17 +27,28 @@ PACK_BYTES = 64 << 10
 PACK_MIN_COUNT = 32
 
 
-def planned_host_bytes(plan: Plan, replays: bool, cap: Optional[int]) -> int:
+#: Gradient snapshots a CPU-trained gockpt-o holds (one written while the other is copied)
+SNAPSHOTS = 2
+
+
+def planned_host_bytes(plan: Plan, policy: ModePolicy, device, cap: Optional[int]) -> int:
     """Host memory of one state copy (parameters + two aligned state tensors, Adam-like) plus,
-    with a replay, the pool of gradient buffers; ConfigError when over ``cap``."""
+    with a replay, the pool of gradient buffers, and the gradient snapshots gockpt-o's copies
+    read where ``device`` takes them (the CPU: its memory is the host's); ConfigError when over
+    ``cap``."""
+    snapshots = policy.replays and policy.grad_wait == GRADS_AT_BACKWARD and \
+        device.overlap_needs_snapshot
     planned = plan.state_bytes(2)
-    if replays:
+    if policy.replays:
         planned += GradPool.SIZE * plan.optimized_bytes()
+    if snapshots:
+        planned += SNAPSHOTS * plan.optimized_bytes()  # float32, as the gradients
     if cap is not None and planned > cap:
+        parts = "state copy + gradient buffers" + (" + gradient snapshots" if snapshots else "")
         raise ConfigError(
-            f"gockpt needs {planned / 2**20:.1f} MiB of host memory for staging (state copy + "
-            f"gradient buffers) but max_host_bytes is {cap / 2**20:.1f} MiB; raise the cap or "
-            "use a mode without replay (no gradient buffers)")
+            f"gockpt needs {planned / 2**20:.1f} MiB of host memory for staging ({parts}) "
+            f"but max_host_bytes is {cap / 2**20:.1f} MiB; raise the cap or use a mode "
+            "without replay (no gradient buffers)")
     return planned
 
 

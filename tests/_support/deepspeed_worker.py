@@ -5,7 +5,9 @@ the run: "stage", "steps", "save_at" (a step or a list of steps), "gas", "clip",
 "gockpt_section", "fp32_accumulation", "two_groups", "torch_adam" (torch's AdamW as base
 optimizer), "early" (the save run's directory and interval given to install()), "betas" (AdamW's), "fp16" (with dynamic loss scaling), "inf_at" (a step whose loss
 is multiplied by inf: an overflow step under fp16), "width" (of the hidden layer, 48 by
-default), "chunk_bytes" (of the checkpoint's checksum chunks).
+default), "chunk_bytes" (of the checkpoint's checksum chunks), "leave_at_once" (the process
+ends right after writing its results, closing nothing: the memory tier's copy stays, as a
+crash leaves it).
 
     python -m tests._support.deepspeed_worker OUT SCENARIO
                                             SCENARIO: JSON {"run": ..., "stage": ..., ...}
@@ -172,7 +174,7 @@ def main():
         if run == "plain-load":  # loaded without gockpt; its snapshots below may import it
             assert path is not None and not any(m.split(".")[0] == "gockpt" for m in sys.modules)
             sys.meta_path[:] = [h for h in sys.meta_path if not isinstance(h, NoGockpt)]
-        out["client"] = client
+        out["client"], out["path"] = client, path
         out["loaded"] = live_state(engine)
         if run == "resume":  # which way it loaded, and what it read at another degree
             ours = gockpt_ds._patches[engine]
@@ -209,10 +211,15 @@ def main():
                 out["live"] = live_state(engine)
 
         train(engine, sc, 1, sc["steps"], out, at)
-        if run == "save" and not sc.get("exit_without_wait"):
+        if sc.get("leave_at_once"):  # committed, the Checkpointer left open (as by a crash)
+            gockpt_ds._patches[engine].ck.wait()
+        elif run == "save" and not sc.get("exit_without_wait"):
             gockpt_ds.wait(engine)
     out["final"] = live_state(engine)
     torch.save(out, os.path.join(out_dir, f"{run}-rank{rank}.pt"))
+    if sc.get("leave_at_once"):  # as a crash leaves it: nothing closed, the memory tier kept
+        print(f"rank {rank}: ok", flush=True)
+        os._exit(0)
     if torch.distributed.is_initialized() and not sc.get("exit_without_wait"):
         # Without it gloo's threads may still hold work when the interpreter is torn down, and
         # the process aborts after its last line ("terminate called without an active

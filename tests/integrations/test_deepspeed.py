@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import tempfile
 import types
 import warnings
 import weakref
@@ -262,6 +263,31 @@ def test_native_checkpoints_still_load_through_the_patched_engine(tmp_path):
     assert not holds_gockpt_checkpoint(tmp_path / "ckpt", None)
     assert_states_equal(loaded[0]["loaded"], saved[0]["live"], "native load")
     assert loaded[0]["client"]["data_pos"] == 4
+
+
+@pytest.mark.slow
+def test_the_engine_loads_the_memory_tiers_copy(tmp_path):
+    # Config(memory=...) through the patch: a process that ended without closing anything (a
+    # crash) leaves its newest checkpoint in the memory tier, which engine.load_checkpoint
+    # takes -- the disk's copy, damaged here, is not read -- and training goes on bit for bit
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="gockpt-test-shm-", dir=base) as shm:
+        options = {"memory": "auto", "memory_dir": shm}
+        one = runs(tmp_path, 1, stage=1, steps=8, save_at=4, options=options)
+        saved = one("save", leave_at_once=True)
+        step = tmp_path / "ckpt" / "step-000000004"
+        entry = next(iter(json.loads((step / "manifest.json").read_text())["tensors"].values()))
+        with open(step / entry["file"], "r+b") as f:  # a byte of a stored tensor, flipped
+            f.seek(entry["offset"] + entry["nbytes"] // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        resumed = one("resume")
+        plain = one("plain")
+    assert os.path.realpath(resumed[0]["path"]).startswith(os.path.realpath(shm))
+    assert_states_equal(resumed[0]["loaded"], saved[0]["live"], "loaded from memory vs live")
+    assert resumed[0]["losses"] == plain[0]["losses"][4:]
+    assert_states_equal(resumed[0]["final"], plain[0]["final"], "resumed vs plain")
 
 
 @pytest.mark.slow

@@ -37,7 +37,9 @@ with weight decay refused), or torch's Adam/AdamW; anything else is refused, or 
 With ZeRO 1/2 in bf16 on a GPU (or an emulated link) the replayed gradients cross as bf16
 plus the one coefficient DeepSpeed unscaled/clipped them by (``grad_transport="bf16"``, checked
 exact on the device every step; ``grad_transport="fp32"`` turns it off, ``"bf16"`` turns it on
-elsewhere); otherwise in fp32.
+elsewhere); otherwise in fp32.  With the memory tier (``memory=...``, ``memory_dir``),
+``load_checkpoint(save_dir)`` without a tag takes its copy of the newest checkpoint as
+``gockpt.load`` does (checked the same way; a damaged copy falls back to the disk's).
 """
 
 from __future__ import annotations

@@ -150,11 +150,14 @@ class EnginePatch:
             restored, self.read_bytes = load_at_another_degree(
                 top, engine, with_optimizer=with_optimizer, scheduler=scheduler,
                 written=written, world=world, check=lambda record: check_record(engine, record, top))
-        else:  # (the checkpoint resolved above, by its own directory and name)
-            restored = load(os.path.dirname(top), EngineState(engine),
+        else:  # the checkpoint resolved above, or the memory tier's copy of the newest
+            run = os.path.dirname(top)
+            newest = tag is None and run == directory_to_read(os.fspath(load_dir))
+            restored = load(run, EngineState(engine),
                             base_optimizer(engine) if with_optimizer else None,
-                            tag=os.path.basename(top), scheduler=scheduler)
-            check_record(engine, restored.extra_state, top)
+                            tag=None if newest else os.path.basename(top), scheduler=scheduler,
+                            memory_dir=self.options.get("memory_dir"))
+            check_record(engine, restored.extra_state, restored.path)
         if with_optimizer:
             relink(engine)
         if not with_optimizer and hasattr(engine.optimizer, "refresh_fp32_params"):
