@@ -106,12 +106,13 @@ class Checkpointer(Lifecycle):
                                    or self.config.on_busy is OnBusy.SKIP):
             raise ConfigError("with several ranks every rank must start the same checkpoints: "
                               "use a fixed interval (or force) and on_busy='wait'")
-        if self.ranks.several and self.config.memory_log is not None:
-            raise ConfigError("memory_log: the step log keeps one process's steps for now; "
-                              "with several ranks leave it off (memory= alone works)")
         if self.config.replicated is None and is_replicated(model):
             self.config.replicated = True  # (None: DTensors replicated as their placements say)
         self.plan = self._new_plan()
+        if self.plan.dtensors and self.config.memory_log is not None:
+            raise ConfigError("memory_log: the step log keeps replicated parameters' steps "
+                              "(one process, DDP); with sharded ones (FSDP2) leave it off "
+                              "(memory= alone works)")
         ensure_writable(self.config.directory)
         self.lock = lock_for_ranks(self.config.directory, self.ranks)
         self.adapter = None
@@ -141,12 +142,12 @@ class Checkpointer(Lifecycle):
             if self.config.grad_transport is GradTransport.BF16 and self.adapter is not None else None
         self.capture = Capture(model, optimizer, scheduler, self.engine, self.adapter, transport)
         self.schedule = Schedule(self.config, self.ranks.several)
-        self.tiers = Tiers(self.config, self.ranks, self.plan.state_bytes(2),
-                           self._copies_in_progress)
+        self.tiers = Tiers(self.config, self.ranks, self.plan.state_bytes(2), self._copies_in_progress)
         self.steplog = None  # the memory tier's step log (Config.memory_log)
         if self.config.memory_log is not None and self.tiers.memory is not None:
             self.steplog = StepLog(model, optimizer, scheduler, self.tiers.memory.root,
-                                   self.config.memory_log, self.device, self.plan.slot_of_id)
+                                   self.config.memory_log, self.device, self.plan.slot_of_id,
+                                   self.ranks.rank if self.ranks.several else None)
         self.persister = Persister(self.config, self.plan, self.ranks, type(optimizer).__name__,
                                    step_time=self.schedule.median_step_time,
                                    host_bytes=self.staging.nbytes,

@@ -22,6 +22,7 @@ from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, re
                        warn_rng_not_restored)
 from .core.paths import directory_to_read, is_remote
 from . import steplog
+from .agree import everyone, several
 from .storage import memory_tier
 from .storage.commit import checkpoint_of, is_committed
 from .storage.format import MANIFEST_FILE
@@ -73,9 +74,8 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     started = time.time()
     path = directory_to_read(directory)
     run, top, disk = _newest(path, tag, memory_dir, memory=rank is None)
-    # the memory tier's step log: in one process, the run's newest state asked for
-    replays_log = rank is None and tag is None and not _several() and run == path \
-        and not is_remote(path)
+    # the memory tier's step log: the run's newest state asked for (the same on every rank)
+    replays_log = rank is None and tag is None and run == path and not is_remote(path)
     _record_load(run, top, "loading")
     args = (model, optimizer, scheduler, restore_rng, verify, map_location, rank)
     failed = None
@@ -85,7 +85,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         if top == disk:
             raise
         failed = exc
-    if top != disk and not _everyone(failed is None):
+    if top != disk and not everyone(failed is None):
         # the memory tier's copy is damaged (on some rank: every rank loads the disk's, which
         # overwrites whatever the copy put in place)
         why = failed if failed is not None else "another rank's part is damaged"
@@ -93,18 +93,10 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
                       f"{disk} from disk instead", RuntimeWarning, stacklevel=2)
         top = disk
         restored = _load_checkpoint(top, *args)
-    root = memory_tier.owned_root(run, memory_dir) if replays_log else None
-    if root is not None and optimizer is not None:
-        try:
-            replayed = steplog.replay(root, restored, model, optimizer, scheduler,
-                                      restore_rng, map_location)
-        except Exception as exc:  # noqa: BLE001 -- anything: the checkpoint is a safe point
-            warnings.warn(f"gockpt: the step log after step {restored.step} cannot be replayed "
-                          f"({exc}); resuming at the checkpoint of step {restored.step}",
-                          RuntimeWarning, stacklevel=2)
-            restored = _load_checkpoint(top, *args)  # (over whatever the replay changed)
-        else:
-            restored = replayed if replayed is not None else restored
+    if replays_log and optimizer is not None:  # (every rank alike: its collectives)
+        restored = steplog.resume(memory_tier.owned_root(run, memory_dir), restored, model,
+                                  optimizer, scheduler, restore_rng, map_location,
+                                  reload=lambda: _load_checkpoint(top, *args))
     _record_load(run, top, "load", step=restored.step, time_start=started)
     return restored
 
@@ -135,28 +127,13 @@ def _newest(path: str, tag: Optional[str], memory_dir: Optional[str], memory: bo
     except CheckpointNotFoundError:
         disk = None
     # several ranks: every rank's copy of the disk's step (a fallback loads that one)
-    copy = memory_tier.usable_copy(path, disk, memory_dir, same_step=_several())
-    if _several() and not _everyone(copy is not None):
+    copy = memory_tier.usable_copy(path, disk, memory_dir, same_step=several())
+    if several() and not everyone(copy is not None):
         copy = None
     if copy is not None:
         return path, copy, disk
     disk = disk if disk is not None else checkpoint_of(path)  # (raises: what is there)
     return path, disk, disk
-
-
-def _several() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _everyone(ok: bool) -> bool:
-    """Whether ``ok`` holds on every rank (one gather on the default group; ``ok`` alone in
-    one process)."""
-    if not _several():
-        return ok
-    every = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, bool(ok))
-    return all(every)
 
 
 def _record_load(run: str, top: str, kind: str, **fields) -> None:

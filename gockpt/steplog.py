@@ -14,7 +14,9 @@ it; anything that does not match (a damaged entry, a digest) loads the checkpoin
 crash then costs the step in progress (and the last one, when its entry was not written yet),
 not the steps since the checkpoint.
 
-One process (several ranks: not yet); the log is off where it is not asked for.
+On several ranks (replicated parameters: DDP) each rank logs its own steps, and a restart
+replays on every rank the steps every rank has logged whole (the fewest); sharded parameters
+(FSDP2) not yet. The log is off where it is not asked for.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from .agree import everyone, fewest, several
 from .capture import smallstate
 from .core.digest import LiveDigests, as_pairs, digests, to_hex
 from .core.errors import CorruptCheckpointError
@@ -68,11 +71,11 @@ class StepLog:
     """The capture side: called by the Checkpointer's hooks on the training thread."""
 
     def __init__(self, model, optimizer, scheduler, memory_root: str, limit: int, device,
-                 planned_ids):
+                 planned_ids, rank: Optional[int] = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.planned_ids = device, planned_ids
         self._params = _gradients_of(model)
-        self.writer = LogWriter(log_root(memory_root), limit)
+        self.writer = LogWriter(log_root(memory_root, rank), limit)  # rank: each its own
         self.digester = LiveDigests(device)
         self._pending = None  # (gradients by name, the groups' settings) of this step's update
         self._ticket = None  # the digests of the last step, on their way
@@ -138,25 +141,65 @@ class LogMismatch(CorruptCheckpointError):
     """A replayed step's state differs from the digests logged for it."""
 
 
-def replay(memory_root: str, restored: Restored, model, optimizer, scheduler,
+def resume(root: Optional[str], restored: Restored, model, optimizer, scheduler,
+           restore_rng: bool, map_location, reload: Callable[[], Restored]) -> Restored:
+    """``gockpt.load``'s step log, after the checkpoint ``restored`` was loaded: the steps after
+    it that every rank logged whole under the memory tier's ``root`` (None: none), replayed;
+    or ``restored`` as it is (nothing logged), or ``reload()`` (the checkpoint loaded again
+    over the replay) when the replay failed on some rank, with a warning. Every rank calls it
+    alike (its gathers)."""
+    rank = torch.distributed.get_rank() if several() else None
+    entries, failed = [], None
+    try:
+        entries = read_log(root, restored.step, rank) if root is not None else []
+    except Exception as exc:  # noqa: BLE001 -- unreadable: nothing to replay
+        failed = exc
+    entries = entries[:fewest(len(entries))]  # the steps every rank can replay
+    replayed = None
+    if entries:
+        try:
+            replayed = replay(entries, restored, model, optimizer, scheduler, restore_rng,
+                              map_location)
+        except Exception as exc:  # noqa: BLE001 -- anything: the checkpoint is a safe point
+            failed = exc
+    if not everyone(failed is None):
+        why = failed if failed is not None else "it failed on another rank"
+        warnings.warn(f"gockpt: the step log after step {restored.step} cannot be replayed "
+                      f"({why}); resuming at the checkpoint of step {restored.step}",
+                      RuntimeWarning, stacklevel=3)
+        return reload() if entries else restored
+    return replayed if replayed is not None else restored
+
+
+def read_log(memory_root: str, step: int, rank: Optional[int] = None) -> List[tuple]:
+    """The logged steps after ``step`` (the checkpoint a restart loaded), each read and checked
+    whole: ``(path, manifest, tensors)`` up to the first missing or damaged entry (a warning
+    says which was damaged). ``rank``: this rank's log on several ranks."""
+    out = []
+    for path in entries_after(log_root(memory_root, rank), step):
+        try:
+            manifest = read_manifest(path)
+            tensors = reader.read_tensors(path, manifest, verify=True)
+        except CorruptCheckpointError as exc:
+            warnings.warn(f"gockpt: the step log's entry {path} is damaged ({exc}); the "
+                          "replay stops before it", RuntimeWarning, stacklevel=3)
+            break
+        out.append((path, manifest, tensors))
+    return out
+
+
+def replay(entries: List[tuple], restored: Restored, model, optimizer, scheduler,
            restore_rng: bool, map_location) -> Optional[Restored]:
     """After ``restored`` (the checkpoint of step S) was loaded: run the logged steps S + 1,
-    S + 2, ... through ``optimizer`` and restore the last one's small state, checked against
-    its digests; what it restored (None: no entry after S). Raises CorruptCheckpointError
-    (the caller loads S again) when an entry is damaged or a digest differs."""
+    S + 2, ... (``entries``, from :func:`read_log`) through ``optimizer`` and restore the last
+    one's small state, checked against its digests; what it restored (None: no entry).
+    Raises CorruptCheckpointError (the caller loads S again) when a digest differs."""
+    if not entries:
+        return None
     params = dict(_gradients_of(model))
-    manifest, replayed = None, None
     try:
         with _without_step_hooks(optimizer):
-            for path in entries_after(log_root(memory_root), restored.step):
-                try:  # read and checked whole before anything of it is applied
-                    manifest = read_manifest(path)
-                    tensors = reader.read_tensors(path, manifest, verify=True)
-                except CorruptCheckpointError as exc:
-                    warnings.warn(f"gockpt: the step log's entry {path} is damaged ({exc}); "
-                                  "the replay stops before it", RuntimeWarning, stacklevel=3)
-                    break
-                replayed = (path, manifest, tensors)
+            for path, manifest, tensors in entries:
                 if manifest["stepped"]:
                     for key, p in params.items():
                         g = tensors.get(key)
@@ -167,9 +210,7 @@ def replay(memory_root: str, restored: Restored, model, optimizer, scheduler,
     finally:
         for p in params.values():
             p.grad = None
-    if replayed is None:
-        return None
-    path, manifest, tensors = replayed
+    path, manifest, tensors = entries[-1]
     small = tree.decode(manifest["small"], tensors)
     with torch.no_grad():
         live = model.state_dict()

@@ -219,7 +219,7 @@ class Config:
     tier is off, with a warning."""
 
     memory_log: Optional[int] = None
-    """The memory tier's step log (off by default; needs ``memory``, one process): at most
+    """The memory tier's step log (off by default; needs ``memory``; not with FSDP2): at most
     this many bytes of host shared memory for an entry per training step after the newest
     checkpoint -- the gradients its update consumed, its small state and the digests of the
     state after it (:mod:`gockpt.steplog`). ``gockpt.load`` then loads the newest checkpoint

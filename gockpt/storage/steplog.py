@@ -1,5 +1,6 @@
 """The step log of the memory tier, on its storage side: one entry per training step after the
-newest checkpoint, in ``<memory tier's run directory>/log/step-<N>/`` -- the gradients that
+newest checkpoint, in ``<memory tier's run directory>/log/step-<N>/`` (on several ranks
+``log/rank-<r>/step-<N>/``, each rank's own) -- the gradients that
 step's update consumed, its small state and the digests of the state after it -- written as a
 checkpoint is (a temporary directory renamed into place, every chunk's crc32c in the
 manifest, which is written last), on one thread ("gockpt-log") in the order of the steps.
@@ -19,7 +20,7 @@ import queue
 import re
 import threading
 import warnings
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from .commit import bytes_under, discard, is_committed
 from .memory_tier import write_in_memory
@@ -34,8 +35,11 @@ def entry_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
-def log_root(memory_root: str) -> str:
-    return os.path.join(memory_root, LOG_DIR)
+def log_root(memory_root: str, rank: Optional[int] = None) -> str:
+    """Where the log lives in the memory tier's run directory: ``log/``, and on several ranks
+    each rank's in ``log/rank-<r>/`` (``rank`` given)."""
+    root = os.path.join(memory_root, LOG_DIR)
+    return root if rank is None else os.path.join(root, f"rank-{rank:05d}")
 
 
 def _entries(root: str) -> List[tuple]:

@@ -5,10 +5,11 @@ mismatch.
 
 Scenarios: ``load`` -- the memory copy is a whole checkpoint of every rank, loaded bitwise on
 every rank; one byte of rank 1's part damaged in memory makes every rank load the disk's (a
-warning on each); close() removes the copies. ``hosts`` -- the step log refused on several ranks; ranks declared on two hosts: the tier is
-off, with a warning, on every rank."""
+warning on each); close() removes the copies. ``hosts`` -- ranks declared on two hosts: the tier is
+off, with a warning, on every rank. ``log`` -- :func:`log_scenario`."""
 
 import os
+import shutil
 import sys
 import warnings
 
@@ -19,6 +20,7 @@ from torch import nn
 import gockpt
 from gockpt import storage
 from gockpt.storage import memory_tier
+from gockpt.storage.steplog import log_root
 from gockpt.testing import assert_same, snapshot
 from tests._support.cli_helpers import flip_byte
 from tests._support.exit_worker import step
@@ -50,15 +52,10 @@ def main():
     shm = os.environ["GOCKPT_TEST_SHM"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if scenario == "log":
+        return log_scenario(directory, shm, rank)
     if scenario == "hosts":
         ddp, opt = build()
-        try:  # (the step log: one process for now, refused on every rank alike)
-            gockpt.Checkpointer(ddp, opt, directory, memory="auto", memory_dir=shm,
-                                memory_log=1 << 20)
-        except gockpt.ConfigError as exc:
-            assert "the step log keeps one process's steps" in str(exc), exc
-        else:
-            raise AssertionError("memory_log on several ranks was not refused")
         os.environ["GOCKPT_HOST"] = f"host-{rank}"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -96,6 +93,45 @@ def main():
     ck.close()
     dist.barrier()
     assert not os.path.exists(root), "close() removes the copies"
+    print(f"rank {rank}: ok", flush=True)
+
+
+def log_scenario(directory, shm, rank):
+    """The step log on 2 DDP ranks: each rank logs its own steps; a restart replays on every
+    rank the steps every rank logged whole -- rank 1's last entry missing: both resume at the
+    step before it, bitwise; rank 0's first entry after the checkpoint damaged: both resume
+    at the checkpoint (a warning on rank 0)."""
+    ddp, opt = build()
+    ck = gockpt.Checkpointer(ddp, opt, directory, mode="gockpt-o", overlap_steps=2,
+                             interval=3, memory="auto", memory_dir=shm, memory_log=1 << 24)
+    snaps = {}
+    for s in range(8):  # checkpoints of steps 3 and 6, then the log's steps 7 and 8
+        step(ddp, opt, ck, s, rank)
+        snaps[s + 1] = snapshot(ddp, opt)
+    ck.wait()
+    ck.steplog._written.wait()  # (the entry of step 8 written: a crash after it)
+    logs = log_root(memory_tier.root_of(ck.config.directory, shm))
+    mine = os.path.join(logs, f"rank-{rank:05d}")
+    assert sorted(os.listdir(mine)) == ["step-000000007", "step-000000008"], os.listdir(mine)
+    dist.barrier()
+    if rank == 1:  # its entry of step 8 never completed (a crash in its write)
+        shutil.rmtree(os.path.join(mine, "step-000000008"))
+    dist.barrier()
+    restored, got, said = load(directory, shm)
+    assert restored.step == 7 and not said, (restored.step, said)
+    assert restored.path == os.path.join(mine, "step-000000007"), restored.path
+    assert_same(got, snaps[7])
+    dist.barrier()
+    if rank == 0:  # one byte of rank 0's entry of step 7
+        entry = os.path.join(mine, "step-000000007")
+        held = storage.read_manifest(entry)["tensors"]
+        flip_byte(entry, max(held, key=lambda name: held[name]["nbytes"]))
+    dist.barrier()
+    restored, got, said = load(directory, shm)
+    assert restored.step == 6, restored.step
+    assert any("is damaged" in w for w in said) == (rank == 0), said
+    assert_same(got, snaps[6])
+    ck.close()
     print(f"rank {rank}: ok", flush=True)
 
 
