@@ -50,7 +50,7 @@ from .schedule import MAX_K, Busy, Schedule
 from .storage.commit import check_new_name, cleanup_temporaries, ensure_writable
 from .storage.lock import lock_for_ranks
 from .storage.persist import Persister
-from .steplog import StepLog
+from .steplog import StepLog, log_spacing
 from .tiers import Tiers
 from .storage.ranks import Ranks
 
@@ -142,9 +142,12 @@ class Checkpointer(Lifecycle):
             if self.config.grad_transport is GradTransport.BF16 and self.adapter is not None else None
         self.capture = Capture(model, optimizer, scheduler, self.engine, self.adapter, transport)
         self.schedule = Schedule(self.config, self.ranks.several)
+        logged = self.config.memory_log is not None  # (its size refused before a tier starts)
+        spacing = log_spacing(model, self.config.memory_log) if logged else None
         self.tiers = Tiers(self.config, self.ranks, self.plan.state_bytes(2), self._copies_in_progress)
         self.steplog = None  # the memory tier's step log (Config.memory_log)
-        if self.config.memory_log is not None and self.tiers.memory is not None:
+        if logged and self.tiers.memory is not None:
+            self.schedule.log_spacing = spacing
             self.steplog = StepLog(model, optimizer, scheduler, self.tiers.memory.root,
                                    self.config.memory_log, self.device, self.plan.slot_of_id,
                                    self.ranks.rank if self.ranks.several else None)
@@ -282,8 +285,7 @@ class Checkpointer(Lifecycle):
         """Start the window of the next expected checkpoint when it must start here: K - 1
         steps before its step, so that it ends at the step asked for (fewer, where K grew past
         that boundary: :meth:`Schedule.window_starting`)."""
-        if not self.policy.replays or self._windows_off or (
-                self._job is not None and self._job.capturing):
+        if not self.policy.replays or self._windows_off or getattr(self._job, "capturing", 0):
             return
         k = self.schedule.window_k(self.plan, self.engine.bandwidth(), self.policy.replays)
         span = self.schedule.window_starting(step, k)
@@ -303,9 +305,7 @@ class Checkpointer(Lifecycle):
         (the time its hooks may block), None when none are in progress. The remote tier's
         uploads pause until then, so that they never slow a checkpoint's copies down."""
         job = self._job
-        if job is None or job.accounts_closed.is_set():
-            return None
-        return job.accounts_closed
+        return None if job is None or job.accounts_closed.is_set() else job.accounts_closed
 
     @property
     def host_bytes(self) -> int:

@@ -51,6 +51,9 @@ class Schedule:
         self._stalls: List[float] = []          # blocked time of the last durable checkpoints
         self._durable = 0                       # checkpoints committed so far ...
         self._durable_used = 0                  # ... of which N* has seen
+        self.log_spacing: Optional[int] = None
+        """With the step log (``Config.memory_log``): the most steps between two checkpoints,
+        so that one comes before the log is full (:meth:`gockpt.steplog.StepLog.spacing`)."""
         self.auto_interval: Optional[int] = None
         """With ``interval="auto"``: the current N*, once the first checkpoint measured it."""
         self.auto_inputs: Optional[tuple] = None
@@ -83,9 +86,11 @@ class Schedule:
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint of ``step`` is to be taken (without ``force``): announced, a
-        multiple of the interval, or N* after the last one."""
+        multiple of the interval, N* after the last one, or the step log's spacing after it."""
         if step in self._announced:
             return True
+        if self.log_spacing is not None and step - (self._last_asked or 0) >= self.log_spacing:
+            return True  # (before the step log is full: whatever the interval says)
         interval = self.config.interval
         if interval is None:
             return False
@@ -136,8 +141,12 @@ class Schedule:
         spacing of forced saves); None when unknown. A window of K steps must fit in it."""
         interval = self.config.interval
         if isinstance(interval, int):
-            return interval
-        return self.auto_interval if interval is Interval.AUTO else self._learned
+            known = interval
+        else:
+            known = self.auto_interval if interval is Interval.AUTO else self._learned
+        if self.log_spacing is None:
+            return known
+        return self.log_spacing if known is None else min(known, self.log_spacing)
 
     def previous_busy(self, prev, step: int, boundary: int, quiet: bool = False) -> Busy:
         """Whether a checkpoint starting at ``boundary`` (for ``step``) waits for ``prev``, the

@@ -31,7 +31,7 @@ import torch
 from .agree import everyone, fewest, several
 from .capture import smallstate
 from .core.digest import LiveDigests, as_pairs, digests, to_hex
-from .core.errors import CorruptCheckpointError
+from .core.errors import ConfigError, CorruptCheckpointError
 from .core.names import Names
 from .restored import Restored, apply_rest
 from .storage import reader, tree
@@ -65,6 +65,23 @@ def _gradients_of(model: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
 def _groups(optimizer) -> list:
     """The param groups' settings (everything but the parameters)."""
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def log_spacing(model: torch.nn.Module, limit: int) -> int:
+    """The most steps between two checkpoints that keeps a step log of ``limit`` bytes from
+    filling: half the entries it holds (the other half covers the steps while a checkpoint is
+    written and committed, which prunes the log). An entry is estimated as the parameters'
+    gradients, the buffers and 64 KiB of the rest -- the same on every rank of DDP, which must
+    all start the same checkpoints. ConfigError when the log holds fewer than 4 entries."""
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    entry = grads + buffers + (64 << 10)
+    held = limit // entry
+    if held < 4:
+        raise ConfigError(f"memory_log={limit} holds {held} step(s) of about {entry} bytes "
+                          "each; give it room for at least 4 (a checkpoint every half of them "
+                          "keeps it from filling)")
+    return held // 2
 
 
 class StepLog:

@@ -207,3 +207,26 @@ def test_the_step_log_needs_the_memory_tier(tmp_path, shm):
     with pytest.raises(ConfigError, match="memory_log must be None or a number of bytes >= 1 "
                                           "with the memory tier on"):
         gockpt.Checkpointer(model, opt, str(tmp_path / "r"), memory_log=1 << 20)
+
+
+def test_a_checkpoint_comes_before_the_log_is_full(tmp_path, shm):
+    # an entry: the gradients (212 parameters, 848 bytes), no buffers, 64 KiB of the rest; a
+    # log of 8 entries asks a checkpoint every 4 steps whatever the interval (100 here), so
+    # it never fills (without it: entries 1..8, then none); one that holds fewer than 4 is
+    # refused when the Checkpointer is built
+    entry = 4 * 212 + (64 << 10)
+    model, opt, sched = _objects()
+    with pytest.raises(ConfigError, match="holds 3 step"):
+        gockpt.Checkpointer(model, opt, str(tmp_path / "small"), memory="auto",
+                            memory_dir=shm, memory_log=3 * entry + 1)
+    run = str(tmp_path / "run")
+    ck = gockpt.Checkpointer(model, opt, run, mode="gockpt-o", overlap_steps=2, interval=100,
+                             scheduler=sched, memory="auto", memory_dir=shm,
+                             memory_log=8 * entry + 1)
+    _steps(model, opt, sched, ck, 1, 11)
+    ck.wait()  # (the checkpoint of step 8 committed: the log pruned up to it)
+    ck.steplog.writer.flush()
+    assert [m["final_step"] for m in gockpt.metrics.read(run)] == [4, 8]
+    log = log_root(memory_tier.root_of(os.path.realpath(run), shm))
+    assert sorted(os.listdir(log)) == [f"step-{s:09d}" for s in (9, 10, 11)]
+    ck.close()

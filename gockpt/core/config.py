@@ -225,8 +225,9 @@ class Config:
     state after it (:mod:`gockpt.steplog`). ``gockpt.load`` then loads the newest checkpoint
     and replays the logged steps through the optimizer, checked against the last one's
     digests: a crash costs the step in progress, not the steps since the checkpoint. An
-    entry holds the gradients (4 bytes a parameter) and the small state; when the log is
-    full, the steps until the next checkpoint are not logged."""
+    entry holds the gradients (4 bytes a parameter) and the small state; a checkpoint is
+    taken at least every half of the entries the log holds (whatever ``interval`` says), so
+    that it does not fill; fewer than 4 entries is a ConfigError."""
 
     memory_dir: str = "/dev/shm"
     """The tmpfs of the memory tier (``gockpt.load(memory_dir=...)`` must be given the same)."""
