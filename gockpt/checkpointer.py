@@ -285,7 +285,7 @@ class Checkpointer(Lifecycle):
         """Start the window of the next expected checkpoint when it must start here: K - 1
         steps before its step, so that it ends at the step asked for (fewer, where K grew past
         that boundary: :meth:`Schedule.window_starting`)."""
-        if not self.policy.replays or self._windows_off or getattr(self._job, "capturing", 0):
+        if not self.policy.replays or self._windows_off or (self._job and self._job.capturing):
             return
         k = self.schedule.window_k(self.plan, self.engine.bandwidth(), self.policy.replays)
         span = self.schedule.window_starting(step, k)

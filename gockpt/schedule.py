@@ -53,7 +53,7 @@ class Schedule:
         self._durable_used = 0                  # ... of which N* has seen
         self.log_spacing: Optional[int] = None
         """With the step log (``Config.memory_log``): the most steps between two checkpoints,
-        so that one comes before the log is full (:meth:`gockpt.steplog.StepLog.spacing`)."""
+        so that one comes before the log is full (:func:`gockpt.steplog.log_spacing`)."""
         self.auto_interval: Optional[int] = None
         """With ``interval="auto"``: the current N*, once the first checkpoint measured it."""
         self.auto_inputs: Optional[tuple] = None
