@@ -4,14 +4,14 @@ resume at a state of the uninterrupted run, bit for bit, and the run must end at
     python experiments/kill_memory_tier.py [--kills 20] [--ranks 1|2] [--steps 300] [--seed 0]
 
 A small model trains ``--steps`` steps with gockpt-o (K=2, a checkpoint every 5 steps), the
-memory tier on and, on one rank, the step log. Its processes are killed with SIGKILL at
-random instants -- inside checkpoint windows, while a log entry or a memory copy is written,
-during a restart's load and replay -- and started again at once, ``--kills`` times; then the
-last run trains to the end. Each process reports the step it resumed at and a digest of its
-whole state there (parameters, optimizer state, scheduler, RNG); each must be the
-uninterrupted run's at that step (computed first, by the same script without kills). Printed:
-every kill, where each restart resumed, the steps lost per kill (the step reached before it,
-minus the step resumed at), and the verdict.
+memory tier and its step log on (on 2 ranks, DDP: each rank's own log). Its processes are
+killed with SIGKILL at random instants -- inside checkpoint windows, while a log entry or a
+memory copy is written, during a restart's load and replay -- and started again at once,
+``--kills`` times; then the last run trains to the end. Each process reports the step it
+resumed at and a digest of its whole state there (parameters, optimizer state, scheduler,
+RNG); each must be the uninterrupted run's at that step (computed first, by the same script
+without kills). Printed: every kill, where each restart resumed, the steps lost per kill (the
+step reached before it, minus the step resumed at), and the verdict.
 """
 
 from __future__ import annotations
@@ -70,10 +70,9 @@ def worker(args) -> None:
     if args.reference:
         ck = None
     else:
-        options = {"memory_log": 1 << 28} if not several else {}
         ck = gockpt.Checkpointer(model, opt, args.dir, mode="gockpt-o", overlap_steps=2,
                                  interval=5, scheduler=sched, memory="auto",
-                                 memory_dir=args.memory_dir, **options)
+                                 memory_dir=args.memory_dir, memory_log=1 << 28)
         try:
             restored = gockpt.load(args.dir, model, opt, scheduler=sched,
                                    memory_dir=args.memory_dir)
@@ -207,7 +206,7 @@ def main(argv=None) -> int:
                   f"kill {kills}: while starting (loading, replaying)")
             procs = start(args, run)
         print(f"\n{kills} kills on {args.ranks} rank(s), {args.steps} steps, a checkpoint every 5 "
-              f"({'memory tier + step log' if args.ranks == 1 else 'memory tier'}): steps lost per "
+              "(memory tier + step log): steps lost per "
               f"restart {lost} (mean {sum(lost) / max(1, len(lost)):.1f}); "
               f"{'every state bitwise' if not bad else f'DIFFERENT at steps {bad}'}")
         return 1 if bad else 0
