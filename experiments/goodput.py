@@ -11,8 +11,9 @@ failure times, counted from its job's start), each restart loading the latest ch
 Schemes (experiments/goodput_worker.py): ``none`` (a failure restarts from step 0), gockpt's
 ``sync``, ``async``, ``async-o``, ``gockpt-o`` (every ``--every`` steps, K = ``--k``),
 ``gockpt-o-auto`` (``interval="auto"`` with the MTBF; one rank only: several ranks need a
-fixed interval), ``gockpt-o-memory`` (gockpt-o with the memory tier and, on one rank, its
-step log: a restart resumes at the last step, not the last checkpoint) and ``dcp`` (``torch.distributed.checkpoint.async_save`` every ``--every``
+fixed interval), ``gockpt-o-memory`` (gockpt-o with the memory tier and its step log, each
+rank's own on several: a restart resumes at the last step, not the last checkpoint) and ``dcp``
+(``torch.distributed.checkpoint.async_save`` every ``--every``
 steps, staged as PyTorch's zero-overhead checkpointing stages: on a background thread while the
 next forward/backward runs, the optimizer step waiting for it). Both cross the same emulated
 device link, on which a full copy of the state takes ``LINK_STEPS`` training steps (the regime

@@ -264,10 +264,10 @@ class Scheme:
         return start
 
     def _memory_tier(self) -> dict:
-        """gockpt-o-memory: the memory tier, and on one rank its step log."""
+        """gockpt-o-memory: the memory tier and its step log (on several ranks, each rank's)."""
         if self.name != "gockpt-o-memory":
             return {}
-        return {"memory": "auto"} if self.several else {"memory": "auto", "memory_log": 1 << 30}
+        return {"memory": "auto", "memory_log": 1 << 30}
 
     def _dcp_load(self) -> int:
         import torch.distributed.checkpoint as dcp
