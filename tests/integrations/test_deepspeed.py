@@ -354,6 +354,7 @@ def test_gradients_cross_in_bf16_by_default_where_a_link_carries_them(monkeypatc
     (fake_engine(section={"mode": "gockpt"}), {}, "cannot replay"),
     (fake_engine(), {"block_bytes": -1}, "block_bytes"),
     (fake_engine(), {"directory": 5}, "directory must be a path"),  # (a path: made with the engine)
+    (fake_engine(), {"memory": "auto", "memory_log": 1 << 20}, "memory_log is not supported"),
 ])
 def test_what_cannot_be_checkpointed_exactly_is_refused_at_patch_time(engine, options, match):
     with pytest.raises(ConfigError, match=match):

@@ -130,6 +130,10 @@ def _options(engine, options: dict) -> dict:
     if engine.zero_optimization_stage() == 3:
         raise ConfigError("gockpt_ds: ZeRO stage 3 is not supported (parameters partitioned "
                           "across ranks); use stage 0, 1 or 2, or DeepSpeed's own checkpoints")
+    if merged.get("memory_log") is not None:  # (its replay would never match: refused now)
+        raise ConfigError("gockpt_ds: memory_log is not supported through DeepSpeed yet (the "
+                          "step log replays the base optimizer, not the engine's step, which "
+                          "also writes the module's weights); memory= alone works")
     replays = merged["mode"] in POLICIES and POLICIES[merged["mode"]].replays
     why = _replay_refusal(engine) if replays else None
     if why is None and replays and zero_bf16(engine) and (
