@@ -94,9 +94,12 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
         top = disk
         restored = _load_checkpoint(top, *args)
     if replays_log and optimizer is not None:  # (every rank alike: its collectives)
-        restored = steplog.resume(memory_tier.owned_root(run, memory_dir), restored, model,
-                                  optimizer, scheduler, restore_rng, map_location,
-                                  reload=lambda: _load_checkpoint(top, *args))
+        try:
+            root = memory_tier.owned_root(run, memory_dir)
+        except Exception:  # noqa: BLE001 -- a damaged run file: no log here, ranks still agree
+            root = None
+        restored = steplog.resume(root, restored, model, optimizer, scheduler, restore_rng,
+                                  map_location, reload=lambda: _load_checkpoint(top, *args))
     _record_load(run, top, "load", step=restored.step, time_start=started)
     return restored
 
