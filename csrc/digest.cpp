@@ -168,16 +168,21 @@ bool images_portable(const float* g, uint16_t* out, int64_t n, bool with_mul, fl
 
 // 8 lanes instead of SSE's 4 (the same IEEE operations, lane by lane): the pass runs on the
 // training thread at every step of a window, over the gradients captured so far
+#if defined(__x86_64__) || defined(__i386__)
 __attribute__((target("avx2"))) bool images_avx2(const float* g, uint16_t* out, int64_t n,
                                                  bool with_mul, float mul) {
   return with_mul ? images_pass<true>(g, out, n, mul) : images_pass<false>(g, out, n, mul);
 }
+#endif
 
 }  // namespace
 
 bool bf16_images(const float* g, uint16_t* out, int64_t n, bool with_mul, float mul) {
+#if defined(__x86_64__) || defined(__i386__)
   static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2 ? images_avx2(g, out, n, with_mul, mul) : images_portable(g, out, n, with_mul, mul);
+  if (avx2) return images_avx2(g, out, n, with_mul, mul);
+#endif
+  return images_portable(g, out, n, with_mul, mul);
 }
 
 }  // namespace gockpt

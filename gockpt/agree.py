@@ -21,10 +21,11 @@ def everyone(ok: bool) -> bool:
     return all(every)
 
 
-def fewest(n: int) -> int:
-    """The least of ``n`` over the ranks."""
+def common_prefix(keys: list) -> int:
+    """How many of ``keys`` (strings) every rank holds alike, from the first on."""
     if not several():
-        return n
+        return len(keys)
     every = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, int(n))
-    return min(every)
+    torch.distributed.all_gather_object(every, [str(k) for k in keys])
+    n = min(map(len, every))
+    return next((i for i in range(n) if len({e[i] for e in every}) > 1), n)

@@ -51,6 +51,7 @@ class Schedule:
         self._stalls: List[float] = []          # blocked time of the last durable checkpoints
         self._durable = 0                       # checkpoints committed so far ...
         self._durable_used = 0                  # ... of which N* has seen
+        self._log_from: Optional[int] = None    # the step before the first boundary seen
         self.log_spacing: Optional[int] = None
         """With the step log (``Config.memory_log``): the most steps between two checkpoints,
         so that one comes before the log is full (:func:`gockpt.steplog.log_spacing`)."""
@@ -89,8 +90,12 @@ class Schedule:
         multiple of the interval, N* after the last one, or the step log's spacing after it."""
         if step in self._announced:
             return True
-        if self.log_spacing is not None and step - (self._last_asked or 0) >= self.log_spacing:
-            return True  # (before the step log is full: whatever the interval says)
+        if self.log_spacing is not None:  # before the step log is full, whatever the interval
+            if self._log_from is None:  # (this process's first boundary: a restart's too)
+                self._log_from = step - 1
+            last = self._last_asked if self._last_asked is not None else self._log_from
+            if step - last >= self.log_spacing:
+                return True
         interval = self.config.interval
         if interval is None:
             return False

@@ -15,20 +15,21 @@ crash then costs the step in progress (and the last one, when its entry was not 
 not the steps since the checkpoint.
 
 On several ranks (replicated parameters: DDP) each rank logs its own steps, and a restart
-replays on every rank the steps every rank has logged whole (the fewest); sharded parameters
+replays on every rank the steps every rank has logged whole and alike; sharded parameters
 (FSDP2) not yet. The log is off where it is not asked for.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .agree import everyone, fewest, several
+from .agree import common_prefix, everyone, several
 from .capture import smallstate
 from .core.digest import LiveDigests, as_pairs, digests, to_hex
 from .core.errors import ConfigError, CorruptCheckpointError
@@ -171,7 +172,10 @@ def resume(root: Optional[str], restored: Restored, model, optimizer, scheduler,
         entries = read_log(root, restored.step, rank) if root is not None else []
     except Exception as exc:  # noqa: BLE001 -- unreadable: nothing to replay
         failed = exc
-    entries = entries[:fewest(len(entries))]  # the steps every rank can replay
+    # the steps every rank logged whole, of one run: DDP's replicas end each step with the
+    # same state, so the same digests (entries a crashed run left behind on one rank differ)
+    keys = [json.dumps([m["step"], m["digests"]], sort_keys=True) for _, m, _ in entries]
+    entries = entries[:common_prefix(keys)]
     replayed = None
     if entries:
         try:
