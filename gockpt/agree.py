@@ -21,6 +21,15 @@ def everyone(ok: bool) -> bool:
     return all(every)
 
 
+def worst(level: int) -> int:
+    """The largest of every rank's ``level`` (how badly each fared, in the caller's terms)."""
+    if not several():
+        return level
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, int(level))
+    return max(every)
+
+
 def common_prefix(keys: list) -> int:
     """How many of ``keys`` (strings) every rank holds alike, from the first on."""
     if not several():

@@ -22,7 +22,7 @@ from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, re
                        warn_rng_not_restored)
 from .core.paths import directory_to_read, is_remote
 from . import steplog
-from .agree import everyone, several
+from .agree import everyone, several, worst
 from .storage import memory_tier
 from .storage.commit import checkpoint_of, is_committed
 from .storage.format import MANIFEST_FILE
@@ -55,9 +55,8 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     checksums are verified unless ``verify=False``. Never unpickles.
 
     The memory tier (``Config(memory=...)``; ``memory_dir`` as it was given there, default
-    ``/dev/shm``): without ``tag`` or ``rank`` (on several ranks: when every rank's copy is of
-    the disk's newest step), its copy of the run's newest checkpoint is
-    loaded instead of the disk's when it is at least as new, checked as a disk checkpoint is
+    ``/dev/shm``): without ``tag`` or ``rank``, its copy of the checkpoint the disk's ``latest``
+    names (on several ranks: when every rank has it) is loaded instead, checked as a disk one is
     (every chunk's checksum as it is read, then the digests of the live state at F); a
     damaged or incomplete copy is never what a load returns: a warning says why, and the
     disk's checkpoint is loaded over whatever it had put in place. ``Restored.path`` says
@@ -78,21 +77,19 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     replays_log = rank is None and tag is None and run == path and not is_remote(path)
     _record_load(run, top, "loading")
     args = (model, optimizer, scheduler, restore_rng, verify, map_location, rank)
-    failed = None
-    try:
-        restored = _load_checkpoint(top, *args)
-    except CorruptCheckpointError as exc:
-        if top == disk:
-            raise
-        failed = exc
-    if top != disk and not everyone(failed is None):
+    # several ranks going on to the step log's gathers: a load that fails on one rank fails
+    # on every rank (the others would wait in those gathers for it)
+    alike = replays_log and several()
+    restored, failed, worst_level = _attempt(top, args, alike)
+    if worst_level == _CORRUPT and top != disk:
         # the memory tier's copy is damaged (on some rank: every rank loads the disk's, which
         # overwrites whatever the copy put in place)
-        why = failed if failed is not None else "another rank's part is damaged"
-        warnings.warn(f"gockpt: the memory copy {top} does not verify ({why}); loading "
+        warnings.warn(f"gockpt: the memory copy {top} does not verify ({failed}); loading "
                       f"{disk} from disk instead", RuntimeWarning, stacklevel=2)
         top = disk
-        restored = _load_checkpoint(top, *args)
+        restored, failed, _ = _attempt(top, args, alike)
+    if failed is not None:
+        raise failed
     if replays_log and optimizer is not None:  # (every rank alike: its collectives)
         try:
             root = memory_tier.owned_root(run, memory_dir)
@@ -116,10 +113,30 @@ def _load_checkpoint(top: str, model, optimizer, scheduler, restore_rng: bool, v
                      map_location, rank)
 
 
+_CORRUPT, _FAILED = 1, 2  # how a load fared (0: loaded)
+
+
+def _attempt(top: str, args: tuple, alike: bool) -> tuple:
+    """(Restored or None, the error or None, the worst outcome) of loading ``top``;
+    ``alike``: the worst of every rank's outcome, and an error on every rank when a load
+    failed on any (so that none waits for another in a later gather)."""
+    try:
+        restored, failed = _load_checkpoint(top, *args), None
+    except Exception as exc:  # noqa: BLE001 -- re-raised by the caller, on every rank alike
+        restored, failed = None, exc
+    level = 0 if failed is None else _CORRUPT if isinstance(failed, CorruptCheckpointError) \
+        else _FAILED
+    agreed = worst(level) if alike else level
+    if agreed and failed is None:
+        restored, failed = None, LoadError(f"another rank could not load {top} (its error "
+                                           "says why)")
+    return restored, failed, agreed
+
+
 def _newest(path: str, tag: Optional[str], memory_dir: Optional[str], memory: bool) -> tuple:
     """(the run directory, the checkpoint to load, the disk's) for ``path`` and ``tag``: the
     memory tier's copy when ``memory`` and it may be loaded (:func:`memory_tier.usable_copy`;
-    on several ranks, when every rank's is the disk's step: a collective; the load still
+    on several ranks, when every rank's may: a collective; the load still
     checks every byte of it), else what :func:`checkpoint_of` finds."""
     if not memory or tag is not None or is_remote(path) or not os.path.isdir(path) \
             or is_committed(path):  # (one checkpoint's directory: that one)
@@ -129,8 +146,7 @@ def _newest(path: str, tag: Optional[str], memory_dir: Optional[str], memory: bo
         disk = checkpoint_of(path)
     except CheckpointNotFoundError:
         disk = None
-    # several ranks: every rank's copy of the disk's step (a fallback loads that one)
-    copy = memory_tier.usable_copy(path, disk, memory_dir, same_step=several())
+    copy = memory_tier.usable_copy(path, disk, memory_dir)  # (of the disk's step: a fallback)
     if several() and not everyone(copy is not None):
         copy = None
     if copy is not None:

@@ -25,7 +25,7 @@ from .core.config import Config
 from .core.errors import (Adaptation, CheckpointFailedError, ConfigError, ConsistencyError,
                           GockptError)
 from .core.job import Job
-from .core.modes import GRADS_AT_BACKWARD, GRADS_IN_STEP
+from .core.modes import GRADS_IN_STEP
 from .replay import selfcheck
 from .replay.replayer import Replayer
 from .core.staging import window_bytes
@@ -187,7 +187,8 @@ class Pipeline:
         ticket = None
         try:
             record = self.capture.gradients(job, j, groups, grad_pool,
-                                            snapshot=self.policy.grad_wait == GRADS_AT_BACKWARD)
+                                            snapshot=self.policy.snapshots_gradients(
+                                                self.capture.engine.device))
             if record is not None:
                 if self.policy.grad_wait == GRADS_IN_STEP:
                     record.ticket.wait()

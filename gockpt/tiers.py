@@ -82,7 +82,8 @@ def _memory_tier(config: Config, ranks: Ranks, state_bytes: int) -> Optional[Mem
     error, limit = None, None
     try:
         limit = memory_tier.budget(config.memory, config.memory_dir,
-                                   ranks.agree_max(state_bytes), ranks.world_size)
+                                   ranks.agree_max(state_bytes), ranks.world_size,
+                                   config.memory_log or 0)
     except ConfigError as exc:
         error = exc
     if not ranks.agree_all(error is None):  # (a rank raising alone: the others would hang)

@@ -1,5 +1,6 @@
 """The memory tier (Config.memory): each committed checkpoint also kept in host shared memory,
-loaded instead of the disk's only when it is as new and verifies completely; never a damaged
+loaded instead of the disk's only when it is the one the disk's latest names and verifies
+completely; never a damaged
 or half-written copy; the space checked when the Checkpointer is built; removed at the end of
 training (close(), gockpt clean --memory) and kept when the process dies."""
 
@@ -14,6 +15,7 @@ import torch
 import gockpt
 from gockpt.core.errors import ConfigError
 from gockpt.storage import memory_tier
+from gockpt.storage.commit import write_latest
 from gockpt.testing import assert_same, snapshot
 from tests._support.cli_helpers import flip_byte
 
@@ -109,6 +111,27 @@ def test_a_half_written_or_older_copy_is_not_taken(tmp_path, shm):
     restored, got = _load(run, shm)
     assert restored.path == os.path.join(os.path.realpath(run), "step-000000009")
     assert_same(got, at_9)
+    ck.close()
+
+
+def test_a_latest_moved_back_on_disk_is_what_loads(tmp_path, shm):
+    # the user points the disk's latest at an older checkpoint on purpose (a rollback): the
+    # memory copy of the newer one must not be taken over it (was: any copy at least as new)
+    run = str(tmp_path / "run")
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ck = gockpt.Checkpointer(model, opt, run, mode="gockpt-o", overlap_steps=2, interval=3,
+                             memory="auto", memory_dir=shm, keep_last=None)
+    _train(model, opt, ck, 3)
+    ck.wait()
+    at_3 = snapshot(model, opt)
+    _train(model, opt, ck, 3, first=4)
+    ck.wait()
+    write_latest(os.path.realpath(run), "step-000000003")
+    restored, got = _load(run, shm)
+    assert restored.step == 3
+    assert restored.path == os.path.join(os.path.realpath(run), "step-000000003")
+    assert_same(got, at_3)
     ck.close()
 
 

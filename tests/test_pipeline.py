@@ -4,6 +4,7 @@ moments the hooks call it. The stages are fakes that log; the Job and Pipeline a
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,6 +24,8 @@ class FakeCapture:
     def __init__(self, log, fail=None):
         self.log, self.fail = log, fail or {}
         self.plan = self.optimizer = None
+        # a device that queues training work behind its copies (no gradient snapshots)
+        self.engine = SimpleNamespace(device=SimpleNamespace(overlap_needs_snapshot=False))
 
     def _maybe_fail(self, what):
         if what in self.fail:

@@ -209,6 +209,17 @@ def test_the_step_log_needs_the_memory_tier(tmp_path, shm):
         gockpt.Checkpointer(model, opt, str(tmp_path / "r"), memory_log=1 << 20)
 
 
+def test_a_step_log_that_does_not_fit_in_the_memory_dir_is_refused(tmp_path, shm):
+    # counted beside the copies when the Checkpointer is built (was: not counted: the log
+    # filled the tmpfs the copies needed)
+    model, opt, sched = _objects()
+    free = memory_tier.free_bytes(shm)
+    with pytest.raises(ConfigError, match=rf"the step log memory_log={free}; give "
+                                          "memory_log less"):
+        gockpt.Checkpointer(model, opt, str(tmp_path / "r"), memory="auto", memory_dir=shm,
+                            memory_log=free)
+
+
 def test_a_checkpoint_comes_before_the_log_is_full(tmp_path, shm):
     # an entry: the gradients (212 parameters, 848 bytes), no buffers, 64 KiB of the rest; a
     # log of 8 entries asks a checkpoint every 4 steps whatever the interval (100 here), so

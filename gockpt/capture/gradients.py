@@ -80,9 +80,9 @@ class GradientCopies:
         dtype, mul = (torch.bfloat16, encoded[1]) if encoded else (torch.float32, 1.0)
         bufs = grad_pool.acquire()
         grad_base = grad_pool.arena(bufs, dtype).bases(len(plan.slots))
-        # an overlapped copy reads a device-side snapshot where the device cannot queue the
-        # training work behind the copy (the CPU); elsewhere .grad, the stream waiting for it
-        snapshot = encoded is not None or (snapshot and self.engine.device.overlap_needs_snapshot)
+        # ``snapshot`` (ModePolicy.snapshots_gradients): a device-side copy of .grad is what the
+        # overlapped copy reads; else .grad itself, the stream waiting for it
+        snapshot = encoded is not None or snapshot
         if encoded is not None:  # private images, like a snapshot: after the state's copies
             ticket = self._copy(job, table, encoded[0], bufs, grad_pool, grad_base,
                                 priority=SNAPSHOT)

@@ -210,7 +210,7 @@ class Config:
     kept in host shared memory (``memory_dir``, written from the host copy at F: no second
     device copy), the previous one until the new one is complete (:mod:`gockpt.storage.memory_tier`).
     A process restarted on the same host after a crash then loads it at memory speed:
-    ``gockpt.load`` takes it when it is as new as the disk's newest and verifies completely,
+    ``gockpt.load`` takes it when it is the checkpoint the disk's ``latest`` names and verifies,
     else it says why and loads from disk. ``"auto"``: the space two copies need, the tier off
     with a warning when ``memory_dir`` has less free; a number: at most that many bytes
     (ConfigError when two copies do not fit, checked when the Checkpointer is built).
@@ -221,13 +221,14 @@ class Config:
     memory_log: Optional[int] = None
     """The memory tier's step log (off by default; needs ``memory``; not with FSDP2): at most
     this many bytes of host shared memory for an entry per training step after the newest
-    checkpoint -- the gradients its update consumed, its small state and the digests of the
-    state after it (:mod:`gockpt.steplog`). ``gockpt.load`` then loads the newest checkpoint
-    and replays the logged steps through the optimizer, checked against the last one's
-    digests: a crash costs the step in progress, not the steps since the checkpoint. An
-    entry holds the gradients (4 bytes a parameter) and the small state; a checkpoint is
-    taken at least every half of the entries the log holds (whatever ``interval`` says), so
-    that it does not fill; fewer than 4 entries is a ConfigError."""
+    checkpoint -- the gradients its update consumed (4 bytes a parameter), its small state and
+    the digests of the state after it (:mod:`gockpt.steplog`). ``gockpt.load`` then replays
+    the logged steps after the newest checkpoint through the optimizer, checked against the
+    last one's digests: a crash costs the step in progress, not the steps since the
+    checkpoint. A checkpoint is taken at least every half of the entries the log holds
+    (whatever ``interval`` says); fewer than 4 entries is a ConfigError. Per rank: on DDP each
+    rank keeps its own, world size times this in ``memory_dir`` (ConfigError when the
+    Checkpointer is built if it does not fit there beside the copies)."""
 
     memory_dir: str = "/dev/shm"
     """The tmpfs of the memory tier (``gockpt.load(memory_dir=...)`` must be given the same)."""
@@ -337,9 +338,8 @@ class Config:
         if isinstance(self.remote_retry_s, bool) or not isinstance(
                 self.remote_retry_s, (int, float)) or not self.remote_retry_s > 0:
             raise ConfigError(f"remote_retry_s must be seconds > 0, got {self.remote_retry_s!r}")
-        if self.remote_wait_s is not None and (isinstance(self.remote_wait_s, bool) or not
-                                               isinstance(self.remote_wait_s, (int, float))
-                                               or self.remote_wait_s < 0):
+        if self.remote_wait_s is not None and (isinstance(self.remote_wait_s, bool) or not isinstance(
+                self.remote_wait_s, (int, float)) or self.remote_wait_s < 0):
             raise ConfigError(f"remote_wait_s must be None or seconds >= 0, got "
                               f"{self.remote_wait_s!r}")
         if isinstance(self.exit_wait_s, bool) or not isinstance(

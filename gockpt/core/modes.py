@@ -64,6 +64,14 @@ class ModePolicy:
         """K when the mode fixes it (1 without replay), else None (chosen or configured)."""
         return None if self.replays else 1
 
+    def snapshots_gradients(self, device) -> bool:
+        """Whether the replayed steps' gradient copies read a private snapshot of ``.grad``
+        taken in the optimizer's pre-hook (host memory of its own where ``device`` is the CPU:
+        :func:`gockpt.core.staging.planned_host_bytes`): an overlapped copy on a device that
+        cannot queue the training work behind it; elsewhere the stream waits for the copy."""
+        return self.replays and self.grad_wait == GRADS_AT_BACKWARD and \
+            device.overlap_needs_snapshot
+
     @property
     def streams(self) -> bool:
         """Blocks may be written while others are still being captured or replayed."""

@@ -17,7 +17,7 @@ import torch
 
 from .config import GradTransport
 from .errors import ConfigError
-from .modes import GRADS_AT_BACKWARD, ModePolicy
+from .modes import ModePolicy
 from .plan import Plan
 from .blocks import slot_array
 
@@ -36,8 +36,7 @@ def planned_host_bytes(plan: Plan, policy: ModePolicy, device, cap: Optional[int
     with a replay, the pool of gradient buffers, and the gradient snapshots gockpt-o's copies
     read where ``device`` takes them (the CPU: its memory is the host's); ConfigError when over
     ``cap``."""
-    snapshots = policy.replays and policy.grad_wait == GRADS_AT_BACKWARD and \
-        device.overlap_needs_snapshot
+    snapshots = policy.snapshots_gradients(device)
     planned = plan.state_bytes(2)
     if policy.replays:
         planned += GradPool.SIZE * plan.optimized_bytes()

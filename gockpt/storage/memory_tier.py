@@ -11,7 +11,8 @@ complete.
 
 Nothing here may fail a checkpoint: a memory copy that cannot be written (no space) is a
 warning, and the disk checkpoint stands. Nothing here may restore a damaged copy: a load takes
-the memory copy only when it is at least as new as the disk's (:func:`usable_copy`) and checks
+the memory copy only when it is a copy of the checkpoint the disk's ``latest`` names
+(:func:`usable_copy`: never over a ``latest`` a user moved back) and checks
 every byte as it reads it; a wrong one makes it say so and load the disk's.
 """
 
@@ -60,10 +61,12 @@ def host_id() -> int:
     return zlib.crc32((os.environ.get("GOCKPT_HOST") or socket.gethostname()).encode())
 
 
-def budget(memory, memory_dir: str, checkpoint_bytes: int, processes: int = 1) -> Optional[int]:
+def budget(memory, memory_dir: str, checkpoint_bytes: int, processes: int = 1,
+           log_bytes: int = 0) -> Optional[int]:
     """The bytes the tier may use (``Config.memory``: ``"auto"`` or a number), checked against
     two copies of the checkpoints of ``processes`` processes of ``checkpoint_bytes`` each
-    (the new one is written beside the previous) and the space ``memory_dir`` has left: None,
+    (the new one is written beside the previous), beside each process's step log of
+    ``log_bytes`` (``Config.memory_log``), and the space ``memory_dir`` has left: None,
     with a warning, when ``"auto"`` does not fit (the tier is off); ConfigError when a number
     is too small or does not fit (the user asked for it). Checked here, once, so that no copy
     ends in a full tmpfs."""
@@ -82,6 +85,7 @@ def budget(memory, memory_dir: str, checkpoint_bytes: int, processes: int = 1) -
                           "tmpfs, e.g. docker's --shm-size, or memory_dir= another one)",
                           RuntimeWarning, stacklevel=3)
             return None
+        _check_log_space(memory_dir, free, need, log_bytes, processes)
         return need + need // 4  # (room for a checkpoint that grows a little)
     if memory < need:
         raise ConfigError(f"memory={memory} bytes is less than two copies of {whose} need "
@@ -89,7 +93,20 @@ def budget(memory, memory_dir: str, checkpoint_bytes: int, processes: int = 1) -
     if free < need:
         raise ConfigError(f"memory_dir {memory_dir!r} has {mib(free)} free; two copies of "
                           f"{whose} need {mib(need)}")
+    _check_log_space(memory_dir, free, memory, log_bytes, processes)
     return memory
+
+
+def _check_log_space(memory_dir: str, free: int, copies: int, log_bytes: int,
+                     processes: int) -> None:
+    """ConfigError when the step logs (``log_bytes`` for each of ``processes``: every rank
+    keeps its own) do not fit in ``memory_dir`` beside the copies' ``copies`` bytes."""
+    logs = log_bytes * processes
+    if logs and free < copies + logs:
+        each = "" if processes == 1 else f" for each of the {processes} ranks, {logs} in all"
+        raise ConfigError(f"memory_dir {memory_dir!r} has {free} bytes free: the copies need "
+                          f"{copies} and the step log memory_log={log_bytes}{each}; give "
+                          "memory_log less, or memory_dir= a larger tmpfs")
 
 
 class MemoryTier:
@@ -177,28 +194,25 @@ def remove(directory: str, memory_dir: Optional[str] = None) -> bool:
     return True
 
 
-def usable_copy(directory: str, disk: Optional[str], memory_dir: Optional[str] = None,
-                same_step: bool = False) -> Optional[str]:
+def usable_copy(directory: str, disk: Optional[str],
+                memory_dir: Optional[str] = None) -> Optional[str]:
     """The memory copy of run ``directory`` to load instead of ``disk`` (the checkpoint the
-    disk would give, None if it has none): the one its ``latest`` names, when the copies are
-    of this run, committed and at least as new as ``disk`` (``same_step``: of its step, and
-    ``disk`` there); None otherwise (with a warning when its manifest is damaged). The load
-    checks every byte of it, and loads ``disk`` instead when a byte is wrong
-    (:func:`gockpt.load`)."""
+    disk's ``latest`` gives, None if it has none): the one the copies' ``latest`` names, when
+    the copies are of this run, committed and of ``disk``'s step; None otherwise (with a
+    warning when its manifest is damaged). A copy is written after its disk checkpoint
+    commits, so one newer than ``disk`` means ``latest`` was moved back on purpose (or the disk
+    checkpoint removed): the disk's choice stands. The load checks every byte of the copy, and
+    loads ``disk`` instead when a byte is wrong (:func:`gockpt.load`)."""
     root = owned_root(directory, memory_dir)
-    if root is None or not list_checkpoints(root):
+    if disk is None or root is None or not list_checkpoints(root):
         return None
     try:
         path = resolve(root)
     except CheckpointNotFoundError:
         return None
     try:
-        step = read_manifest(path)["step"]
-        disk_step = read_manifest(disk)["step"] if disk is not None else None
-        if same_step and step != disk_step:
-            return None
-        if disk_step is not None and step < disk_step:
-            return None  # an older copy (its newer checkpoint was not kept in memory)
+        if read_manifest(path)["step"] != read_manifest(disk)["step"]:
+            return None  # older (not kept in memory) or newer (latest moved back on disk)
     except (CorruptCheckpointError, KeyError, TypeError) as exc:
         warnings.warn(f"gockpt: the memory copy {path} is damaged ({exc}); loading from disk",
                       RuntimeWarning, stacklevel=3)

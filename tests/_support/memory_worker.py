@@ -13,6 +13,7 @@ import shutil
 import sys
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -100,7 +101,7 @@ def log_scenario(directory, shm, rank):
     """The step log on 2 DDP ranks: each rank logs its own steps; a restart replays on every
     rank the steps every rank logged whole -- rank 1's last entry missing: both resume at the
     step before it, bitwise; rank 0's first entry after the checkpoint damaged: both resume
-    at the checkpoint (a warning on rank 0)."""
+    at the checkpoint (a warning on rank 0); a load that fails on one rank fails on both."""
     ddp, opt = build()
     ck = gockpt.Checkpointer(ddp, opt, directory, mode="gockpt-o", overlap_steps=2,
                              interval=3, memory="auto", memory_dir=shm, memory_log=1 << 24)
@@ -131,6 +132,15 @@ def log_scenario(directory, shm, rank):
     assert restored.step == 6, restored.step
     assert any("is damaged" in w for w in said) == (rank == 0), said
     assert_same(got, snaps[6])
+    # a load that fails on rank 1 alone (an optimizer the checkpoint does not fit) fails on
+    # rank 0 too, which would otherwise wait in the log's gathers for rank 1 (was: a hang)
+    ddp, opt = build()
+    if rank == 1:
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+    with pytest.raises(gockpt.LoadError) as failed:
+        gockpt.load(directory, ddp, opt, memory_dir=shm)
+    assert ("another rank could not load" in str(failed.value)) == (rank == 0), failed.value
+    dist.barrier()
     ck.close()
     print(f"rank {rank}: ok", flush=True)
 
