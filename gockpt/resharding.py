@@ -24,13 +24,14 @@ from . import storage
 from .core.errors import CorruptCheckpointError, LoadError
 from .core.memory import global_slice, local
 from .core.names import Names
+from .agree import worst
 from .replay.adapters import state_keys_of
 from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
                        warn_rng_not_restored)
 from .storage import manifest as manifest_mod
 from .storage.manifest import parts_of
 from .storage.manifest_file import read_manifest
-from .storage.schema import Manifest, is_small_tensor
+from .storage.schema import WRITTEN_BY_DCP, Manifest, is_small_tensor
 from .storage.statedict import optimizer_state_dict
 
 
@@ -56,6 +57,8 @@ def needs_resharding(top: str, model: torch.nn.Module, written: int) -> bool:
     that reshards is a collective). ``written``: how many ranks saved it."""
     rank, world = rank_and_world()
     _, m = manifest_mod.read(top, rank % written)
+    if m.mode == WRITTEN_BY_DCP:
+        return True  # (GockptWriter's: each rank's part holds what DCP's planner gave it)
     state = model.state_dict()
     live = {name: state[ours] for name, ours in Names(model).clean_all(state).items()}
     dtensors = any(global_slice(t) is not None for t in live.values())
@@ -111,14 +114,48 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
                    restore_rng: bool = True, verify: bool = True, map_location=None,
                    written: int) -> Restored:
     """:func:`gockpt.load` of the checkpoint directory ``top`` onto another shape (see the
-    module's docstring); a collective on every rank. Scheduler and ``extra_state`` come from
-    this rank's part on as many ranks as saved, else from rank 0's; RNG states only on as
-    many ranks (a warning says when they are not restored). ``written``: how many ranks
+    module's docstring); a collective on every rank (a failure before DCP's load, on any
+    rank, raises on every rank). Scheduler and ``extra_state`` come from this rank's part on
+    as many ranks as saved, else (and from GockptWriter's) from rank 0's; RNG states only on
+    as many ranks (a warning says when they are not restored). ``written``: how many ranks
     saved it."""
     from .storage import dcp  # (torch.distributed.checkpoint: imported only by who uses it)
-    rank, world = rank_and_world()
-    same_ranks = written == world
-    path, manifest = manifest_mod.read(top, rank if same_ranks else 0)
+    world = rank_and_world()[1]
+    try:
+        prepared, failed = _prepare(top, model, optimizer, scheduler, restore_rng, verify,
+                                    written == world), None
+    except Exception as exc:  # noqa: BLE001 -- raised below, on every rank alike
+        prepared, failed = None, exc
+    # before DCP's load, a collective: a rank failing alone would leave the others in it
+    if worst(int(failed is not None)):
+        raise failed or LoadError(f"{top}: another rank could not load it (its error says why)")
+    reader, state, opt_sd, rest, manifest, with_rng, dcp_saved = prepared
+    with restoring(top):
+        try:  # (straight into the model's tensors)
+            dcp.load(state, reader, alone=world == 1)
+        except CorruptCheckpointError as exc:
+            raise partly_overwritten(exc) from exc
+        if optimizer is not None:
+            optimizer.load_state_dict(opt_sd)
+        extra = apply_rest(rest, scheduler, map_location)
+    if restore_rng and not with_rng:
+        warn_rng_not_restored(top, written, world, dcp_saved=dcp_saved)
+    return Restored(step=manifest.step, extra_state=extra, path=top, manifest=manifest,
+                    rng_restored=with_rng, resharded=True)
+
+
+def _prepare(top: str, model, optimizer, scheduler, restore_rng: bool, verify: bool,
+             same_ranks: bool) -> tuple:
+    """What :func:`load_resharded` checks and reads before DCP's load: (the reader, DCP's
+    state dict of targets, the optimizer's state dict to load after, the decoded rest of the
+    small state, the manifest it came from, whether RNG states are restored, whether DCP's
+    save wrote the checkpoint)."""
+    from .storage import dcp  # (torch.distributed.checkpoint: imported only by who uses it)
+    rank = rank_and_world()[0]
+    # the small state: this rank's part on as many ranks, else rank 0's (GockptWriter's:
+    # always rank 0's, the only part that holds it)
+    dcp_saved = read_manifest(top).get("mode") == WRITTEN_BY_DCP
+    path, manifest = manifest_mod.read(top, rank if same_ranks and not dcp_saved else 0)
     reader = dcp.GockptReader(top, verify=verify)
     md = reader.read_metadata().state_dict_metadata
     live = model.state_dict()
@@ -128,7 +165,7 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
     check_model(top, md, targets)
     small = storage.read_tensors(path, manifest, [n for n in manifest.tensors
                                                   if is_small_tensor(n)], verify=verify)
-    state = {"model": targets}
+    state, opt_sd = {"model": targets}, None
     if optimizer is not None:
         names = {id(p): n for n, p in model.named_parameters()}
         params = {clean.clean(names[id(p)]) if id(p) in names else None: p
@@ -138,20 +175,9 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
         opt_sd, opt_targets = _optimizer_targets(top, md, reader.owners, manifest, path, small,
                                                  optimizer, params)
         state["optimizer"] = {"state": opt_targets}
-    with_rng = restore_rng and same_ranks
+    with_rng = restore_rng and same_ranks and not dcp_saved  # (DCP's save keeps none)
     rest = decode_rest(path, manifest, small, scheduler, with_rng)
-    with restoring(top):
-        try:  # (straight into the model's tensors)
-            dcp.load(state, reader, alone=world == 1)
-        except CorruptCheckpointError as exc:
-            raise partly_overwritten(exc) from exc
-        if optimizer is not None:
-            optimizer.load_state_dict(opt_sd)
-        extra = apply_rest(rest, scheduler, map_location)
-    if restore_rng and not same_ranks:
-        warn_rng_not_restored(top, written, world)
-    return Restored(step=manifest.step, extra_state=extra, path=top, manifest=manifest,
-                    rng_restored=with_rng, resharded=True)
+    return reader, state, opt_sd, rest, manifest, with_rng, dcp_saved
 
 
 def check_model(top: str, md: dict, targets: Dict[str, torch.Tensor],

@@ -97,15 +97,16 @@ def partly_overwritten(exc: CorruptCheckpointError) -> CorruptCheckpointError:
         "checkpoint (gockpt.load(..., tag=...)) before training on")
 
 
-def warn_rng_not_restored(top: str, written: int, world: int) -> None:
+def warn_rng_not_restored(top: str, written: int, world: int, dcp_saved: bool = False) -> None:
     """The warning of a load asked to restore RNG states that it leaves alone: ``written``
-    ranks saved them, ``world`` load. It names the user's line that asked for the load (the
-    first frame outside gockpt: ``gockpt.load``'s caller, or the one of a patched DeepSpeed
-    engine's ``load_checkpoint``)."""
-    warnings.warn(f"gockpt: {top} was saved by {written} rank(s), loaded on {world}: RNG "
-                  "states are per rank and were not restored (seed them yourself; "
-                  "restore_rng=False says so without this warning)",
-                  stacklevel=_frames_inside_gockpt() + 1)
+    ranks saved them, ``world`` load (``dcp_saved``: DCP's save, which keeps none, wrote it).
+    It names the user's line that asked for the load (the first frame outside gockpt:
+    ``gockpt.load``'s caller, or the one of a patched DeepSpeed engine's ``load_checkpoint``)."""
+    why = "was written by torch.distributed.checkpoint's save, which keeps no RNG states: " \
+        "none were" if dcp_saved else f"was saved by {written} rank(s), loaded on {world}: " \
+        "RNG states are per rank and were not"
+    warnings.warn(f"gockpt: {top} {why} restored (seed them yourself; restore_rng=False says "
+                  "so without this warning)", stacklevel=_frames_inside_gockpt() + 1)
 
 
 def _frames_inside_gockpt() -> int:

@@ -41,13 +41,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..core.errors import CorruptCheckpointError, GockptError, LoadError
 from .format import CODE_TO_DTYPE, MANIFEST_FILE
+from .dcp_writer import GockptWriter
 from .index import boxes_problem
 from .manifest import parse, parts_of
 from .manifest_file import read_manifest
 from .reader import read_spans, read_tensors
 from .refs import inverse, permuted
-from .schema import Manifest, is_small_tensor
+from .schema import WRITTEN_BY_DCP, Manifest, is_small_tensor
 from .statedict import optimizer_state_dict
+
+__all__ = ["GockptReader", "GockptWriter", "load"]
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,12 @@ class _Metadata:
         for name, value in m.small.decode("model", tensors).items():
             if isinstance(value, torch.Tensor):
                 self._add_value([name, f"model.{name}"], value)
+        if m.mode == WRITTEN_BY_DCP:  # GockptWriter's: the rest of the state under its names
+            for name, value in (m.small.decode("extra_state", tensors) or {}).items():
+                if isinstance(value, torch.Tensor):
+                    self._add_value([name], value)
+                else:
+                    self._add_bytes(name, value)
         if m.optimizer is None:
             return
         sd = optimizer_state_dict(m, ppath, tensors, aligned=False)
@@ -337,3 +346,4 @@ def _model_names(param: str, m: Manifest) -> List[str]:
     """DCP's names of a parameter: its own and its tied aliases, flat and under ``model.``."""
     names = [param] + [a for a, c in m.model.aliases.items() if c == param]
     return names + [f"model.{n}" for n in names]
+

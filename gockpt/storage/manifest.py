@@ -64,8 +64,10 @@ def parse(path: str, data: dict, *, tolerant: bool = False) -> Manifest:
     small = data.get("small") if isinstance(data.get("small"), dict) else {}
     check(all(s in small for s in SMALL_SECTIONS), "the 'small' section is missing or incomplete")
     optimizer = _optimizer(data.get("optimizer"), check)
-    if optimizer is not None and not check(set(optimizer.params.values()) <= set(params),
-                                           "the optimizer's 'params' name parameters the "
+    # (a parameter of a part written through DCP may lie in another part: its slice is here)
+    if optimizer is not None and not check(set(optimizer.params.values()) <= set(params) |
+                                           set(slices), "the optimizer's 'params' name "
+                                           "parameters the "
                                            "model section does not store"):
         optimizer.params = {}
     m = Manifest(

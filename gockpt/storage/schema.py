@@ -36,6 +36,11 @@ from ..core.errors import CorruptCheckpointError
 from . import tree
 from .refs import TensorRef
 
+WRITTEN_BY_DCP = "dcp"
+"""The ``mode`` of a checkpoint that torch.distributed.checkpoint wrote through
+:class:`gockpt.storage.dcp_writer.GockptWriter` (each part holds what DCP's planner gave its
+rank: ``gockpt.load`` loads it through DCP's planner; its extra state is under DCP's names)."""
+
 # ------------------------------------------------------------------ stored tensor names
 
 SMALL_SECTIONS = ("model", "optimizer", "scheduler", "rng", "extra_state")

@@ -349,6 +349,49 @@ def dcp_load(directory: str, rank: int, mode: str, kind: str) -> None:
     print(f"rank {rank}: read {reader.read_bytes} bytes", flush=True)
 
 
+def dcp_save(directory: str, rank: int, mode: str, kind: str) -> None:
+    """``kind`` trained without gockpt up to the last of SAVE_AT, then saved by
+    ``torch.distributed.checkpoint.save`` through gockpt's StorageWriter (a torchtitan-style
+    state: the model, the optimizer, the scheduler and a train state); the state gathered
+    there is kept for the loads to compare with."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from gockpt.storage.dcp import GockptWriter
+    model, opt, sched = model_and_optimizer(kind)
+    for step in range(SAVE_AT[-1]):
+        one_step(model, opt, sched, batch(rank, step))
+    full = global_state(model, opt)
+    if rank == 0:
+        torch.save({**full, "scheduler": sched.state_dict()}, f"{directory}.global.pt")
+    msd, osd = get_state_dict(model, opt)
+    writer = GockptWriter(directory, step=SAVE_AT[-1], chunk_bytes=8192)
+    dcp.save({"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(),
+              "train_state": {"step": SAVE_AT[-1], "tokens": torch.tensor(12345)}},
+             storage_writer=writer)
+    if rank == 0:  # (the coordinator commits it)
+        assert writer.path == os.path.join(directory, storage.checkpoint_name(SAVE_AT[-1]))
+
+
+def dcp_gockpt_load(directory: str, rank: int, mode: str, kind: str) -> None:
+    """What ``dcp_save`` wrote, loaded by ``gockpt.load`` into ``kind`` on this number of
+    ranks: the state at F bit for bit, the rest of DCP's state as ``extra_state`` under its
+    DCP names, no RNG state (a warning says so); training goes on."""
+    import warnings
+    model, opt, sched = model_and_optimizer(kind)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored = gockpt.load(directory, model, opt)
+    saved = assert_state_at_f(directory, rank, model, opt, "gockpt.load of DCP's save")
+    extra = restored.extra_state
+    assert restored.step == SAVE_AT[-1] and not restored.rng_restored
+    assert extra["train_state.step"] == SAVE_AT[-1], extra
+    assert torch.equal(extra["train_state.tokens"], torch.tensor(12345)), extra
+    assert extra["lr_scheduler.last_epoch"] == saved["scheduler"]["last_epoch"], extra
+    assert any("keeps no RNG states" in str(w.message) for w in caught), caught
+    one_step(model, opt, sched, batch(rank, SAVE_AT[-1]))  # training goes on
+    print(f"rank {rank}: resharded={restored.resharded}", flush=True)
+
+
 def reshard(directory: str, rank: int, mode: str, kind: str, arch: str = "") -> None:
     """The latest checkpoint (saved by ``train`` on another number of ranks, or by another
     kind of model) loaded with ``gockpt.load`` into ``kind`` on this number of ranks: the
@@ -370,7 +413,8 @@ def reshard(directory: str, rank: int, mode: str, kind: str, arch: str = "") -> 
     print(f"rank {rank}: resharded={restored.resharded}", flush=True)
 
 
-SCENARIOS = {"reshard": reshard, "dcp": dcp_load, "train": train, "resume": resume, "kill": kill, "reload": reload,
+SCENARIOS = {"reshard": reshard, "dcp": dcp_load, "dcpsave": dcp_save,
+             "dcpgload": dcp_gockpt_load, "train": train, "resume": resume, "kill": kill, "reload": reload,
              "resharded": resharded, "mismatch": mismatch}
 
 
