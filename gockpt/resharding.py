@@ -129,15 +129,20 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
     # before DCP's load, a collective: a rank failing alone would leave the others in it
     if worst(int(failed is not None)):
         raise failed or LoadError(f"{top}: another rank could not load it (its error says why)")
-    reader, state, opt_sd, rest, manifest, with_rng, dcp_saved = prepared
+    reader, state, opt_sd, rest, manifest, with_rng, dcp_saved, after = prepared
     with restoring(top):
         try:  # (straight into the model's tensors)
             dcp.load(state, reader, alone=world == 1)
         except CorruptCheckpointError as exc:
             raise partly_overwritten(exc) from exc
+        for target, value in after:
+            target.copy_(value)
         if optimizer is not None:
             optimizer.load_state_dict(opt_sd)
         extra = apply_rest(rest, scheduler, map_location)
+        if dcp_saved:  # the larger tensors of the rest of DCP's state, under their names
+            extra = {**(extra or {}), **{n: t for n, t in state.items()
+                                          if n not in ("model", "optimizer")}}
     if restore_rng and not with_rng:
         warn_rng_not_restored(top, written, world, dcp_saved=dcp_saved)
     return Restored(step=manifest.step, extra_state=extra, path=top, manifest=manifest,
@@ -162,10 +167,13 @@ def _prepare(top: str, model, optimizer, scheduler, restore_rng: bool, verify: b
     clean = Names(model)
     own = clean.clean_all(live)  # stored name -> the model's own
     targets = {name: live[ours] for name, ours in own.items()}
-    check_model(top, md, targets)
     small = storage.read_tensors(path, manifest, [n for n in manifest.tensors
                                                   if is_small_tensor(n)], verify=verify)
-    state, opt_sd = {"model": targets}, None
+    state, opt_sd, after = {}, None, []
+    if dcp_saved:
+        targets, state, after = _split_dcp_saved(top, md, targets, manifest, small)
+    check_model(top, md, targets, more=dcp_saved)
+    state["model"] = targets
     if optimizer is not None:
         names = {id(p): n for n, p in model.named_parameters()}
         params = {clean.clean(names[id(p)]) if id(p) in names else None: p
@@ -177,18 +185,40 @@ def _prepare(top: str, model, optimizer, scheduler, restore_rng: bool, verify: b
         state["optimizer"] = {"state": opt_targets}
     with_rng = restore_rng and same_ranks and not dcp_saved  # (DCP's save keeps none)
     rest = decode_rest(path, manifest, small, scheduler, with_rng)
-    return reader, state, opt_sd, rest, manifest, with_rng, dcp_saved
+    return reader, state, opt_sd, rest, manifest, with_rng, dcp_saved, after
+
+
+def _split_dcp_saved(top: str, md: dict, targets: dict, manifest: Manifest, small: dict):
+    """Of a checkpoint DCP's save wrote (GockptWriter: a tensor's place follows its DCP name,
+    not the model): (the model's targets DCP loads; fresh tensors for the stored tensors the
+    model does not have -- the rest of DCP's state, returned in ``extra_state`` --; (target,
+    value) of the model's tensors kept with the rest of the state, a 0-dim buffer, copied
+    after the load)."""
+    extra = manifest.small.decode("extra_state", small) or {}
+    after, loaded = [], {}
+    for name, t in list(targets.items()):
+        value = extra.get(f"model.{name}", extra.get(name))
+        if f"model.{name}" not in md and isinstance(value, torch.Tensor):
+            if value.shape != t.shape or value.dtype != t.dtype:
+                raise LoadError(f"{top}: the model's {name!r} is {t.dtype} of {list(t.shape)}, "
+                                f"the checkpoint's {value.dtype} of {list(value.shape)}")
+            after.append((targets.pop(name), value))
+    for key, entry in md.items():
+        name = key[len("model."):]
+        if key.startswith("model.") and name not in targets and hasattr(entry, "size"):
+            loaded[name] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return targets, loaded, after
 
 
 def check_model(top: str, md: dict, targets: Dict[str, torch.Tensor],
-                 prefix: str = "model.") -> None:
+                 prefix: str = "model.", more: bool = False) -> None:
     """The model's state dict against the checkpoint's: every name on both sides, each
     tensor's global shape and dtype (a DTensor's are its global tensor's). ``prefix``: DCP's
     name of a target is ``prefix`` + its name (and the checkpoint's names under it are the
-    model's)."""
+    model's; ``more``: the checkpoint may hold more)."""
     stored = {k[len(prefix):] for k in md if k.startswith(prefix)}
     extra = sorted(stored - set(targets))
-    if extra:
+    if extra and not more:
         raise LoadError(f"{top}: the checkpoint has parameter {extra[0]!r} that the model does "
                         "not have; load into a model of the same architecture")
     for name, t in targets.items():
@@ -224,7 +254,12 @@ def _optimizer_targets(top: str, md: dict, owners: Dict[int, str], manifest: Man
     if unknown:
         raise LoadError(f"{top}: the checkpoint holds optimizer state of {unknown[0]!r}, which "
                         "the optimizer does not step")
-    saved = optimizer_state_dict(manifest, path, small, optimizer, aligned=False)
+    dcp_saved = manifest.mode == WRITTEN_BY_DCP
+    saved = optimizer_state_dict(manifest, path, small, None if dcp_saved else optimizer,
+                                 aligned=False)
+    if dcp_saved:  # (DCP's flattened settings are per parameter: the live groups decide)
+        saved["param_groups"] = _regrouped(top, saved["param_groups"], owners, optimizer,
+                                           list(params))
     moments = set(state_keys_of(optimizer))
     index = {n: i for i, n in enumerate(params)}  # the live optimizer's state indices
     state: Dict[int, dict] = {}
@@ -258,3 +293,24 @@ def _optimizer_targets(top: str, md: dict, owners: Dict[int, str], manifest: Man
         groups.append({**group, "params": list(range(at, at + len(mine)))})
         at += len(mine)
     return {"state": state, "param_groups": groups}, targets
+
+
+def _regrouped(top: str, groups: list, owners: Dict[int, str], optimizer, names: list) -> list:
+    """The saved param groups of a checkpoint DCP's save wrote, as the live optimizer groups
+    its parameters (``names``, in its order): each live group takes its parameters' saved
+    settings, which must be alike (LoadError otherwise, or when a parameter has none)."""
+    index = {n: i for i, n in owners.items()}
+    settings = {owners.get(i): {k: v for k, v in g.items() if k != "params"}
+                for g in groups for i in g["params"]}
+    out, at = [], 0
+    for live in optimizer.param_groups:
+        mine = names[at:at + len(live["params"])]
+        at += len(mine)
+        found = [settings.get(n) for n in mine]
+        if any(f is None for f in found) or any(f != found[0] for f in found):
+            n = next((m for m, f in zip(mine, found) if f is None or f != found[0]), mine[0])
+            raise LoadError(f"{top}: the checkpoint's param group settings of {n!r} are "
+                            f"missing or differ from those of {mine[0]!r}, which the optimizer "
+                            "groups it with")
+        out.append({**(found[0] if found else {}), "params": [index[n] for n in mine]})
+    return out

@@ -33,9 +33,11 @@ DCP's planner (any number of ranks, any sharding).
 
 from __future__ import annotations
 
+import glob
 import io
 import os
 import re
+import shutil
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
@@ -48,8 +50,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..core.digest import as_pairs, digests, to_hex
 from ..core.errors import ConfigError, GockptError
 from . import index as index_mod
-from .commit import apply_retention
-from .format import DTYPE_TO_CODE, check_name
+from .commit import apply_retention, check_new_name
+from .format import DTYPE_TO_CODE, TMP_PREFIX, check_name
 from .refs import TensorRef
 from .schema import (WRITTEN_BY_DCP, Manifest, ModelSection, OptimizerSection, PartsManifest, SmallSection,
                      optim_tensor, param_tensor, part_name)
@@ -65,6 +67,7 @@ class _Shared:
     tmp: str  # the checkpoint's temporary directory (several ranks: the parts go in it)
     world: int
     owners: Dict[str, int]  # parameter -> its optimizer state index, alike on every rank
+    flat: bool = False  # no model. / optimizer. name: every tensor is the model's (its state dict)
 
 
 @dataclass
@@ -147,6 +150,10 @@ class GockptWriter(StorageWriter):
             raise ConfigError("GockptWriter: no checkpoint to write: give GockptWriter(run_dir, "
                               "step=N), or dcp.save(..., checkpoint_id='run_dir/step-N')")
         check_name(self.name)
+        if kwargs.get("use_collectives") is False and dist.is_available() and \
+                dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError("GockptWriter: dcp.save(use_collectives=False) writes each rank "
+                              "alone; gockpt's ranks commit one checkpoint together")
         if is_coordinator != (self.rank == 0):
             raise ConfigError("GockptWriter: DCP's coordinator must be rank 0 (its part holds "
                               "the checkpoint's small state)")
@@ -157,17 +164,29 @@ class GockptWriter(StorageWriter):
         return replace(plan, storage_data=tuple(item.index for item in plan.items))
 
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        if not all(getattr(p, "usable", True) for p in plans):
+            raise ConfigError("GockptWriter: DCP's plan caching (enable_plan_caching=True) "
+                              "hands back an earlier save's plan; use a planner without it")
+        check_new_name(self.root, self.name)  # (a committed checkpoint is never overwritten)
+        for stale in glob.glob(os.path.join(glob.escape(self.root),
+                                            f"{TMP_PREFIX}{self.name}-*")):
+            shutil.rmtree(stale, ignore_errors=True)  # an earlier save of it that failed
         self._top = CheckpointWriter(self.root, self.name, **self.options)
         local = [p.storage_data if isinstance(p.storage_data, tuple) else () for p in plans]
-        plans = _with_their_parameters(plans, [frozenset(had) for had in local])
+        fqns = [index.fqn for had in local for index in had]  # (the state dict's order)
+        per_group = {f[len(_GROUPS):-len(".params")] for f in fqns
+                     if f.startswith(_GROUPS) and f.endswith(".params")}  # (lists of names)
+        known = {f[len("model."):] for f in fqns if f.startswith("model.")} | {
+            f[len(_GROUPS):].rsplit(".", 1)[0] for f in fqns if f.startswith(_GROUPS)} - per_group
         owners: Dict[str, int] = {}
-        for fqn in (index.fqn for had in local for index in had):  # (the state dict's order)
-            param = _owner(fqn)
+        for fqn in fqns:
+            param = _owner(fqn, known)
             if param is not None and param not in owners:
                 owners[param] = len(owners)
         self._owners = owners
-        shared = _Shared(self._top.tmp_path, len(plans), owners)
-        return [replace(plan, storage_data=shared) for plan in plans]
+        flat = not any(f.startswith(("model.", "optimizer.")) for f in fqns)
+        shared = _Shared(self._top.tmp_path, len(plans), owners, flat)
+        return _with_their_parameters(plans, [frozenset(had) for had in local], shared)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         shared: _Shared = plan.storage_data
@@ -204,9 +223,17 @@ class GockptWriter(StorageWriter):
         payloads = [r[0].storage_data if r and isinstance(r[0].storage_data, tuple)
                     else ({}, {}) for r in results]
         small: dict = {}
-        for _, theirs in payloads:
+        for _, theirs in payloads:  # (DCP wrote each replicated value on one rank)
             for key, values in theirs.items():
-                small.setdefault(key, {}).update(values)
+                into = small.setdefault(key, {})
+                for k, v in values.items():
+                    if key == "extra":
+                        into[k] = v
+                    else:  # state: index -> key -> value; groups: where -> key -> value
+                        into.setdefault(k, {}).update(v)
+        for settings in small.get("groups", {}).values():  # (parameters without state too)
+            for param in settings.get("params", ()) if isinstance(settings, dict) else ():
+                self._owners.setdefault(param, len(self._owners))
         try:
             mine = _manifest(part, self, len(results), self._owners, small)
             if len(results) == 1:
@@ -223,21 +250,25 @@ class GockptWriter(StorageWriter):
         apply_retention(self.root, self.keep_last)
 
 
-def _role(item) -> tuple:
+def _role(item, shared: _Shared) -> tuple:
     """What a write item is: ``("param", name)``, ``("state", parameter, key)`` (aligned
     optimizer state) or ``("small",)`` (a value of the small state)."""
     fqn = item.index.fqn
     dim = len(item.tensor_data.size) if item.tensor_data is not None else None
-    if fqn.startswith(_STATE) and _owner(fqn) is not None:
-        return ("state", _owner(fqn), fqn.rsplit(".", 1)[1]) if dim else ("small",)
-    if dim is None or dim == 0 and not fqn.startswith("model."):
+    if dim is None:
         return ("small",)
+    if shared.flat:
+        return ("param", fqn)  # (a model's own state dict: 0-dim buffers too)
+    owner = _owner(fqn, shared.owners) if fqn.startswith(_STATE) else None
+    if owner is not None:
+        return ("state", owner, fqn[len(_STATE) + len(owner) + 1:]) if dim else ("small",)
     if fqn.startswith("model."):
         return ("param", fqn[len("model."):])
-    return ("small",) if fqn.startswith("optimizer.") else ("param", fqn)
+    return ("small",) if dim == 0 or fqn.startswith("optimizer.") else ("param", fqn)
 
 
-def _with_their_parameters(plans: List[SavePlan], had: List[frozenset]) -> List[SavePlan]:
+def _with_their_parameters(plans: List[SavePlan], had: List[frozenset],
+                           shared: _Shared) -> List[SavePlan]:
     """``plans`` with each chunk of optimizer state written by the rank that writes the same
     chunk of its parameter, where that rank holds it too (DCP's planner keeps a replicated
     item on the least loaded rank: a parameter and its moments could land in two parts;
@@ -245,38 +276,44 @@ def _with_their_parameters(plans: List[SavePlan], had: List[frozenset]) -> List[
     home = {}  # (parameter, chunk offsets) -> the rank writing that chunk of it
     for rank, plan in enumerate(plans):
         for item in plan.items:
-            role = _role(item)
+            role = _role(item, shared)
             if role[0] == "param":
                 home[(role[1], tuple(item.tensor_data.chunk.offsets))] = rank
     items: List[list] = [[] for _ in plans]
     for rank, plan in enumerate(plans):
         for item in plan.items:
-            role = _role(item)
+            role = _role(item, shared)
             to = home.get((role[1], tuple(item.tensor_data.chunk.offsets)), rank) \
                 if role[0] == "state" else rank
             items[to if item.index in had[to] else rank].append(item)
-    return [replace(plan, items=mine) for plan, mine in zip(plans, items)]
+    return [replace(plan, items=mine, storage_data=shared) for plan, mine in zip(plans, items)]
 
 
-def _owner(fqn: str) -> Optional[str]:
-    """The parameter whose optimizer state or settings ``fqn`` names (None: neither)."""
+def _owner(fqn: str, known) -> Optional[str]:
+    """The parameter whose optimizer state or settings ``fqn`` names (None: neither): the
+    longest of the ``known`` parameter names it continues, else all but its last part (a
+    parameter's state keys have no dots of their own)."""
     for prefix in (_STATE, _GROUPS):
         if fqn.startswith(prefix) and "." in fqn[len(prefix):]:
-            param = fqn[len(prefix):].rsplit(".", 1)[0]
-            return None if prefix == _GROUPS and param.isdigit() else param
+            rest = fqn[len(prefix):]
+            within = [p for p in known if rest.startswith(p + ".")]
+            param = max(within, key=len) if within else rest.rsplit(".", 1)[0]
+            return None if prefix == _GROUPS and param.isdigit() and param not in known \
+                else param
     return None
 
 
 def _add_tensor(part: _Part, shared: _Shared, item, t: torch.Tensor) -> None:
     """A tensor item: a parameter's chunk, its optimizer state's, or a small value."""
-    role = _role(item)
+    role = _role(item, shared)
     if role[0] == "small":
-        if t.dim() == 0 and item.index.fqn.startswith(_STATE):  # (Adam's step)
-            fqn = item.index.fqn
-            idx = shared.owners[_owner(fqn)]
-            part.small.setdefault("state", {}).setdefault(idx, {})[fqn.rsplit(".", 1)[1]] = t
+        fqn = item.index.fqn
+        owner = _owner(fqn, shared.owners) if fqn.startswith(_STATE) else None
+        if owner is not None:  # (Adam's step)
+            key = fqn[len(_STATE) + len(owner) + 1:]
+            part.small.setdefault("state", {}).setdefault(shared.owners[owner], {})[key] = t
         else:
-            _add_value(part, item.index.fqn, t)
+            _add_value(part, fqn, t)
         return
     part.slice_of(role[1], item, t)
     if role[0] == "state":
@@ -292,7 +329,7 @@ def _add_tensor(part: _Part, shared: _Shared, item, t: torch.Tensor) -> None:
 def _add_value(part: _Part, fqn: str, value) -> None:
     """A small value: a param group's setting, or the extra state under its DCP name."""
     if fqn.startswith(_GROUPS) and "." in fqn[len(_GROUPS):]:
-        where, key = fqn[len(_GROUPS):].rsplit(".", 1)
+        where, key = fqn[len(_GROUPS):].rsplit(".", 1)  # (a setting's name has no dot)
         part.small.setdefault("groups", {}).setdefault(where, {})[key] = value
     else:
         part.small.setdefault("extra", {})[fqn] = value
@@ -359,7 +396,7 @@ def _manifest(part: _Part, writer: GockptWriter, world: int, owners: Dict[str, i
         optimizer = OptimizerSection(
             "", part.aligned, {idx: {k: digest[r.tensor] for k, r in refs.items()}
                                for idx, refs in part.aligned.items()},
-            {idx: p for p, idx in owners.items() if idx in part.aligned})
+            {idx: p for p, idx in owners.items() if idx in part.aligned or small})
     model = ModelSection(part.params, digests={n: digest[r.tensor]
                                                for n, r in part.params.items()},
                          slices=part.slices)

@@ -15,7 +15,7 @@ from ..core.digest import is_hex
 from ..core.errors import CorruptCheckpointError, LoadError
 from .manifest_file import read_manifest
 from .refs import TensorRef
-from .schema import (ABSENT, SMALL_SECTIONS, Manifest, ModelSection, OptimizerSection,
+from .schema import (ABSENT, SMALL_SECTIONS, WRITTEN_BY_DCP, Manifest, ModelSection, OptimizerSection,
                      SmallSection, check_part_name, optim_tensor, pack_prefix)
 
 
@@ -64,11 +64,10 @@ def parse(path: str, data: dict, *, tolerant: bool = False) -> Manifest:
     small = data.get("small") if isinstance(data.get("small"), dict) else {}
     check(all(s in small for s in SMALL_SECTIONS), "the 'small' section is missing or incomplete")
     optimizer = _optimizer(data.get("optimizer"), check)
-    # (a parameter of a part written through DCP may lie in another part: its slice is here)
-    if optimizer is not None and not check(set(optimizer.params.values()) <= set(params) |
-                                           set(slices), "the optimizer's 'params' name "
-                                           "parameters the "
-                                           "model section does not store"):
+    # (DCP's save: rank 0's part names every parameter with state, wherever it lies)
+    if optimizer is not None and data.get("mode") != WRITTEN_BY_DCP and not check(
+            set(optimizer.params.values()) <= set(params), "the optimizer's 'params' name "
+            "parameters the model section does not store"):
         optimizer.params = {}
     m = Manifest(
         **{k: data.get(k, default) for k, default in

@@ -349,6 +349,32 @@ def dcp_load(directory: str, rank: int, mode: str, kind: str) -> None:
     print(f"rank {rank}: read {reader.read_bytes} bytes", flush=True)
 
 
+def dcp_objects(optim: str, kind: str):
+    """:func:`model_and_optimizer`, with NAdam instead when ``optim`` says so (two scalar
+    states per parameter); ``kind`` "tiny": two 4x4 layers, replicated by training alike on
+    every rank (DCP's planner then spreads one parameter's scalar states over the ranks)."""
+    if kind == "tiny":
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        model, opt, _ = model_and_optimizer(kind)
+    if optim == "nadam":
+        opt = torch.optim.NAdam(opt.param_groups[0]["params"], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def dcp_step(model, opt, sched, kind: str, rank: int, step: int) -> None:
+    if kind != "tiny":
+        return one_step(model, opt, sched, batch(rank, step))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))  # (alike everywhere)
+    model(x).square().mean().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
 def dcp_save(directory: str, rank: int, mode: str, kind: str) -> None:
     """``kind`` trained without gockpt up to the last of SAVE_AT, then saved by
     ``torch.distributed.checkpoint.save`` through gockpt's StorageWriter (a torchtitan-style
@@ -357,9 +383,9 @@ def dcp_save(directory: str, rank: int, mode: str, kind: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from gockpt.storage.dcp import GockptWriter
-    model, opt, sched = model_and_optimizer(kind)
+    model, opt, sched = dcp_objects(mode, kind)
     for step in range(SAVE_AT[-1]):
-        one_step(model, opt, sched, batch(rank, step))
+        dcp_step(model, opt, sched, kind, rank, step)
     full = global_state(model, opt)
     if rank == 0:
         torch.save({**full, "scheduler": sched.state_dict()}, f"{directory}.global.pt")
@@ -377,7 +403,7 @@ def dcp_gockpt_load(directory: str, rank: int, mode: str, kind: str) -> None:
     ranks: the state at F bit for bit, the rest of DCP's state as ``extra_state`` under its
     DCP names, no RNG state (a warning says so); training goes on."""
     import warnings
-    model, opt, sched = model_and_optimizer(kind)
+    model, opt, sched = dcp_objects(mode, kind)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         restored = gockpt.load(directory, model, opt)
@@ -388,7 +414,7 @@ def dcp_gockpt_load(directory: str, rank: int, mode: str, kind: str) -> None:
     assert torch.equal(extra["train_state.tokens"], torch.tensor(12345)), extra
     assert extra["lr_scheduler.last_epoch"] == saved["scheduler"]["last_epoch"], extra
     assert any("keeps no RNG states" in str(w.message) for w in caught), caught
-    one_step(model, opt, sched, batch(rank, SAVE_AT[-1]))  # training goes on
+    dcp_step(model, opt, sched, kind, rank, SAVE_AT[-1])  # training goes on
     print(f"rank {rank}: resharded={restored.resharded}", flush=True)
 
 

@@ -99,6 +99,72 @@ def test_async_save_and_a_checkpoint_id_name_the_step_and_retention_applies(tmp_
     assert gockpt.testing.first_difference(state, fresh, "async") is None
 
 
+def _same_after_gockpt_load(run, model, opt, fresh_model, fresh_opt):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "gockpt: .* keeps no RNG states")
+        restored = gockpt.load(run, fresh_model, fresh_opt)
+    why = gockpt.testing.first_difference(gockpt.testing.snapshot(model, opt),
+                                          gockpt.testing.snapshot(fresh_model, fresh_opt), run)
+    assert why is None, why
+    return restored
+
+
+@pytest.mark.parametrize("layout", ["flat-model", "sgd", "same-settings"])
+def test_other_layouts_of_the_state_dict_load_bitwise(tmp_path, layout):
+    """torchtitan's layout (the model's names at the top, a 0-dim BatchNorm buffer among
+    them, the optimizer flattened); SGD without state (only its groups name the parameters);
+    two param groups with the same settings, flattened (DCP keeps settings per parameter)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    def objects(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        if layout == "sgd":
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        else:
+            p = list(model.parameters())
+            opt = torch.optim.AdamW([{"params": p[:2]}, {"params": p[2:]}], lr=1e-2)
+        for _ in range(2 if seed == 0 else 1):
+            model(torch.randn(8, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+    model, opt = objects(0)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(
+        flatten_optimizer_state_dict=layout != "sgd"))
+    state = {**msd, "optimizer": osd} if layout == "flat-model" else \
+        {"model": msd, "optimizer": osd}
+    _save(state, str(tmp_path / "run"), 1)
+    _same_after_gockpt_load(str(tmp_path / "run"), model, opt, *objects(1))
+
+
+def test_a_tensor_of_the_train_state_comes_back_in_extra_state(tmp_path):
+    model, opt, state = _trained()
+    rng = torch.get_rng_state()
+    state["train_state"]["rng"] = rng  # (one or more dimensions: stored as a tensor of its own)
+    _save(state, str(tmp_path / "run"), 3)
+    restored = _same_after_gockpt_load(str(tmp_path / "run"), model, opt, *_trained(2, 1)[:2])
+    assert torch.equal(restored.extra_state["train_state.rng"], rng)
+
+
+def test_a_checkpoint_is_never_overwritten_and_a_failed_saves_leftovers_go(tmp_path):
+    run = str(tmp_path / "run")
+    _, _, state = _trained()
+    os.makedirs(os.path.join(run, ".tmp-step-000000003-123-abcd"))  # a failed save's
+    _save(state, run, 3)
+    assert sorted(os.listdir(run)) == ["latest", "step-000000003"]
+    with pytest.raises(CheckpointException, match="exists in .* already"):
+        _save(state, run, 3)
+    assert gockpt.verify(run).ok
+    planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
+    with pytest.raises(CheckpointException, match="plan caching"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            for step in (4, 5):  # (the second save is handed the first one's plan)
+                dcp.save(state, storage_writer=GockptWriter(run, step=step), planner=planner,
+                         no_dist=True)
+
+
 def test_what_gockpt_cannot_store_without_pickle_is_refused_and_nothing_is_committed(tmp_path):
     run = str(tmp_path / "run")
     _, _, state = _trained()
@@ -115,20 +181,22 @@ def test_what_gockpt_cannot_store_without_pickle_is_refused_and_nothing_is_commi
             dcp.save({"x": torch.zeros(2)}, storage_writer=GockptWriter(run), no_dist=True)
 
 
-@pytest.mark.parametrize("kind,loads", [("fsdp2", ((4, "dcp"), (1, "dcp"), (1, "dcpgload"),
-                                                  (4, "dcpgload"))),
-                                        ("ddp", ((2, "dcpgload"),))])
-def test_dcp_save_on_two_ranks_verifies_and_loads_on_another_number_bitwise(tmp_path, kind,
-                                                                            loads):
+@pytest.mark.parametrize("optim,kind,loads", [
+    ("adamw", "fsdp2", ((4, "dcp"), (1, "dcp"), (1, "dcpgload"), (4, "dcpgload"))),
+    ("adamw", "ddp", ((2, "dcpgload"),)), ("nadam", "tiny", ((2, "dcpgload"),))])
+def test_dcp_save_on_two_ranks_verifies_and_loads_on_another_number_bitwise(tmp_path, optim,
+                                                                            kind, loads):
     """dcp.save of a model trained on 2 ranks (FSDP2: each rank's shards; DDP: DCP writes each
     replicated tensor once, its moments with it) through GockptWriter: gockpt verify passes,
     and dcp.load through GockptReader and gockpt.load bring the state the saving run gathered
-    back, bit for bit, on other numbers of ranks (ranks_worker's dcp and dcpgload)."""
+    back, bit for bit, on other numbers of ranks (ranks_worker's dcp and dcpgload). NAdam on
+    tiny replicated layers: DCP writes a parameter's two scalar states on different ranks;
+    rank 0 puts them back together (was: one rank's replaced the other's)."""
     directory = str(tmp_path / kind)
-    run_ranks(directory, f"dcpsave:none:{kind}", world=2, worker="ranks_worker")
+    run_ranks(directory, f"dcpsave:{optim}:{kind}", world=2, worker="ranks_worker")
     path = storage.resolve(directory)
     assert sorted(os.listdir(path)) == ["data.safetensors", "manifest.json", "rank-00000",
                                         "rank-00001"]
     assert gockpt.verify(directory).ok
     for world, scenario in loads:
-        run_ranks(directory, f"{scenario}:none:{kind}", world=world, worker="ranks_worker")
+        run_ranks(directory, f"{scenario}:{optim}:{kind}", world=world, worker="ranks_worker")
