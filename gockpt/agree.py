@@ -3,7 +3,14 @@ calls them alike; in one process they answer alone)."""
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
+
+from .core.errors import CorruptCheckpointError, LoadError
+
+# How a rank fared at a step of a load that every rank takes: agreed by :func:`agreed`.
+LOADED, CORRUPT, FAILED = 0, 1, 2
 
 
 def several() -> bool:
@@ -38,3 +45,24 @@ def common_prefix(keys: list) -> int:
     torch.distributed.all_gather_object(every, [str(k) for k in keys])
     n = min(map(len, every))
     return next((i for i in range(n) if len({e[i] for e in every}) > 1), n)
+
+
+def agreed(failed: Optional[BaseException], what: str) -> Tuple[Optional[BaseException], int]:
+    """(the error to raise on this rank or None, the worst outcome on any rank) of one step of
+    a load that every rank takes, ``failed`` being this rank's error (None: it went well),
+    agreed by one gather -- or none, when ``failed`` was agreed already (a step inside the
+    one failed: every rank's error is marked with the outcome agreed, so that an enclosing
+    step does not gather again, which the ranks that failed earlier would not join). A rank
+    that went well gets an error saying that another rank's failed: a CorruptCheckpointError
+    when the worst was a damaged file, so that every rank falls back alike."""
+    if failed is not None and hasattr(failed, "gockpt_agreed"):
+        return failed, failed.gockpt_agreed
+    level = LOADED if failed is None else CORRUPT if isinstance(failed, CorruptCheckpointError) \
+        else FAILED
+    level_anywhere = worst(level)
+    if level_anywhere and failed is None:
+        kind = CorruptCheckpointError if level_anywhere == CORRUPT else LoadError
+        failed = kind(f"{what}: another rank could not load it (its error says why)")
+    if failed is not None:
+        failed.gockpt_agreed = level_anywhere
+    return failed, level_anywhere

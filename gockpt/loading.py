@@ -22,7 +22,7 @@ from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, re
                        warn_rng_not_restored)
 from .core.paths import directory_to_read, is_remote
 from . import steplog
-from .agree import everyone, several, worst
+from .agree import CORRUPT, FAILED, LOADED, agreed, everyone, several
 from .storage import memory_tier
 from .storage.commit import checkpoint_of, is_committed
 from .storage.format import MANIFEST_FILE
@@ -81,7 +81,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     # on every rank (the others would wait in those gathers for it)
     alike = replays_log and several()
     restored, failed, worst_level = _attempt(top, args, alike)
-    if worst_level == _CORRUPT and top != disk:
+    if worst_level == CORRUPT and top != disk:
         # the memory tier's copy is damaged (on some rank: every rank loads the disk's, which
         # overwrites whatever the copy put in place)
         warnings.warn(f"gockpt: the memory copy {top} does not verify ({failed}); loading "
@@ -113,24 +113,20 @@ def _load_checkpoint(top: str, model, optimizer, scheduler, restore_rng: bool, v
                      map_location, rank)
 
 
-_CORRUPT, _FAILED = 1, 2  # how a load fared (0: loaded)
-
-
 def _attempt(top: str, args: tuple, alike: bool) -> tuple:
-    """(Restored or None, the error or None, the worst outcome) of loading ``top``;
-    ``alike``: the worst of every rank's outcome, and an error on every rank when a load
-    failed on any (so that none waits for another in a later gather)."""
+    """(Restored or None, the error or None, the worst outcome: :mod:`gockpt.agree`'s levels)
+    of loading ``top``; ``alike``: agreed by every rank (an error on every rank when a load
+    failed on any, so that none waits for another in a later gather)."""
     try:
         restored, failed = _load_checkpoint(top, *args), None
     except Exception as exc:  # noqa: BLE001 -- re-raised by the caller, on every rank alike
         restored, failed = None, exc
-    level = 0 if failed is None else _CORRUPT if isinstance(failed, CorruptCheckpointError) \
-        else _FAILED
-    agreed = worst(level) if alike else level
-    if agreed and failed is None:
-        restored, failed = None, LoadError(f"another rank could not load {top} (its error "
-                                           "says why)")
-    return restored, failed, agreed
+    if alike:
+        failed, level = agreed(failed, top)
+    else:
+        level = LOADED if failed is None else \
+            CORRUPT if isinstance(failed, CorruptCheckpointError) else FAILED
+    return (None if failed is not None else restored), failed, level
 
 
 def _newest(path: str, tag: Optional[str], memory_dir: Optional[str], memory: bool) -> tuple:

@@ -24,7 +24,7 @@ from . import storage
 from .core.errors import CorruptCheckpointError, LoadError
 from .core.memory import global_slice, local
 from .core.names import Names
-from .agree import worst
+from .agree import agreed
 from .replay.adapters import state_keys_of
 from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
                        warn_rng_not_restored)
@@ -127,8 +127,9 @@ def load_resharded(top: str, model: torch.nn.Module, optimizer=None, *, schedule
     except Exception as exc:  # noqa: BLE001 -- raised below, on every rank alike
         prepared, failed = None, exc
     # before DCP's load, a collective: a rank failing alone would leave the others in it
-    if worst(int(failed is not None)):
-        raise failed or LoadError(f"{top}: another rank could not load it (its error says why)")
+    failed, _ = agreed(failed, top)
+    if failed is not None:
+        raise failed
     reader, state, opt_sd, rest, manifest, with_rng, dcp_saved, after = prepared
     with restoring(top):
         try:  # (straight into the model's tensors)
