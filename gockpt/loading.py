@@ -46,7 +46,10 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     <-> FSDP2 -- it loads through torch.distributed.checkpoint's planner
     (:mod:`gockpt.resharding`: a collective, each rank reading only the byte ranges it needs,
     checksums checked); replicated state (DDP) loads on any number of ranks either way.
-    ``rank`` reads that rank's part on purpose (no resharding). Scheduler and
+    ``rank`` reads that rank's part on purpose (no resharding). On several ranks a load
+    without ``tag`` and ``rank`` is a collective (every rank calls it: the memory tier's
+    copies and step log are agreed on); one rank loading alone (an evaluation on rank 0)
+    passes ``tag=`` or ``rank=``. Scheduler and
     ``extra_state`` come from this rank's part (rank 0's on another number of ranks); RNG
     states only on as many ranks as saved them (else a warning, and
     ``Restored.rng_restored`` is False).
