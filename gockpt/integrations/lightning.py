@@ -1,0 +1,199 @@
+"""gockpt in PyTorch Lightning's own loop: one callback.
+
+    from gockpt.integrations.lightning import GockptCallback
+    trainer = Trainer(callbacks=[GockptCallback("checkpoints/run1", every_n_train_steps=100)])
+    trainer.fit(model)                                     # gockpt-o checkpoints every 100 steps
+    trainer.fit(model, ckpt_path="checkpoints/run1")       # resumes from the newest, bit for bit
+
+What it does to Lightning's loop (``setup``, for ``fit``):
+
+- Lightning runs the training step, the backward and the gradient clipping inside
+  ``optimizer.step(closure)`` for most precisions (32-true, bf16-mixed), after torch's step
+  pre-hooks, where gockpt records the gradients the update consumes. The callback gives the
+  trainer's precision plugin an ``optimizer_step`` that runs the closure (and Lightning's
+  ``on_before_optimizer_step`` hooks and clipping after it) first, then
+  ``Checkpointer.update_begin``, then the step: the replay sees the gradients the update
+  consumes, clipped and accumulated.
+- ``backward_begin`` before the first backward of each optimizer step (``on_before_backward``,
+  once per accumulation window), ``save_checkpoint(global_step)`` after each optimizer step
+  (``on_train_batch_end``), with Lightning's own state at F as ``extra_state``: its loops
+  (epoch and batch progress), callbacks' states and the rest of what ``trainer.save_checkpoint``
+  writes -- but the model, optimizer and scheduler, which gockpt's checkpoint holds itself.
+- The trainer's ``CheckpointIO`` reads a gockpt run or checkpoint directory given as
+  ``ckpt_path``: Lightning restores its loops and callbacks from it; the model, optimizer,
+  scheduler and RNG states are restored by ``gockpt.load`` (every byte checked) in
+  ``on_fit_start``, before Lightning's own restore of the optimizer, which then keeps them.
+
+Refused (ConfigError at ``setup``): manual optimization, more than one optimizer, a
+precision other than 32-true and bf16-mixed (16-mixed's GradScaler skips steps: not yet;
+the "-true" half and double precisions train other than fp32 weights, which the replay needs).
+Lightning's ``ModelCheckpoint`` keeps writing its own files beside; gockpt's checkpoints are
+this callback's (``every_n_train_steps``).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Optional
+
+import torch
+
+try:  # the unified package first, as Lightning's docs have it
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError:  # pragma: no cover - whichever is installed
+    import pytorch_lightning as pl
+    from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+
+import gockpt
+from ..core.errors import ConfigError
+from ..storage import read_manifest, read_tensors
+from ..storage.commit import checkpoint_of
+from ..storage.manifest import parse
+from ..storage.schema import is_small_tensor
+
+PRECISIONS = ("32-true", "bf16-mixed")
+_OWN = ("state_dict", "optimizer_states", "lr_schedulers", "hyper_parameters", "hparams_name",
+        "datamodule_hyper_parameters")  # (what gockpt holds itself, or is the user's code)
+
+
+class GockptCallback(pl.Callback):
+    """gockpt's checkpoints of a Lightning ``fit``: ``directory`` (a run directory), one every
+    ``every_n_train_steps`` optimizer steps; ``options``: the rest of
+    :class:`gockpt.Config` (``mode`` default ``"gockpt-o"``, ``overlap_steps``, ``keep_last``,
+    ``memory``, ``remote``, ...)."""
+
+    def __init__(self, directory: str | os.PathLike, every_n_train_steps: int, **options):
+        super().__init__()
+        if type(every_n_train_steps) is not int or every_n_train_steps < 1:
+            raise ConfigError(f"every_n_train_steps must be an int >= 1, got "
+                              f"{every_n_train_steps!r}")
+        self.directory, self.every = os.fspath(directory), every_n_train_steps
+        self.options = {"mode": "gockpt-o", **options}
+        self.ck: Optional[gockpt.Checkpointer] = None
+        self._module = None
+        self._in_step = False  # backward_begin called, the step's save not yet
+        self._stepped_at: Optional[int] = None  # global_step at the last boundary
+        self._resume: Optional[str] = None  # the checkpoint ckpt_path named (CheckpointIO)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise ConfigError("GockptCallback: manual optimization is not supported (gockpt's "
+                              "hooks need Lightning's optimizer step)")
+        if str(trainer.precision) not in PRECISIONS:
+            raise ConfigError(f"GockptCallback: precision {trainer.precision!r} is not "
+                              f"supported; use one of {', '.join(PRECISIONS)}")
+        self._module = pl_module
+        plugin = trainer.strategy.precision_plugin
+        plugin.optimizer_step = types.MethodType(_closure_first(self), plugin)
+        trainer.strategy.checkpoint_io = _GockptIO(self, trainer.strategy.checkpoint_io)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self._resume is None:
+            return
+        optimizer, scheduler = _optimizer_of(trainer), _scheduler_of(trainer)
+        gockpt.load(self._resume, trainer.strategy.model, optimizer, scheduler=scheduler)
+        # Lightning restores the optimizer and scheduler next, from what ckpt_path gave it:
+        # the states gockpt.load just put in place
+        loaded = trainer._checkpoint_connector._loaded_checkpoint
+        loaded["optimizer_states"] = [optimizer.state_dict()]
+        loaded["lr_schedulers"] = [scheduler.state_dict()] if scheduler is not None else []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.ck = gockpt.Checkpointer(trainer.strategy.model, _optimizer_of(trainer),
+                                      self.directory, scheduler=_scheduler_of(trainer),
+                                      interval=self.every, **self.options)
+        self._stepped_at = trainer.global_step
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.ck is not None and not self._in_step:
+            self.ck.backward_begin()
+            self._in_step = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.ck is None or trainer.global_step == self._stepped_at:
+            return  # (accumulating: no optimizer step in this batch)
+        self._stepped_at, self._in_step = trainer.global_step, False
+        self.ck.save_checkpoint(trainer.global_step, extra_state=lambda: _loop_state(trainer))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.close()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.ck is not None:
+            ck, self.ck = self.ck, None
+            ck.close_at_exit(failing=True)
+
+    def close(self) -> None:
+        """Finish the checkpoints in flight (durable) and stop gockpt's threads."""
+        if self.ck is not None:
+            ck, self.ck = self.ck, None
+            ck.close()
+
+
+def _optimizer_of(trainer) -> torch.optim.Optimizer:
+    if len(trainer.optimizers) != 1:
+        raise ConfigError(f"GockptCallback: {len(trainer.optimizers)} optimizers; gockpt "
+                          "checkpoints a loop with one")
+    return trainer.optimizers[0]
+
+
+def _scheduler_of(trainer):
+    configs = trainer.lr_scheduler_configs
+    if len(configs) > 1:
+        raise ConfigError("GockptCallback: more than one LR scheduler is not supported")
+    return configs[0].scheduler if configs else None
+
+
+def _closure_first(callback: GockptCallback):
+    """The precision plugin's ``optimizer_step``: the closure (training step, backward),
+    Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, then gockpt's
+    ``update_begin``, then the step itself."""
+    def optimizer_step(plugin, optimizer, model, closure, **kwargs):
+        closure_result = closure()
+        plugin._after_closure(model, optimizer)
+        if callback.ck is not None:
+            callback.ck.update_begin()
+        optimizer.step(**kwargs)
+        return closure_result
+    return optimizer_step
+
+
+def _loop_state(trainer) -> dict:
+    """Lightning's own state at F (what ``trainer.save_checkpoint`` writes), less what gockpt's
+    checkpoint holds itself."""
+    state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    return {k: v for k, v in state.items() if k not in _OWN}
+
+
+class _GockptIO(CheckpointIO):
+    """The trainer's CheckpointIO: a gockpt run or checkpoint directory given as ``ckpt_path``
+    gives Lightning its own state at F (the model's, optimizer's and scheduler's are put in
+    place by ``gockpt.load`` in ``on_fit_start``); anything else goes to Lightning's own."""
+
+    def __init__(self, callback: GockptCallback, inner: CheckpointIO):
+        self.callback, self.inner = callback, inner
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options)
+
+    def remove_checkpoint(self, path) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        if not os.path.isdir(os.fspath(path)):
+            return self.inner.load_checkpoint(path, map_location=map_location,
+                                              weights_only=weights_only)
+        top = checkpoint_of(os.path.realpath(os.fspath(path)))
+        data = read_manifest(top)
+        part = os.path.join(top, data["ranks"][0]) if "ranks" in data else top
+        m = parse(part, read_manifest(part))
+        small = read_tensors(part, m, [n for n in m.tensors if is_small_tensor(n)], verify=True)
+        rest = m.small.decode("extra_state", small) or {}
+        self.callback._resume = top
+        # the model's own state: Lightning loads it into the model before gockpt.load runs
+        return {**rest, "state_dict": self.callback._module.state_dict(),
+                "optimizer_states": [], "lr_schedulers": []}

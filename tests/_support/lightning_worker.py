@@ -1,0 +1,71 @@
+"""One rank of tests/integrations/test_lightning.py's runs: ``python -m
+tests._support.lightning_worker RUN_DIR OUT PRECISION [resume] [die:STEP]`` trains a small
+LightningModule for 4 epochs (AdamW, a per-step StepLR, gradient clipping, the data in order)
+with :class:`gockpt.integrations.lightning.GockptCallback` (gockpt-o, K=2, a checkpoint at the
+end of every epoch), resumed from RUN_DIR's newest checkpoint with ``resume``, killed with
+SIGKILL at the training step ``die:STEP`` once the checkpoints so far are durable; rank 0 writes each step's loss and the final
+state to OUT. Several ranks (RANK / WORLD_SIZE set, as torchrun's): DDP, Lightning seeing
+torchrun's environment."""
+
+import os
+import signal
+import sys
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from gockpt.integrations.lightning import GockptCallback, pl
+
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+BATCHES = 8 // WORLD  # per epoch and rank (DDP's sampler splits the 8 batches)
+
+
+class Small(pl.LightningModule):
+    def __init__(self, die_at=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 128), torch.nn.Tanh(),
+                                       torch.nn.Linear(128, 1))
+        self.losses, self.die_at = [], die_at
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append((self.trainer.global_step, loss.item()))
+        if self.trainer.global_step == self.die_at:
+            self.gockpt.ck.wait()  # (the checkpoints so far durable: the kill comes after)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def main():
+    run, out, precision, *flags = sys.argv[1:]
+    die = next((int(f.split(":")[1]) for f in flags if f.startswith("die:")), None)
+    if WORLD > 1:  # torchrun's environment, as Lightning detects it
+        os.environ.update(LOCAL_RANK=os.environ["RANK"], GROUP_RANK="0",
+                          LOCAL_WORLD_SIZE=str(WORLD), TORCHELASTIC_RUN_ID="gockpt-test")
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    model = Small(die)
+    model.gockpt = GockptCallback(run, every_n_train_steps=BATCHES, overlap_steps=2,
+                                  block_bytes=1024)  # (several blocks of this small state)
+    trainer = pl.Trainer(
+        max_epochs=4, accelerator="cpu", devices=WORLD,
+        strategy="ddp" if WORLD > 1 else "auto", precision=precision,
+        callbacks=[model.gockpt],
+        gradient_clip_val=0.5, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(data, batch_size=8),
+                ckpt_path=run if "resume" in flags else None)
+    if trainer.global_rank == 0:
+        torch.save({"losses": model.losses, "state": model.state_dict()}, out)
+    print(f"rank {trainer.global_rank}: done at step {trainer.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

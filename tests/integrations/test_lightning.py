@@ -1,0 +1,92 @@
+"""gockpt in PyTorch Lightning's loop (gockpt.integrations.lightning.GockptCallback): a fit
+killed with SIGKILL and resumed from gockpt's checkpoint in a fresh process goes on bit for bit
+like an uninterrupted one (every later step's loss, the final state) -- one process in 32-true
+and bf16-mixed, DDP on 2 ranks; what the callback cannot follow is refused."""
+
+import time
+
+import pytest
+import torch
+
+import gockpt
+import gockpt.testing
+from gockpt.core.errors import ConfigError
+from tests._support import worker_env
+from tests._support.dist_ranks import free_port
+from tests._support.forked import Forked
+
+pl = pytest.importorskip("pytorch_lightning")  # (./run installs it: never skipped there)
+
+
+def _run(tmp_path, name, precision, world, *flags, expect_killed=False):
+    """The worker on ``world`` ranks; a rank killed (``die:``) ends the others at once."""
+    port = free_port()
+    env = [worker_env() if world == 1 else worker_env(
+        RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        for r in range(world)]
+    out = str(tmp_path / f"{name}.pt")
+    procs = [Forked("lightning_worker", [str(tmp_path / name), out, precision, *flags], e)
+             for e in env]
+    deadline = time.monotonic() + 240
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if expect_killed and any(p.poll() == -9 for p in procs):
+            break  # (the others wait in DDP's collectives for the killed rank)
+        procs[0].join(0.5)
+    for p in procs:
+        p.kill()
+    outputs = [p.communicate() for p in procs]
+    if expect_killed:
+        assert procs[0].returncode == -9, outputs[0]
+        return None
+    for p, (stdout, stderr) in zip(procs, outputs):
+        assert p.returncode == 0, stdout + stderr
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("precision,world", [("32-true", 1), ("bf16-mixed", 1),
+                                             ("32-true", 2)])
+def test_a_killed_fit_resumes_from_gockpt_bit_for_bit(tmp_path, precision, world):
+    full = _run(tmp_path, "full", precision, world)
+    _run(tmp_path, "run", precision, world, "die:13", expect_killed=True)
+    saved = gockpt.storage.list_checkpoints(str(tmp_path / "run"))
+    assert saved, "a checkpoint committed before the kill"
+    resumed = _run(tmp_path, "run", precision, world, "resume")
+    start = min(step for step, _ in resumed["losses"])
+    assert f"step-{start:09d}" == saved[-1]  # from the newest checkpoint on
+    assert resumed["losses"] == [(s, v) for s, v in full["losses"] if s >= start]
+    why = gockpt.testing.first_difference(full["state"], resumed["state"], "resumed fit")
+    assert why is None, why
+    metrics = [m for m in gockpt.metrics.read(str(tmp_path / "full"), rank=0)]
+    assert {m["mode"] for m in metrics} == {"gockpt-o"}
+    assert all(m["overlap_steps"] == 2 and m["grad_steps"] == 1 for m in metrics), metrics
+    assert gockpt.verify(str(tmp_path / "run")).ok
+
+
+def test_what_the_callback_cannot_follow_is_refused(tmp_path):
+    from gockpt.integrations.lightning import GockptCallback
+
+    class Manual(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.net = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return None
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)))
+    for model, precision, said in [(Manual(), "32-true", "manual optimization"),
+                                   (Manual(), "64-true", "precision '64-true'")]:
+        if precision == "64-true":
+            model.automatic_optimization = True
+        trainer = pl.Trainer(max_steps=1, accelerator="cpu", precision=precision, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False,
+                             callbacks=[GockptCallback(tmp_path / "r", every_n_train_steps=1)])
+        with pytest.raises(ConfigError, match=said):
+            trainer.fit(model, data)
+    with pytest.raises(ConfigError, match="every_n_train_steps must be an int >= 1"):
+        GockptCallback(tmp_path / "r", every_n_train_steps=0)
