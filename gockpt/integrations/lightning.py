@@ -89,13 +89,16 @@ class GockptCallback(pl.Callback):
         self._module = pl_module
         plugin = trainer.strategy.precision_plugin
         plugin.optimizer_step = types.MethodType(_closure_first(self), plugin)
-        trainer.strategy.checkpoint_io = _GockptIO(self, trainer.strategy.checkpoint_io)
+        io = trainer.strategy.checkpoint_io
+        trainer.strategy.checkpoint_io = _GockptIO(self, io.inner if isinstance(io, _GockptIO)
+                                                   else io)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self._resume is None:
             return
+        top, self._resume = self._resume, None
         optimizer, scheduler = _optimizer_of(trainer), _scheduler_of(trainer)
-        gockpt.load(self._resume, trainer.strategy.model, optimizer, scheduler=scheduler)
+        gockpt.load(top, pl_module, optimizer, scheduler=scheduler)
         # Lightning restores the optimizer and scheduler next, from what ckpt_path gave it:
         # the states gockpt.load just put in place
         loaded = trainer._checkpoint_connector._loaded_checkpoint
@@ -103,9 +106,13 @@ class GockptCallback(pl.Callback):
         loaded["lr_schedulers"] = [scheduler.state_dict()] if scheduler is not None else []
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.ck = gockpt.Checkpointer(trainer.strategy.model, _optimizer_of(trainer),
-                                      self.directory, scheduler=_scheduler_of(trainer),
-                                      interval=self.every, **self.options)
+        # the LightningModule itself (its names, whatever wraps it: a checkpoint loads on any
+        # number of devices), its replicas declared as such on several (DDP)
+        options = {"replicated": True, **self.options} if trainer.world_size > 1 \
+            else self.options
+        self.ck = gockpt.Checkpointer(pl_module, _optimizer_of(trainer), self.directory,
+                                      scheduler=_scheduler_of(trainer), interval=self.every,
+                                      **options)
         self._stepped_at = trainer.global_step
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
@@ -192,7 +199,10 @@ class _GockptIO(CheckpointIO):
         part = os.path.join(top, data["ranks"][0]) if "ranks" in data else top
         m = parse(part, read_manifest(part))
         small = read_tensors(part, m, [n for n in m.tensors if is_small_tensor(n)], verify=True)
-        rest = m.small.decode("extra_state", small) or {}
+        rest = m.small.decode("extra_state", small)
+        if not isinstance(rest, dict) or "loops" not in rest:
+            raise ConfigError(f"{top} holds no Lightning loop state (not written by "
+                              "GockptCallback): load it with gockpt.load instead")
         self.callback._resume = top
         # the model's own state: Lightning loads it into the model before gockpt.load runs
         return {**rest, "state_dict": self.callback._module.state_dict(),
