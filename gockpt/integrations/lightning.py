@@ -24,8 +24,10 @@ What it does to Lightning's loop (``setup``, for ``fit``):
   scheduler and RNG states are restored by ``gockpt.load`` (every byte checked) in
   ``on_fit_start``, before Lightning's own restore of the optimizer, which then keeps them.
 
-Refused (ConfigError at ``setup``): manual optimization, more than one optimizer, a
-precision other than 32-true and bf16-mixed (16-mixed's GradScaler skips steps: not yet;
+Refused (ConfigError when ``fit`` starts): manual optimization, a strategy other than one
+device or DDP (FSDP and DeepSpeed restore after ``on_fit_start`` and step otherwise), more
+than one optimizer or scheduler, an optimizer that needs a closure (LBFGS), a precision other
+than 32-true and bf16-mixed (16-mixed's GradScaler skips steps: not yet;
 the "-true" half and double precisions train other than fp32 weights, which the replay needs).
 Lightning's ``ModelCheckpoint`` keeps writing its own files beside; gockpt's checkpoints are
 this callback's (``every_n_train_steps``).
@@ -51,11 +53,12 @@ from ..core.errors import ConfigError
 from ..storage import read_manifest, read_tensors
 from ..storage.commit import checkpoint_of
 from ..storage.manifest import parse
+from ..storage import tree
 from ..storage.schema import is_small_tensor
 
 PRECISIONS = ("32-true", "bf16-mixed")
 _OWN = ("state_dict", "optimizer_states", "lr_schedulers", "hyper_parameters", "hparams_name",
-        "datamodule_hyper_parameters")  # (what gockpt holds itself, or is the user's code)
+        "hparams_type", "datamodule_hyper_parameters", "datamodule_hparams_type")  # (what gockpt holds itself, or is the user's code)
 
 
 class GockptCallback(pl.Callback):
@@ -76,6 +79,7 @@ class GockptCallback(pl.Callback):
         self._in_step = False  # backward_begin called, the step's save not yet
         self._stepped_at: Optional[int] = None  # global_step at the last boundary
         self._resume: Optional[str] = None  # the checkpoint ckpt_path named (CheckpointIO)
+        self._trainer = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
@@ -86,7 +90,10 @@ class GockptCallback(pl.Callback):
         if str(trainer.precision) not in PRECISIONS:
             raise ConfigError(f"GockptCallback: precision {trainer.precision!r} is not "
                               f"supported; use one of {', '.join(PRECISIONS)}")
-        self._module = pl_module
+        if type(trainer.strategy).__name__ not in ("SingleDeviceStrategy", "DDPStrategy"):
+            raise ConfigError(f"GockptCallback: strategy {type(trainer.strategy).__name__} is "
+                              "not supported; one device or DDP")
+        self._module, self._trainer = pl_module, trainer
         plugin = trainer.strategy.precision_plugin
         plugin.optimizer_step = types.MethodType(_closure_first(self), plugin)
         io = trainer.strategy.checkpoint_io
@@ -110,6 +117,15 @@ class GockptCallback(pl.Callback):
         # number of devices), its replicas declared as such on several (DDP)
         options = {"replicated": True, **self.options} if trainer.world_size > 1 \
             else self.options
+        self._in_step = False  # (a fit that raised before left it set)
+        if isinstance(_optimizer_of(trainer), torch.optim.LBFGS):
+            raise ConfigError("GockptCallback: LBFGS needs its closure inside the step; gockpt "
+                              "records the gradients before it")
+        try:  # Lightning's state and what hooks add to it, storable without pickle: now
+            tree.encode(_loop_state(trainer), {}, "extra_state")
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"GockptCallback: Lightning's checkpoint state cannot be stored "
+                              f"without pickle: {exc}") from exc
         self.ck = gockpt.Checkpointer(pl_module, _optimizer_of(trainer), self.directory,
                                       scheduler=_scheduler_of(trainer), interval=self.every,
                                       **options)
@@ -127,9 +143,11 @@ class GockptCallback(pl.Callback):
         self.ck.save_checkpoint(trainer.global_step, extra_state=lambda: _loop_state(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._resume = None
         self.close()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        self._in_step, self._resume = False, None
         if self.ck is not None:
             ck, self.ck = self.ck, None
             ck.close_at_exit(failing=True)
@@ -163,6 +181,9 @@ def _closure_first(callback: GockptCallback):
         closure_result = closure()
         plugin._after_closure(model, optimizer)
         if callback.ck is not None:
+            if not callback._in_step:  # (training_step returned None: no backward ran)
+                callback.ck.backward_begin()
+                callback._in_step = True
             callback.ck.update_begin()
         optimizer.step(**kwargs)
         return closure_result
@@ -190,6 +211,9 @@ class _GockptIO(CheckpointIO):
     def remove_checkpoint(self, path) -> None:
         self.inner.remove_checkpoint(path)
 
+    def teardown(self) -> None:
+        self.inner.teardown()
+
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
         if not os.path.isdir(os.fspath(path)):
             return self.inner.load_checkpoint(path, map_location=map_location,
@@ -203,7 +227,11 @@ class _GockptIO(CheckpointIO):
         if not isinstance(rest, dict) or "loops" not in rest:
             raise ConfigError(f"{top} holds no Lightning loop state (not written by "
                               "GockptCallback): load it with gockpt.load instead")
+        module = self.callback._module
+        if self.callback._trainer.state.fn != "fit":  # validate / test / predict: the weights
+            gockpt.load(top, module, restore_rng=False)
+            return {**rest, "state_dict": module.state_dict()}
         self.callback._resume = top
         # the model's own state: Lightning loads it into the model before gockpt.load runs
-        return {**rest, "state_dict": self.callback._module.state_dict(),
+        return {**rest, "state_dict": module.state_dict(),
                 "optimizer_states": [], "lr_schedulers": []}

@@ -97,3 +97,23 @@ def test_what_the_callback_cannot_follow_is_refused(tmp_path):
             trainer.fit(model, data)
     with pytest.raises(ConfigError, match="every_n_train_steps must be an int >= 1"):
         GockptCallback(tmp_path / "r", every_n_train_steps=0)
+
+
+def test_a_training_step_that_returns_none_steps_without_a_backward(tmp_path):
+    """Lightning steps the optimizer even when training_step returns None (no backward ran):
+    gockpt's hooks follow it (was: HookOrderError from update_begin)."""
+    from gockpt.integrations.lightning import GockptCallback
+    from tests._support.lightning_worker import Small
+
+    class Skipping(Small):
+        def training_step(self, batch, batch_idx):
+            return None if batch_idx == 2 else super().training_step(batch, batch_idx)
+
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[GockptCallback(tmp_path / "r", every_n_train_steps=2)])
+    trainer.fit(Skipping(), torch.utils.data.DataLoader(data, batch_size=8))
+    assert [m["final_step"] for m in gockpt.metrics.read(str(tmp_path / "r"))] == [2, 4]
+    assert gockpt.verify(str(tmp_path / "r")).ok
