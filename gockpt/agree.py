@@ -47,6 +47,13 @@ def common_prefix(keys: list) -> int:
     return next((i for i in range(n) if len({e[i] for e in every}) > 1), n)
 
 
+def outcome(failed: Optional[BaseException]) -> int:
+    """How a rank fared, ``failed`` being its error (None: it went well)."""
+    if failed is None:
+        return LOADED
+    return CORRUPT if isinstance(failed, CorruptCheckpointError) else FAILED
+
+
 def agreed(failed: Optional[BaseException], what: str) -> Tuple[Optional[BaseException], int]:
     """(the error to raise on this rank or None, the worst outcome on any rank) of one step of
     a load that every rank takes, ``failed`` being this rank's error (None: it went well),
@@ -57,9 +64,7 @@ def agreed(failed: Optional[BaseException], what: str) -> Tuple[Optional[BaseExc
     when the worst was a damaged file, so that every rank falls back alike."""
     if failed is not None and hasattr(failed, "gockpt_agreed"):
         return failed, failed.gockpt_agreed
-    level = LOADED if failed is None else CORRUPT if isinstance(failed, CorruptCheckpointError) \
-        else FAILED
-    level_anywhere = worst(level)
+    level_anywhere = worst(outcome(failed))
     if level_anywhere and failed is None:
         kind = CorruptCheckpointError if level_anywhere == CORRUPT else LoadError
         failed = kind(f"{what}: another rank could not load it (its error says why)")

@@ -22,7 +22,7 @@ from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, re
                        warn_rng_not_restored)
 from .core.paths import directory_to_read, is_remote
 from . import steplog
-from .agree import CORRUPT, FAILED, LOADED, agreed, everyone, several
+from .agree import CORRUPT, agreed, everyone, outcome, several
 from .storage import memory_tier
 from .storage.commit import checkpoint_of, is_committed
 from .storage.format import MANIFEST_FILE
@@ -124,11 +124,7 @@ def _attempt(top: str, args: tuple, alike: bool) -> tuple:
         restored, failed = _load_checkpoint(top, *args), None
     except Exception as exc:  # noqa: BLE001 -- re-raised by the caller, on every rank alike
         restored, failed = None, exc
-    if alike:
-        failed, level = agreed(failed, top)
-    else:
-        level = LOADED if failed is None else \
-            CORRUPT if isinstance(failed, CorruptCheckpointError) else FAILED
+    failed, level = agreed(failed, top) if alike else (failed, outcome(failed))
     return (None if failed is not None else restored), failed, level
 
 

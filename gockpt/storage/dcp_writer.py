@@ -252,7 +252,8 @@ class GockptWriter(StorageWriter):
 
 def _role(item, shared: _Shared) -> tuple:
     """What a write item is: ``("param", name)``, ``("state", parameter, key)`` (aligned
-    optimizer state) or ``("small",)`` (a value of the small state)."""
+    optimizer state), ``("scalar", parameter, key)`` (its 0-dim state: Adam's step) or
+    ``("small",)`` (another value of the small state)."""
     fqn = item.index.fqn
     dim = len(item.tensor_data.size) if item.tensor_data is not None else None
     if dim is None:
@@ -261,7 +262,7 @@ def _role(item, shared: _Shared) -> tuple:
         return ("param", fqn)  # (a model's own state dict: 0-dim buffers too)
     owner = _owner(fqn, shared.owners) if fqn.startswith(_STATE) else None
     if owner is not None:
-        return ("state", owner, fqn[len(_STATE) + len(owner) + 1:]) if dim else ("small",)
+        return ("state" if dim else "scalar", owner, fqn[len(_STATE) + len(owner) + 1:])
     if fqn.startswith("model."):
         return ("param", fqn[len("model."):])
     return ("small",) if dim == 0 or fqn.startswith("optimizer.") else ("param", fqn)
@@ -273,16 +274,15 @@ def _with_their_parameters(plans: List[SavePlan], had: List[frozenset],
     chunk of its parameter, where that rank holds it too (DCP's planner keeps a replicated
     item on the least loaded rank: a parameter and its moments could land in two parts;
     gockpt's parts keep them together). ``had``: the items each rank planned before."""
+    roles = [[_role(item, shared) for item in plan.items] for plan in plans]
     home = {}  # (parameter, chunk offsets) -> the rank writing that chunk of it
     for rank, plan in enumerate(plans):
-        for item in plan.items:
-            role = _role(item, shared)
+        for item, role in zip(plan.items, roles[rank]):
             if role[0] == "param":
                 home[(role[1], tuple(item.tensor_data.chunk.offsets))] = rank
     items: List[list] = [[] for _ in plans]
     for rank, plan in enumerate(plans):
-        for item in plan.items:
-            role = _role(item, shared)
+        for item, role in zip(plan.items, roles[rank]):
             to = home.get((role[1], tuple(item.tensor_data.chunk.offsets)), rank) \
                 if role[0] == "state" else rank
             items[to if item.index in had[to] else rank].append(item)
@@ -306,14 +306,11 @@ def _owner(fqn: str, known) -> Optional[str]:
 def _add_tensor(part: _Part, shared: _Shared, item, t: torch.Tensor) -> None:
     """A tensor item: a parameter's chunk, its optimizer state's, or a small value."""
     role = _role(item, shared)
+    if role[0] == "scalar":
+        part.small.setdefault("state", {}).setdefault(shared.owners[role[1]], {})[role[2]] = t
+        return
     if role[0] == "small":
-        fqn = item.index.fqn
-        owner = _owner(fqn, shared.owners) if fqn.startswith(_STATE) else None
-        if owner is not None:  # (Adam's step)
-            key = fqn[len(_STATE) + len(owner) + 1:]
-            part.small.setdefault("state", {}).setdefault(shared.owners[owner], {})[key] = t
-        else:
-            _add_value(part, fqn, t)
+        _add_value(part, item.index.fqn, t)
         return
     part.slice_of(role[1], item, t)
     if role[0] == "state":
