@@ -75,7 +75,6 @@ class GockptCallback(pl.Callback):
         self.directory, self.every = os.fspath(directory), every_n_train_steps
         self.options = {"mode": "gockpt-o", **options}
         self.ck: Optional[gockpt.Checkpointer] = None
-        self._module = None
         self._in_step = False  # backward_begin called, the step's save not yet
         self._stepped_at: Optional[int] = None  # global_step at the last boundary
         self._resume: Optional[str] = None  # the checkpoint ckpt_path named (CheckpointIO)
@@ -93,7 +92,7 @@ class GockptCallback(pl.Callback):
         if type(trainer.strategy).__name__ not in ("SingleDeviceStrategy", "DDPStrategy"):
             raise ConfigError(f"GockptCallback: strategy {type(trainer.strategy).__name__} is "
                               "not supported; one device or DDP")
-        self._module, self._trainer = pl_module, trainer
+        self._trainer = trainer
         plugin = trainer.strategy.precision_plugin
         plugin.optimizer_step = types.MethodType(_closure_first(self), plugin)
         io = trainer.strategy.checkpoint_io
@@ -132,6 +131,11 @@ class GockptCallback(pl.Callback):
         self._stepped_at = trainer.global_step
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._begin_step()
+
+    def _begin_step(self) -> None:
+        """backward_begin, once per optimizer step (its first backward, or its update when
+        ``training_step`` returned None and no backward ran)."""
         if self.ck is not None and not self._in_step:
             self.ck.backward_begin()
             self._in_step = True
@@ -180,10 +184,8 @@ def _closure_first(callback: GockptCallback):
     def optimizer_step(plugin, optimizer, model, closure, **kwargs):
         closure_result = closure()
         plugin._after_closure(model, optimizer)
+        callback._begin_step()
         if callback.ck is not None:
-            if not callback._in_step:  # (training_step returned None: no backward ran)
-                callback.ck.backward_begin()
-                callback._in_step = True
             callback.ck.update_begin()
         optimizer.step(**kwargs)
         return closure_result
@@ -227,7 +229,7 @@ class _GockptIO(CheckpointIO):
         if not isinstance(rest, dict) or "loops" not in rest:
             raise ConfigError(f"{top} holds no Lightning loop state (not written by "
                               "GockptCallback): load it with gockpt.load instead")
-        module = self.callback._module
+        module = self.callback._trainer.lightning_module
         if self.callback._trainer.state.fn != "fit":  # validate / test / predict: the weights
             gockpt.load(top, module, restore_rng=False)
             return {**rest, "state_dict": module.state_dict()}
