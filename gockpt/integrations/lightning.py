@@ -50,11 +50,8 @@ except ImportError:  # pragma: no cover - whichever is installed
 
 import gockpt
 from ..core.errors import ConfigError
-from ..storage import read_manifest, read_tensors
-from ..storage.commit import checkpoint_of
-from ..storage.manifest import parse
 from ..storage import tree
-from ..storage.schema import is_small_tensor
+from .saved import extra_state_of
 
 PRECISIONS = ("32-true", "bf16-mixed")
 _OWN = ("state_dict", "optimizer_states", "lr_schedulers", "hyper_parameters", "hparams_name",
@@ -220,12 +217,7 @@ class _GockptIO(CheckpointIO):
         if not os.path.isdir(os.fspath(path)):
             return self.inner.load_checkpoint(path, map_location=map_location,
                                               weights_only=weights_only)
-        top = checkpoint_of(os.path.realpath(os.fspath(path)))
-        data = read_manifest(top)
-        part = os.path.join(top, data["ranks"][0]) if "ranks" in data else top
-        m = parse(part, read_manifest(part))
-        small = read_tensors(part, m, [n for n in m.tensors if is_small_tensor(n)], verify=True)
-        rest = m.small.decode("extra_state", small)
+        top, rest = extra_state_of(path)
         if not isinstance(rest, dict) or "loops" not in rest:
             raise ConfigError(f"{top} holds no Lightning loop state (not written by "
                               "GockptCallback): load it with gockpt.load instead")

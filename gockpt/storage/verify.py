@@ -216,8 +216,10 @@ def world_size_problems(data: dict, parts: List[Part]) -> List[str]:
 # ---------------------------------------------------------------------------------- checks
 
 
-def _verify_checkpoint(path: str, *, parts: bool = True) -> CheckpointReport:
-    """Check ``path`` (a multi-rank checkpoint part by part, unless ``parts=False``)."""
+def _verify_checkpoint(path: str, *, parts: bool = True, share: bool = False
+                       ) -> CheckpointReport:
+    """Check ``path`` (a multi-rank checkpoint part by part, unless ``parts=False``; ``share``:
+    a part that holds a share of its replicas' state)."""
     report = CheckpointReport(shown(path))
     try:
         data = read_manifest(path)
@@ -230,7 +232,7 @@ def _verify_checkpoint(path: str, *, parts: bool = True) -> CheckpointReport:
         _verify_parts(path, data, report)
         return report
     small = _verify_tensors(path, m, report)
-    report.problems += _reference_problems(m)
+    report.problems += _reference_problems(m, share)
     report.problems += _small_problems(m, {b.tensor for b in report.bad}, small)
     return report
 
@@ -276,7 +278,7 @@ def _digest_mismatches(m: Manifest, name: str, t, checks) -> List[str]:
     return [what for (what, _, want), pair in zip(checks, got) if to_hex(pair) != want]
 
 
-def _reference_problems(m: Manifest) -> List[str]:
+def _reference_problems(m: Manifest, share: bool) -> List[str]:
     """Parameters, tied aliases and optimizer state that name tensors or parameters that the
     checkpoint does not have."""
     refs = [(f"parameter {p!r}", r) for p, r in m.model.params.items()]
@@ -288,9 +290,17 @@ def _reference_problems(m: Manifest) -> List[str]:
         why = "is missing" if entry is None else r.check(entry["shape"])
         if why:
             problems.append(f"{what}: its reference into tensor {r.tensor!r}: {why}")
-    problems += [f"tied alias {a!r} refers to unknown parameter {c!r}"
-                 for a, c in m.model.aliases.items() if c not in m.model.params]
+    if not share:  # (a share's aliases: checked across the shares, _verify_parts)
+        problems += _alias_problems([m])
     return problems
+
+
+def _alias_problems(parts: List[Manifest]) -> List[str]:
+    """Tied aliases whose parameter none of ``parts`` holds (a replica's share holds the
+    aliases of every parameter, some of them in another rank's share)."""
+    held = {name for m in parts for name in m.model.params}
+    return sorted({f"tied alias {a!r} refers to unknown parameter {c!r}"
+                   for m in parts for a, c in m.model.aliases.items() if c not in held})
 
 
 def _small_problems(m: Manifest, bad: set, small: dict) -> List[str]:
@@ -326,7 +336,7 @@ def _verify_parts(path: str, data: dict, report: CheckpointReport) -> None:
             row.error = part.error
             report.missing.append(MissingPart(part.rank, part.name, part.error))
             continue
-        sub = _verify_checkpoint(part.path, parts=False)
+        sub = _verify_checkpoint(part.path, parts=False, share=data.get("shares") is True)
         report.bad += [BadTensor(b.tensor, f"{part.name}/{b.file}", b.error, part.rank)
                        for b in sub.bad]
         problems = part.problems + [f"{part.name}: {x}" for x in sub.problems]
@@ -342,7 +352,7 @@ def _verify_parts(path: str, data: dict, report: CheckpointReport) -> None:
             if "index" in data:  # the global index: each tensor's slices cover it once
                 report.problems += index_problems(data["index"], manifests)
             if data.get("shares") is True:  # the shares: each element of each tensor once
-                report.problems += coverage_problems(manifests)
+                report.problems += coverage_problems(manifests) + _alias_problems(manifests)
         except CorruptCheckpointError as exc:
             report.problems.append(_one_line(exc))
 
