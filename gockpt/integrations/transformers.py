@@ -27,9 +27,11 @@ What it changes in the Trainer's loop:
   own, the RNG states where the Trainer puts its own back.
 
 Refused (ConfigError when ``train`` starts): DeepSpeed and FSDP (they save and load through
-their engines), several GPUs in one process (DataParallel), ``fp16`` (GradScaler skips
-steps: not yet), ``load_best_model_at_end`` (it loads a Trainer checkpoint folder). The
-optimizer must be one gockpt's mode replays (AdamW, the Trainer's default, for gockpt-o).
+their engines), several GPUs in one process (DataParallel), ``fp16`` however set (GradScaler
+skips steps: not yet), ``load_best_model_at_end`` and ``push_to_hub`` (Trainer checkpoint
+folders), ``auto_find_batch_size``, ``enable_jit_checkpoint``, hyperparameter searches,
+layer-wise optimizers. The optimizer must be one gockpt's mode replays (AdamW, the Trainer's
+default, for gockpt-o).
 """
 
 from __future__ import annotations
@@ -72,11 +74,12 @@ class GockptTrainer(Trainer):
         self._asked = False  # the Trainer saves at that step
         self._resume: Optional[str] = None  # the checkpoint a resuming train() loads
         self._rng = None  # this rank's RNG states at that checkpoint
-        self.add_callback(_Hooks(self))
+        # first: a step's boundary (its RNG states) before other callbacks act on the next
+        self.callback_handler.callbacks.insert(0, _Hooks(self))
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None,
               **kwargs):
-        self._refuse()
+        self._refuse(trial)
         staged = None
         if resume_from_checkpoint not in (None, False):
             where = self.gockpt_dir if resume_from_checkpoint is True else resume_from_checkpoint
@@ -92,24 +95,36 @@ class GockptTrainer(Trainer):
             if staged is not None:
                 shutil.rmtree(staged, ignore_errors=True)
 
-    def _refuse(self) -> None:
+    def _refuse(self, trial) -> None:
         args = self.args
+        fp16 = args.fp16 or getattr(args, "mixed_precision", None) == "fp16" \
+            or getattr(self.accelerator, "scaler", None) is not None
         why = ("DeepSpeed (use gockpt.integrations.deepspeed)" if self.is_deepspeed_enabled
                else "FSDP" if self.is_fsdp_enabled
                else "several GPUs in one process (DataParallel; use torchrun)" if args.n_gpu > 1
-               else "fp16 (GradScaler skips steps; bf16 works)" if args.fp16
+               else "fp16 (GradScaler skips steps; bf16 works)" if fp16
                else "load_best_model_at_end (it loads a Trainer checkpoint folder)"
-               if args.load_best_model_at_end else None)
+               if args.load_best_model_at_end
+               else "push_to_hub (it pushes the Trainer's checkpoint folders)" if args.push_to_hub
+               else "auto_find_batch_size (its retries restart training inside train())"
+               if args.auto_find_batch_size
+               else "enable_jit_checkpoint (it saves in the middle of a step)"
+               if getattr(args, "enable_jit_checkpoint", False)
+               else "a hyperparameter search (its trials would share one gockpt_dir)"
+               if trial is not None or self.hp_search_backend is not None else None)
         if why is not None:
             raise ConfigError(f"GockptTrainer: {why} is not supported")
 
     def _stage_resume(self, where) -> str:
         """The checkpoint ``where`` names, its Trainer state written where the Trainer reads
         it (a folder of its own, removed when ``train`` returns)."""
-        if not os.path.isdir(os.fspath(where)):
-            raise ConfigError(f"GockptTrainer: resume_from_checkpoint={os.fspath(where)!r} is "
-                              "not a directory: pass True (the newest checkpoint of "
-                              f"{self.gockpt_dir}) or a gockpt run or checkpoint directory")
+        where = os.fspath(where)
+        if not os.path.isdir(where) or os.path.isfile(os.path.join(where, STATE_FILE)):
+            what = "a Trainer checkpoint folder, which GockptTrainer does not read" \
+                if os.path.isdir(where) else "not a directory"
+            raise ConfigError(f"GockptTrainer: resume_from_checkpoint={where!r} is {what}: "
+                              f"pass True (the newest checkpoint of {self.gockpt_dir}) or a "
+                              "gockpt run or checkpoint directory")
         top, extra = extra_state_of(where)
         if not isinstance(extra, dict) or KEY not in extra:
             raise ConfigError(f"{top} holds no Trainer state (not written by GockptTrainer): "
@@ -155,6 +170,9 @@ class GockptTrainer(Trainer):
 
     def _start(self) -> None:
         args, state = self.args, self.state
+        if type(_inner(self.optimizer)).__name__ == "LayerWiseDummyOptimizer":
+            raise ConfigError("GockptTrainer: a layer-wise optimizer (it updates during the "
+                              "backward) is not supported")
         interval = state.save_steps if args.save_strategy == "steps" and state.save_steps > 0 \
             else None
         options = {"interval": interval, "keep_last": args.save_total_limit,

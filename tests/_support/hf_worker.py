@@ -33,7 +33,9 @@ def dataset() -> list:
 
 
 class Record(TrainerCallback):
-    """Each logged loss; SIGKILL after step ``die`` once gockpt's checkpoints are durable."""
+    """Each logged loss; SIGKILL after step ``die`` once gockpt's checkpoints are durable; a
+    random draw at each step's start, as a callback may make (the RNG states of a checkpoint
+    are taken before it)."""
 
     def __init__(self, die):
         self.losses, self.die, self.trainer = [], die, None
@@ -41,6 +43,9 @@ class Record(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append((state.global_step, logs["loss"]))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        torch.rand(1)
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.die:

@@ -54,20 +54,22 @@ def test_a_killed_run_resumes_from_gockpt_bit_for_bit(tmp_path, world, die):
     assert gockpt.verify(str(tmp_path / "run")).ok
 
 
-def _trainer(tmp_path, **args):
+def _trainer(tmp_path, cls=None, **args):
     from gockpt.integrations.transformers import GockptTrainer
     from tests._support.hf_worker import dataset, tiny_model
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "r"), per_device_train_batch_size=4, max_steps=2,
-        save_steps=1, report_to=[], disable_tqdm=True, use_cpu=True, **args)
-    return GockptTrainer(model=tiny_model(), args=args, train_dataset=dataset(),
-                         eval_dataset=dataset()[:4])
+    args = transformers.TrainingArguments(**{
+        "output_dir": str(tmp_path / "r"), "per_device_train_batch_size": 4, "max_steps": 2,
+        "save_steps": 1, "report_to": [], "disable_tqdm": True, "use_cpu": True, **args})
+    return (cls or GockptTrainer)(model=tiny_model(), args=args, train_dataset=dataset(),
+                                  eval_dataset=dataset()[:4])
 
 
 def test_what_the_trainer_cannot_follow_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="load_best_model_at_end"):
         _trainer(tmp_path, load_best_model_at_end=True, eval_strategy="steps",
                  eval_steps=1).train()
+    with pytest.raises(ConfigError, match="auto_find_batch_size"):
+        _trainer(tmp_path, auto_find_batch_size=True).train()
     with pytest.raises(UnsupportedOptimizerError):
         _trainer(tmp_path, optim="sgd").train()
     with pytest.raises(CheckpointNotFoundError):
@@ -87,3 +89,6 @@ def test_what_the_trainer_cannot_follow_is_refused(tmp_path):
         _trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path / "other"))
     with pytest.raises(ConfigError, match="not a directory"):
         _trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path / "r" / "latest"))
+    _trainer(tmp_path, transformers.Trainer, output_dir=str(tmp_path / "hf")).train()
+    with pytest.raises(ConfigError, match="a Trainer checkpoint folder"):
+        _trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path / "hf" / "checkpoint-2"))
