@@ -277,8 +277,7 @@ class Checkpointer(Lifecycle):
             self.schedule.agreed_k = self.ranks.agree_max(  # for the next window
                 self.schedule.measured_k(self.plan, self.engine.bandwidth(), self.policy.replays))
         self._last_asked = job
-        job.progress.on_wait = lambda: self._complete_on_wait(job)
-        job.progress.pending = lambda: self._pending(job)
+        self._watch(job)
         return job.handle
 
     def _maybe_start_window(self, step: int) -> None:

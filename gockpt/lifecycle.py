@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Optional
 
 from .core.errors import CheckpointFailedError, GockptError
@@ -36,6 +37,24 @@ class Lifecycle:
             self._complete_on_wait(last)
             last.progress.durable.wait()
         self.loop.raise_pending()
+
+    def _watch(self, job: Job) -> None:
+        """Give ``job``'s handle what its waits call (completing its copy, saying what it
+        waits for), through a weak reference: a job that has ended is freed at once by its
+        reference count, not left in a cycle (job -> its progress -> these -> job) for the
+        garbage collector -- its full passes over a training process's objects stalled the
+        training thread for 0.1-0.2 s every few checkpoints of 1,000 tensors."""
+        ref = weakref.ref(job)
+
+        def on_wait() -> None:
+            live = ref()
+            if live is not None:
+                self._complete_on_wait(live)
+
+        def pending() -> str:
+            live = ref()
+            return self._pending(live) if live is not None else "nothing: it has ended"
+        job.progress.on_wait, job.progress.pending = on_wait, pending
 
     def _complete_on_wait(self, job: Job) -> None:
         """``job`` was asked for and is still being copied: copy the rest now, while the state
