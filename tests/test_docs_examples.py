@@ -1,0 +1,124 @@
+"""The Python examples of the README and of docs/*.md, run as they are written: each block is
+executed in a fresh directory with the names it assumes (a small model, its optimizer and
+scheduler, data) and must run without error; what it saves must then verify. The blocks that
+cannot run in one CPU process (several GPUs or ranks, a DeepSpeed engine, an object store, an
+elided training loop, signatures) are listed below with the test that covers them instead; a
+block in neither list fails a test, so a new example is either run here or named."""
+
+import os
+import re
+
+import pytest
+import torch
+
+import gockpt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md"] + sorted(f"docs/{p}" for p in os.listdir(os.path.join(ROOT, "docs"))
+                               if p.endswith(".md"))
+
+NOT_RUN = {  # (page, block index): why, and where it is covered
+    ("docs/deepspeed.md", 0): "a DeepSpeed engine: tests/integrations/test_deepspeed.py",
+    ("docs/interval.md", 0): "signatures, not code: tests/test_interval.py",
+    ("docs/memory-tier.md", 0): "its training loop is elided: tests/test_memory_tier.py",
+    ("docs/object-storage.md", 0): "an S3 store: tests/test_remote.py",
+    ("docs/resharding.md", 1): "FSDP2 on several ranks: tests/test_many_ranks.py",
+    ("docs/resharding.md", 2): "ZeRO on several ranks: tests/integrations/test_deepspeed.py",
+    ("docs/transformers.md", 0): "its TrainingArguments are elided: "
+                                 "tests/integrations/test_transformers.py",
+}
+
+
+def blocks() -> dict:
+    """(page, index) -> the code of every ```python block of the README and docs/."""
+    out = {}
+    for page in PAGES:
+        with open(os.path.join(ROOT, page)) as f:
+            text = f.read()
+        for i, m in enumerate(re.finditer(r"```python\n(.*?)```", text, re.S)):
+            out[(page, i)] = m.group(1)
+    return out
+
+
+def _plain():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
+    return {"torch": torch, "gockpt": gockpt, "model": model, "optimizer": optimizer,
+            "scheduler": scheduler}
+
+
+def _saved(ns):
+    """A checkpoint of ``ns``'s model in checkpoints/run1 (what the loading examples load)."""
+    with gockpt.Checkpointer(ns["model"], ns["optimizer"], "checkpoints/run1",
+                             scheduler=ns["scheduler"], mode="sync") as ck:
+        ck.backward_begin()
+        ns["model"](torch.randn(2, 8)).square().mean().backward()
+        ck.update_begin()
+        ns["optimizer"].step()
+        ns["scheduler"].step()
+        ck.save_checkpoint(1, force=True)
+    return ns
+
+
+def _custom_loop():
+    ns = _plain()
+    x = torch.randn(4, 8)
+    return {**ns, "compute_loss": lambda model, step: model(x).square().mean(), "start": 0,
+            "total": 100, "epoch": 0}
+
+
+def _lightning():
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, i):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(50 * 4, 8))
+    return {"pl": pl, "model": Module(), "train_loader": DataLoader(data, batch_size=4)}
+
+
+def _accelerate():
+    from accelerate import Accelerator
+    ns = _plain()
+    data = torch.utils.data.DataLoader(torch.randn(500 * 2, 8), batch_size=2)  # 500 steps
+    return {**ns, "accelerator": Accelerator(cpu=True), "opt": ns["optimizer"],
+            "sched": ns["scheduler"], "loader": data,
+            "loss_fn": lambda model, batch: model(batch).square().mean()}
+
+
+SETUP = {  # (page, block index): the names the block assumes, and the run directory to verify
+    ("README.md", 0): (_custom_loop, "checkpoints/run1"),
+    ("docs/dcp.md", 0): (lambda: {**_plain(), "step": 5}, "checkpoints/run1"),
+    ("docs/lightning.md", 0): (_lightning, "checkpoints/run1"),
+    ("docs/resharding.md", 0): (lambda: _saved(_plain()), "checkpoints/run1"),
+    ("docs/resharding.md", 3): (lambda: _saved(_plain()), "checkpoints/run1"),
+    ("docs/transformers.md", 1): (_accelerate, "out/run1"),
+}
+
+
+def test_every_example_is_run_here_or_named_with_its_test():
+    found = set(blocks())
+    assert not set(SETUP) & set(NOT_RUN)
+    assert found - set(SETUP) - set(NOT_RUN) == set(), "examples neither run nor named"
+    assert set(SETUP) | set(NOT_RUN) <= found, "listed examples that no page has"
+
+
+@pytest.mark.parametrize("page,index", list(SETUP), ids=[f"{p}:{i}" for p, i in SETUP])
+def test_the_docs_examples_run_as_written(page, index, tmp_path, monkeypatch):
+    code = blocks()[(page, index)]
+    monkeypatch.chdir(tmp_path)
+    setup, run_dir = SETUP[(page, index)]
+    namespace = setup()
+    exec(compile(code, f"{page}:example {index}", "exec"), namespace)
+    assert gockpt.verify(run_dir).ok
