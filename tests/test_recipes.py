@@ -20,6 +20,8 @@ RECIPES = os.path.join(ROOT, "integrations")
 CUSTOM = os.path.join(RECIPES, "custom_loop", "train.py")
 DEEPSPEED = os.path.join(RECIPES, "deepspeed", "train.py")
 DS_CONFIG = os.path.join(RECIPES, "deepspeed", "ds_config.json")
+FRAMEWORKS = {"lightning": os.path.join(RECIPES, "lightning", "train.py"),
+              "transformers": os.path.join(RECIPES, "transformers", "train.py")}
 TINY = ["--dim", "32", "--layers", "1", "--vocab", "64", "--seq-len", "16"]
 
 
@@ -139,6 +141,27 @@ def test_deepspeed_recipe_two_ranks_stopped_and_continued_bit_for_bit(tmp_path,
     # 4 and 8 asked without notice (copied at their step); 12 and 16 expected from the spacing
     assert [(m["final_step"], m["overlap_steps"], m["grad_steps"]) for m in metrics] == \
         [(4, 1, 0), (8, 1, 0), (12, 3, 2), (16, 3, 2)]
+    assert gockpt.verify(str(tmp_path / "ckpt")).ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_framework_recipe_resumes_bit_for_bit_after_a_crash(tmp_path, framework):
+    """Lightning's and the Hugging Face Trainer's recipes as shipped (gockpt-o, K=2, a
+    checkpoint every 4 of 24 steps, gradient accumulation, clipping, dropout): killed with
+    os._exit after step 13, the same command resumes from the newest committed checkpoint
+    and ends like the uninterrupted run."""
+    pytest.importorskip("pytorch_lightning" if framework == "lightning" else framework)
+    script = FRAMEWORKS[framework]
+    run(script, ["--save-dir", "full", "--record", "full.json"], tmp_path)
+    out = run(script, ["--save-dir", "ckpt", "--crash-at", "13"], tmp_path, expect_rc=3)
+    assert "step 13: crashing" in out
+    out = run(script, ["--save-dir", "ckpt", "--record", "resumed.json"], tmp_path)
+    full, resumed = record(tmp_path / "full.json"), record(tmp_path / "resumed.json")
+    assert resumed["start"] in (8, 12) and "resumed from ckpt" in out  # the newest committed
+    assert_resumed_bitwise(resumed, full, 24)
+    assert [m["final_step"] for m in gockpt.metrics.read(str(tmp_path / "full"))] == \
+        [4, 8, 12, 16, 20, 24]
     assert gockpt.verify(str(tmp_path / "ckpt")).ok
 
 
