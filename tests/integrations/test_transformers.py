@@ -2,7 +2,7 @@
 killed with SIGKILL and resumed from gockpt's checkpoint in a fresh process goes on bit for
 bit like an uninterrupted one (every later logged loss, the final state) -- one process
 resumed in the middle of an epoch, DDP on 2 ranks at an epoch's end; what it cannot follow is
-refused."""
+refused. And a loop of one's own with Accelerate, the same way."""
 
 import time
 
@@ -19,14 +19,14 @@ from tests._support.forked import Forked
 transformers = pytest.importorskip("transformers")  # (./run installs it: never skipped there)
 
 
-def _run(tmp_path, name, world, *flags, expect_killed=False):
+def _run(tmp_path, name, world, *flags, expect_killed=False, worker="hf_worker"):
     """The worker on ``world`` ranks (each kills itself at ``die:``)."""
     port = free_port()
     env = [worker_env() if world == 1 else worker_env(
         RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         for r in range(world)]
     out = str(tmp_path / f"{name}.pt")
-    procs = [Forked("hf_worker", [str(tmp_path / name), out, *flags], e) for e in env]
+    procs = [Forked(worker, [str(tmp_path / name), out, *flags], e) for e in env]
     deadline = time.monotonic() + 240
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         procs[0].join(0.5)
@@ -52,6 +52,26 @@ def test_a_killed_run_resumes_from_gockpt_bit_for_bit(tmp_path, world, die):
     assert [m["final_step"] for m in metrics] == list(range(2, 12 // world + 1, 2))
     assert all(m["mode"] == "gockpt-o" and m["overlap_steps"] == 2 for m in metrics), metrics
     assert gockpt.verify(str(tmp_path / "run")).ok
+
+
+@pytest.mark.parametrize("world,die", [(1, 10), (2, 7)])
+def test_an_accelerate_loop_killed_resumes_from_gockpt_bit_for_bit(tmp_path, world, die):
+    """A loop of one's own with Accelerate (docs/transformers.md): gockpt's hooks on the torch
+    optimizer inside Accelerate's wrapper, gockpt.load after prepare, the data position
+    skipped with skip_first_batches -- resumed in the middle of an epoch."""
+    pytest.importorskip("accelerate")
+    def run(name, *flags, **kw):
+        return _run(tmp_path, name, world, *flags, worker="accelerate_worker", **kw)
+    full = run("full")
+    run("run", f"die:{die}", expect_killed=True)
+    saved = gockpt.storage.list_checkpoints(str(tmp_path / "run"))
+    assert saved[-1] == f"step-{die // 3 * 3:09d}"  # (a checkpoint every 3 steps)
+    resumed = run("run")
+    start = resumed["losses"][0][0]
+    assert start == die // 3 * 3 + 1
+    assert resumed["losses"] == [(s, v) for s, v in full["losses"] if s >= start]
+    why = gockpt.testing.first_difference(full["state"], resumed["state"], "resumed loop")
+    assert why is None, why
 
 
 def _trainer(tmp_path, cls=None, **args):
