@@ -50,7 +50,9 @@ def _plain():
 
 
 def _saved(ns):
-    """A checkpoint of ``ns``'s model in checkpoints/run1 (what the loading examples load)."""
+    """A checkpoint of ``ns``'s model in checkpoints/run1 (what the loading examples load);
+    then a fresh model and optimizer of other values in ``ns`` to load it into, and the saved
+    state as ``ns["saved"]``."""
     with gockpt.Checkpointer(ns["model"], ns["optimizer"], "checkpoints/run1",
                              scheduler=ns["scheduler"], mode="sync") as ck:
         ck.backward_begin()
@@ -59,7 +61,14 @@ def _saved(ns):
         ns["optimizer"].step()
         ns["scheduler"].step()
         ck.save_checkpoint(1, force=True)
-    return ns
+    saved = {k: v.clone() for k, v in ns["model"].state_dict().items()}
+    torch.manual_seed(1)
+    return {**_plain(), "saved": saved}
+
+
+def _loaded_the_saved(ns) -> None:
+    got = ns["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in ns["saved"].items())
 
 
 def _custom_loop():
@@ -97,13 +106,20 @@ def _accelerate():
             "loss_fn": lambda model, batch: model(batch).square().mean()}
 
 
-SETUP = {  # (page, block index): the names the block assumes, and the run directory to verify
-    ("README.md", 0): (_custom_loop, "checkpoints/run1"),
-    ("docs/dcp.md", 0): (lambda: {**_plain(), "step": 5}, "checkpoints/run1"),
-    ("docs/lightning.md", 0): (_lightning, "checkpoints/run1"),
-    ("docs/resharding.md", 0): (lambda: _saved(_plain()), "checkpoints/run1"),
-    ("docs/resharding.md", 3): (lambda: _saved(_plain()), "checkpoints/run1"),
-    ("docs/transformers.md", 1): (_accelerate, "out/run1"),
+def _resumed_at_the_end(ns) -> None:
+    assert ns["start"] == 500  # (run again: from its checkpoint of step 500, nothing left)
+
+
+SETUP = {  # (page, block index): the names the block assumes, the run directory to verify,
+    #        what to check of the names after it ran, and how many times it runs there
+    ("README.md", 0): (_custom_loop, "checkpoints/run1", None, 1),
+    ("docs/dcp.md", 0): (lambda: {**_plain(), "step": 5}, "checkpoints/run1", None, 1),
+    ("docs/lightning.md", 0): (_lightning, "checkpoints/run1", None, 1),
+    ("docs/resharding.md", 0): (lambda: _saved(_plain()), "checkpoints/run1",
+                                _loaded_the_saved, 1),
+    ("docs/resharding.md", 3): (lambda: _saved(_plain()), "checkpoints/run1",
+                                _loaded_the_saved, 1),
+    ("docs/transformers.md", 1): (_accelerate, "out/run1", _resumed_at_the_end, 2),
 }
 
 
@@ -118,7 +134,10 @@ def test_every_example_is_run_here_or_named_with_its_test():
 def test_the_docs_examples_run_as_written(page, index, tmp_path, monkeypatch):
     code = blocks()[(page, index)]
     monkeypatch.chdir(tmp_path)
-    setup, run_dir = SETUP[(page, index)]
-    namespace = setup()
-    exec(compile(code, f"{page}:example {index}", "exec"), namespace)
+    setup, run_dir, check, runs = SETUP[(page, index)]
+    for _ in range(runs):  # (a second run resumes from what the first saved)
+        namespace = setup()
+        exec(compile(code, f"{page}:example {index}", "exec"), namespace)
     assert gockpt.verify(run_dir).ok
+    if check is not None:
+        check(namespace)

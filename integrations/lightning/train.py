@@ -80,7 +80,7 @@ def main():
                                   overlap_steps=2, keep_last=3)])
     saved = os.path.isdir(a.save_dir) and gockpt.storage.list_checkpoints(a.save_dir)
     trainer.fit(model, data, ckpt_path=a.save_dir if saved else None)    # gockpt
-    start = min(model.losses) - 1
+    start = min(model.losses) - 1 if model.losses else trainer.global_step
     print(f"{'resumed from ' + a.save_dir + ' at step ' + str(start) if saved else 'trained from step 0'}"
           f", done at step {trainer.global_step}", flush=True)
     if a.record:

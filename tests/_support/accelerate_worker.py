@@ -3,8 +3,8 @@ tests._support.accelerate_worker RUN_DIR OUT [die:STEP]`` trains a small model w
 in a loop of its own prepared by Accelerate (a shuffled loader, AdamW, a per-step schedule,
 Accelerate's gradient clipping) and gockpt's hooks on the torch optimizer inside
 Accelerate's wrapper, as docs/transformers.md shows; it resumes from RUN_DIR's newest
-checkpoint when there is one (``gockpt.load`` after ``prepare``, the data position from
-``extra_state``, ``skip_first_batches``), and is killed with SIGKILL after the optimizer step
+checkpoint when there is one (``gockpt.load`` after ``prepare``, the data position from the
+step it restored, ``skip_first_batches``), and is killed with SIGKILL after the optimizer step
 ``die:STEP`` once the checkpoints so far are durable; rank 0 writes each step's loss and the
 final state to OUT. Several ranks (RANK / WORLD_SIZE set, as torchrun's): DDP over gloo."""
 
