@@ -740,29 +740,19 @@ def test_checkpoints_leave_no_reference_cycles_behind(tmp_path):
     the job were one: thousands of objects per checkpoint of 1,000 tensors, whose full
     collections stalled the training thread)."""
     import gc
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, sched = H.build()
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=3,
-                             interval=4)
-    x = torch.randn(4, 8)
+                             interval=4, scheduler=sched)
 
-    def steps(first, last):
-        for step in range(first, last + 1):
-            loss = model(x).square().mean()
-            ck.backward_begin()
-            loss.backward()
-            ck.update_begin()
-            opt.step()
-            opt.zero_grad()
-            ck.save_checkpoint(step)
+    def steps(start, stop):  # (checkpoints at the boundaries start + 1 .. stop)
+        H.train_steps(model, opt, sched, start, stop, ck)
         ck.wait()
-    steps(1, 8)
+    steps(0, 8)
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)  # (what the collector finds unreachable: kept to be looked at)
     try:
-        steps(9, 24)  # four more checkpoints, each asked for, waited for and ended
+        steps(8, 24)  # four more checkpoints, each asked for, waited for and ended
         gc.collect()
         # gockpt's own (what else this process's threads leave is not this test's)
         left = [type(o).__name__ for o in gc.garbage
