@@ -1,6 +1,6 @@
 """Training with PyTorch Lightning and gockpt checkpoints: copy it, replace the model and the data.
 
-    python train.py                     # trains, a checkpoint every --every steps
+    python train.py                     # trains, a checkpoint at the end of each epoch
     python train.py --crash-at 13       # dies abruptly after step 13 (os._exit: no cleanup)
     python train.py                     # resumes from the newest committed checkpoint
 
@@ -57,7 +57,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--save-dir", default="checkpoints/lightning_run")
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--every", type=int, help="optimizer steps between checkpoints (default: "
+                    "an epoch's; Lightning restarts a plain DataLoader's epoch at a resume, so a "
+                    "checkpoint in the middle of one resumes exactly only with a resumable loader)")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=128)
@@ -70,13 +72,14 @@ def main():
     data = DataLoader(torch.randint(0, a.vocab, (a.samples, a.seq_len + 1), generator=g),
                       batch_size=4)
     accumulate = 2
+    per_epoch = len(data) // accumulate  # optimizer steps
     torch.manual_seed(0)
-    model = TinyLM(a.vocab, a.dim, a.epochs * a.samples // 4 // accumulate, a.crash_at)
+    model = TinyLM(a.vocab, a.dim, a.epochs * per_epoch, a.crash_at)
     trainer = pl.Trainer(
         max_epochs=a.epochs, accelerator="cpu", precision="bf16-mixed",
         accumulate_grad_batches=accumulate, gradient_clip_val=1.0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[GockptCallback(a.save_dir, every_n_train_steps=a.every,  # gockpt
+        callbacks=[GockptCallback(a.save_dir, every_n_train_steps=a.every or per_epoch,  # gockpt
                                   overlap_steps=2, keep_last=3)])
     saved = os.path.isdir(a.save_dir) and gockpt.storage.list_checkpoints(a.save_dir)
     trainer.fit(model, data, ckpt_path=a.save_dir if saved else None)    # gockpt
