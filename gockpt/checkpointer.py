@@ -32,7 +32,7 @@ from .core import runlog
 from .core.digest import LiveDigests
 from .capture.devices import device_for
 from .core.names import is_replicated
-from .core.planning import build_plan, check_layouts, fingerprint
+from .core.planning import build_plan, check_layouts, same_params
 from .core.staging import HostStaging, gradient_dtypes, planned_host_bytes
 from .capture.transfer import CopyEngine
 from .capture.transport import Bf16Transport
@@ -336,7 +336,7 @@ class Checkpointer(Lifecycle):
             self.loop.raise_pending()
         if self._job is not None and self._job.error is not None:
             self.pipeline.settle(self._job)  # its staging is about to be reused
-        if fingerprint(self.optimizer) != self.plan.fingerprint:
+        if not same_params(self.optimizer, self.plan.fingerprint):
             self._replan()
         check_layouts(self.plan)
         self.plan.copy_at_f(self.loop.take_adapted())

@@ -69,7 +69,7 @@ class Pipeline:
         path = os.path.join(self.config.directory, name) if name is not None \
             else self.path_of(final)
         job = Job(step, k, boundary, plan.groups(k), self.config.mode, path, host=host,
-                  plan=plan, tables=plan.group_tables(k))
+                  plan=plan, tables=plan.group_tables(k), landed_tables=plan.landed_tables(k))
         job.on_fail = on_fail
         job.named = name is not None
         if streams_blocks:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -438,14 +439,16 @@ def wrong_source(monkeypatch, name: str, keep: list):
     from gockpt.capture import copies
     real = copies.live_bases
 
-    def live_bases(plan, states, slots, roles):
-        bases, read, made = real(plan, states, slots, roles)
+    def live_bases(plan, states, slots, key, made):
+        at, read = real(plan, states, slots, key, made)
         si = [s.name for s in plan.slots].index(name)
-        if None in bases and bases[None][si]:
+        row = np.flatnonzero(slots == si)
+        if key is None and len(row) and at[row[0]]:
             zeros = torch.zeros(plan.slots[si].numel)
             keep.append(zeros)
-            bases[None][si] = zeros.data_ptr()
-        return bases, read, made
+            at = at.copy()  # (what the copy reads; the read tensors' own addresses stay)
+            at[row[0]] = zeros.data_ptr()
+        return at, read
 
     monkeypatch.setattr(copies, "live_bases", live_bases)
 

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -144,7 +145,7 @@ py::list grads(const py::list& params) {
 // copied: exact for every dtype), or None where any is not such a tensor (the caller stacks).
 py::object stack_scalars(const py::list& tensors) {
   const Py_ssize_t n = PyList_GET_SIZE(tensors.ptr());
-  if (n == 0) return py::none();
+  if (n == 0 || !THPVariable_CheckExact(item(tensors, 0))) return py::none();
   const at::ScalarType dtype = tensor_at(tensors, 0).scalar_type();
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* o = item(tensors, i);
@@ -188,6 +189,302 @@ py::list values(const py::list& dicts, const py::object& key) {
   return out;
 }
 
+
+// Per dict (None allowed): dict.get(key) as a float64, `missing` where the dict is None or
+// lacks the key; None when a value present is not a 0-dim CPU tensor of float32, float64, int64 or int32
+// (the caller reads those its own way). One pass: Adam's step counters without a Python
+// object per value.
+py::object scalar_floats(const py::list& dicts, const py::object& key, double missing) {
+  const Py_ssize_t n = PyList_GET_SIZE(dicts.ptr());
+  py::array_t<double> out(n);
+  auto a = out.mutable_unchecked<1>();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* d = item(dicts, i);
+    a(i) = missing;
+    if (d == Py_None) continue;
+    if (!PyDict_Check(d)) return py::none();
+    PyObject* v = PyDict_GetItemWithError(d, key.ptr());  // (borrowed)
+    if (!v) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      continue;
+    }
+    if (!THPVariable_CheckExact(v)) return py::none();
+    const at::Tensor& t = THPVariable_Unpack(v);
+    if (t.dim() != 0 || !t.device().is_cpu() || t.layout() != at::kStrided || t.is_conj() ||
+        t.is_neg()) {
+      return py::none();
+    }
+    const void* p = t.const_data_ptr();
+    switch (t.scalar_type()) {
+      case at::kFloat: a(i) = *static_cast<const float*>(p); break;
+      case at::kDouble: a(i) = *static_cast<const double*>(p); break;
+      case at::kLong: a(i) = static_cast<double>(*static_cast<const int64_t*>(p)); break;
+      case at::kInt: a(i) = *static_cast<const int32_t*>(p); break;
+      default: return py::none();
+    }
+  }
+  return std::move(out);
+}
+
+// Per parameter: the data_ptr() and the flags of scan() of its .grad (0, 0 where it has
+// none), read in C++ without a Python object for the gradient; None when some parameter is a
+// tensor subclass (the caller reads those through Python).
+py::object grad_scan(const py::list& params) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  py::array_t<int64_t> addr(n);
+  py::array_t<uint8_t> flags(n);
+  auto a = addr.mutable_unchecked<1>();
+  auto f = flags.mutable_unchecked<1>();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_CheckExact(item(params, i))) return py::none();
+    const at::Tensor& g = tensor_at(params, i).grad();
+    if (!g.defined()) {
+      a(i) = f(i) = 0;
+      continue;
+    }
+    if (g.unsafeGetTensorImpl()->is_python_dispatch()) return py::none();  // (a subclass)
+    const bool strided = g.layout() == at::kStrided;
+    a(i) = strided ? reinterpret_cast<int64_t>(g.data_ptr()) : 0;
+    f(i) = kPresent | (strided && g.is_contiguous() ? kContiguous : 0) |
+           (strided && g.scalar_type() == at::kFloat ? kDenseFloat32 : 0);
+  }
+  return py::make_tuple(addr, flags);
+}
+
+// scan() of the tensors at positions `index` of `items`: the items themselves (key None), or
+// each item's dict.get(key) (an item None or without the key: None). Returns (those tensors
+// as a list, their addresses, versions and flags as scan() gives them, and the flags every
+// tensor present has: the AND of theirs, all bits set when none is). One pass, no list of
+// the items picked or of the values read built in Python.
+py::tuple gather_scan(const py::list& items, const py::array_t<int64_t>& index,
+                      const py::object& key) {
+  auto idx = index.unchecked<1>();
+  const Py_ssize_t n = idx.shape(0), size = PyList_GET_SIZE(items.ptr());
+  const bool by_key = !key.is_none();
+  py::list picked(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const int64_t at = idx(i);
+    if (at < 0 || at >= size) throw py::index_error("gather_scan: index out of range");
+    PyObject* o = item(items, at);
+    if (by_key && o != Py_None) {
+      if (!PyDict_Check(o)) {
+        throw py::type_error(std::string("gockpt._tensors.gather_scan: item is a ") +
+                             Py_TYPE(o)->tp_name + ", not a dict");
+      }
+      PyObject* v = PyDict_GetItemWithError(o, key.ptr());  // (borrowed)
+      if (!v && PyErr_Occurred()) throw py::error_already_set();
+      o = v ? v : Py_None;
+    }
+    Py_INCREF(o);
+    PyList_SET_ITEM(picked.ptr(), i, o);
+  }
+  py::tuple scanned = scan(picked);
+  auto f = scanned[2].cast<py::array_t<uint8_t>>().unchecked<1>();
+  uint8_t every = 0xff;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (f(i)) every &= f(i);
+  }
+  return py::make_tuple(picked, scanned[0], scanned[1], scanned[2], every);
+}
+
+// The positions of the tensors of `tensors` (None allowed) whose address or version is no
+// longer the one in `addresses` / `versions` (a scan() taken earlier), in one pass.
+py::array_t<int64_t> moved(const py::list& tensors, const py::array_t<int64_t>& addresses,
+                           const py::array_t<int64_t>& versions) {
+  const Py_ssize_t n = PyList_GET_SIZE(tensors.ptr());
+  auto a = addresses.unchecked<1>();
+  auto v = versions.unchecked<1>();
+  if (a.shape(0) != n || v.shape(0) != n) throw py::value_error("moved: lengths differ");
+  std::vector<int64_t> out;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = item(tensors, i);
+    int64_t at = 0, version = 0;
+    if (o != Py_None) {
+      const at::Tensor& t = tensor_at(tensors, i);
+      if (!THPVariable_CheckExact(o)) {
+        at = t.layout() == at::kStrided ? python_int(o, "data_ptr", true) : 0;
+        version = python_int(o, "_version", false);
+      } else {
+        at = t.layout() == at::kStrided ? reinterpret_cast<int64_t>(t.data_ptr()) : 0;
+        version = static_cast<int64_t>(t._version());
+      }
+    }
+    if (at != a(i) || version != v(i)) out.push_back(i);
+  }
+  py::array_t<int64_t> result(static_cast<py::ssize_t>(out.size()));
+  if (!out.empty()) std::memcpy(result.mutable_data(), out.data(), out.size() * sizeof(int64_t));
+  return result;
+}
+
+// Whether the param groups `groups` (dicts) hold under "params" the very objects whose id()s
+// `planned` lists, group by group and in order (a tuple of tuples of ints): an optimizer
+// whose parameters are the planned ones, checked without an int object per parameter.
+bool same_params(const py::list& groups, const py::tuple& planned) {
+  const Py_ssize_t n = PyList_GET_SIZE(groups.ptr());
+  if (PyTuple_GET_SIZE(planned.ptr()) != n) return false;
+  py::str params_key("params");
+  for (Py_ssize_t gi = 0; gi < n; ++gi) {
+    PyObject* g = item(groups, gi);
+    PyObject* ids = PyTuple_GET_ITEM(planned.ptr(), gi);
+    if (!PyDict_Check(g) || !PyTuple_Check(ids)) return false;
+    PyObject* params = PyDict_GetItemWithError(g, params_key.ptr());  // (borrowed)
+    if (!params) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      return false;
+    }
+    if (!PyList_Check(params) || PyList_GET_SIZE(params) != PyTuple_GET_SIZE(ids)) return false;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); ++i) {
+      void* want = PyLong_AsVoidPtr(PyTuple_GET_ITEM(ids, i));
+      if (!want && PyErr_Occurred()) throw py::error_already_set();
+      if (PyList_GET_ITEM(params, i) != want) return false;
+    }
+  }
+  return true;
+}
+
+// Whether every item of `dicts` is a dict with the very keys of the first, in its order: that
+// first dict's keys as a tuple, or None (also for an empty list, or an item that is no dict).
+py::object same_keys(const py::list& dicts) {
+  const Py_ssize_t n = PyList_GET_SIZE(dicts.ptr());
+  if (n == 0 || !PyDict_Check(item(dicts, 0))) return py::none();
+  PyObject* first = item(dicts, 0);
+  const Py_ssize_t size = PyDict_GET_SIZE(first);
+  py::tuple keys(size);
+  {
+    Py_ssize_t pos = 0, k = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(first, &pos, &key, &value)) {
+      Py_INCREF(key);
+      PyTuple_SET_ITEM(keys.ptr(), k++, key);
+    }
+  }
+  for (Py_ssize_t i = 1; i < n; ++i) {
+    PyObject* d = item(dicts, i);
+    if (!PyDict_Check(d) || PyDict_GET_SIZE(d) != size) return py::none();
+    Py_ssize_t pos = 0, k = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(d, &pos, &key, &value)) {
+      PyObject* want = PyTuple_GET_ITEM(keys.ptr(), k++);
+      if (key == want) continue;
+      const int eq = PyObject_RichCompareBool(key, want, Py_EQ);
+      if (eq < 0) throw py::error_already_set();
+      if (!eq) return py::none();
+    }
+  }
+  return std::move(keys);
+}
+
+// The walk of module_entries(): appends (name, value) to `out` in state_dict()'s order;
+// false when state_dict() itself must be asked (see module_entries).
+struct ModuleWalk {
+  PyObject* planned;       // dict keyed by id() of the tensors left out
+  PyObject* plain_types;   // type -> bool: whether state_dict() of the type is nn.Module's own
+  PyObject* wrapped;       // tuple of child names that are always a wrapper's inner module
+  PyObject* module_owner;  // tuple of types whose child "module" is the wrapped one
+  PyObject* out;           // list
+  py::object unknown;      // the first type not in plain_types (the caller classifies it)
+  py::object n_params = py::str("_parameters"), n_buffers = py::str("_buffers"),
+             n_modules = py::str("_modules"), n_transient = py::str("_non_persistent_buffers_set"),
+             n_hooks = py::str("_state_dict_hooks"), n_pre_hooks = py::str("_state_dict_pre_hooks"),
+             n_module = py::str("module"), dot = py::str(".");
+
+  // The module's attribute: from its instance dict where it is there (nn.Module keeps these
+  // there: no type lookup, no __getattr__ hook), else as Python reads it.
+  py::object attr(PyObject* m, const py::object& name) {
+    PyObject** dict = _PyObject_GetDictPtr(m);
+    if (dict && *dict) {
+      PyObject* a = PyDict_GetItemWithError(*dict, name.ptr());  // (borrowed)
+      if (a) return py::reinterpret_borrow<py::object>(a);
+      if (PyErr_Occurred()) throw py::error_already_set();
+    }
+    PyObject* a = PyObject_GetAttr(m, name.ptr());
+    if (!a) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(a);
+  }
+
+  bool walk(PyObject* m, const py::object& prefix) {
+    PyObject* plain = PyDict_GetItemWithError(plain_types, reinterpret_cast<PyObject*>(Py_TYPE(m)));
+    if (!plain) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      unknown = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(Py_TYPE(m)));
+      return false;
+    }
+    if (plain != Py_True) return false;
+    for (const py::object* hooks : {&n_hooks, &n_pre_hooks}) {
+      const int any = PyObject_IsTrue(attr(m, *hooks).ptr());
+      if (any < 0) throw py::error_already_set();
+      if (any) return false;
+    }
+    py::object params = attr(m, n_params), buffers = attr(m, n_buffers);
+    if (!PyDict_Check(params.ptr()) || !PyDict_Check(buffers.ptr())) return false;
+    Py_ssize_t pos = 0;
+    PyObject *name, *value;
+    while (PyDict_Next(params.ptr(), &pos, &name, &value)) {
+      if (value == Py_None) continue;
+      py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(value));
+      const int left_out = PyDict_Contains(planned, id.ptr());
+      if (left_out < 0) throw py::error_already_set();
+      if (!left_out) append(prefix, name, value);
+    }
+    if (PyDict_GET_SIZE(buffers.ptr())) {
+      py::object transient = attr(m, n_transient);
+      pos = 0;
+      while (PyDict_Next(buffers.ptr(), &pos, &name, &value)) {
+        if (value == Py_None) continue;
+        const int skip = PySequence_Contains(transient.ptr(), name);
+        if (skip < 0) throw py::error_already_set();
+        if (!skip) append(prefix, name, value);
+      }
+    }
+    py::object children = attr(m, n_modules);
+    if (!PyDict_Check(children.ptr())) return false;
+    pos = 0;
+    while (PyDict_Next(children.ptr(), &pos, &name, &value)) {
+      if (value == Py_None) continue;
+      int inner = PySequence_Contains(wrapped, name);
+      if (inner < 0) throw py::error_already_set();
+      if (!inner && PyUnicode_Compare(name, n_module.ptr()) == 0) {
+        inner = PyObject_IsInstance(m, module_owner);
+        if (inner < 0) throw py::error_already_set();
+      }
+      py::object child_prefix = prefix;
+      if (!inner) {
+        child_prefix = py::reinterpret_steal<py::object>(PyUnicode_Concat(prefix.ptr(), name));
+        if (!child_prefix) throw py::error_already_set();
+        child_prefix = py::reinterpret_steal<py::object>(
+            PyUnicode_Concat(child_prefix.ptr(), dot.ptr()));
+        if (!child_prefix) throw py::error_already_set();
+      }
+      py::object child = py::reinterpret_borrow<py::object>(value);  // (the dict may change)
+      if (!walk(child.ptr(), child_prefix)) return false;
+    }
+    return true;
+  }
+
+  void append(const py::object& prefix, PyObject* name, PyObject* value) {
+    py::object full = py::reinterpret_steal<py::object>(PyUnicode_Concat(prefix.ptr(), name));
+    if (!full) throw py::error_already_set();
+    py::tuple entry = py::make_tuple(full, py::reinterpret_borrow<py::object>(value));
+    if (PyList_Append(out, entry.ptr()) < 0) throw py::error_already_set();
+  }
+};
+
+// (name, value) of what `model.state_dict(keep_vars=True)` holds outside `planned` (a dict
+// keyed by id()), in its order, with the names of wrapped children left out (`wrapped`; the
+// child "module" of an instance of `module_owner`), read from the modules' own dicts in one
+// C++ walk. None when state_dict() itself must be asked (a module whose type is marked False
+// in `plain_types`, or that has state_dict hooks); the first type missing from `plain_types`
+// when it must be classified first.
+py::object module_entries(const py::object& model, const py::dict& planned,
+                          const py::dict& plain_types, const py::tuple& wrapped,
+                          const py::tuple& module_owner) {
+  py::list out;
+  ModuleWalk w{planned.ptr(), plain_types.ptr(), wrapped.ptr(), module_owner.ptr(), out.ptr(),
+               py::none()};
+  if (w.walk(model.ptr(), py::str(""))) return std::move(out);
+  return w.unknown;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_tensors, m) {
@@ -207,4 +504,21 @@ PYBIND11_MODULE(_tensors, m) {
         "0-dim CPU tensors of one dtype as one 1-D tensor of it (bytes copied), or None.");
   m.def("values", &values, py::arg("dicts"), py::arg("key"),
         "Per dict (None allowed): dict.get(key).");
+  m.def("scalar_floats", &scalar_floats, py::arg("dicts"), py::arg("key"), py::arg("missing"),
+        "Per dict: dict.get(key) of a 0-dim CPU tensor as float64 (`missing`: none), or None.");
+  m.def("grad_scan", &grad_scan, py::arg("params"),
+        "Per parameter: (data_ptr, scan flags) of its .grad without wrapping it, or None.");
+  m.def("gather_scan", &gather_scan, py::arg("items"), py::arg("index"), py::arg("key"),
+        "scan() of items[index] (key None) or of items[index].get(key): (tensors, addresses, "
+        "versions, flags, the AND of the flags present).");
+  m.def("moved", &moved, py::arg("tensors"), py::arg("addresses"), py::arg("versions"),
+        "Positions whose data_ptr or _version differ from those of an earlier scan().");
+  m.def("same_params", &same_params, py::arg("groups"), py::arg("planned"),
+        "Whether each param group's 'params' list holds the objects of the ids planned.");
+  m.def("same_keys", &same_keys, py::arg("dicts"),
+        "The keys of dicts[0] as a tuple when every dict has them, in that order; else None.");
+  m.def("module_entries", &module_entries, py::arg("model"), py::arg("planned"),
+        py::arg("plain_types"), py::arg("wrapped"), py::arg("module_owner"),
+        "(name, tensor) of model.state_dict(keep_vars=True) outside `planned`, in one walk; "
+        "None when state_dict() must be asked; a type to classify in plain_types first.");
 }

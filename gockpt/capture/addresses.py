@@ -9,7 +9,7 @@ it lands.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -20,31 +20,37 @@ from ..core.memory import flat, local
 from ..core.plan import Plan
 
 
-def live_bases(plan: Plan, states: list, slots: np.ndarray, roles) -> Tuple[Dict, "Reads", list]:
-    """Per role, per slot of ``plan``: the address of the live tensor (0 where the optimizer
-    has no such state yet: ``states`` per slot); the tensors read (a :class:`Reads`); and the
-    copies made of tensors laid out unlike their parameter (to keep alive with the copy)."""
-    n = len(plan.slots)
-    sis, params = slots.tolist(), plan.locals()
-    slot_states = [states[si] for si in sis]
-    bases, columns, copies = {}, [], []
-    for key in roles:
-        if key is None:
-            have, tensors = sis, [params[si] for si in sis]
-        else:
-            tensors = _tensors.values(slot_states, key)
-            if plan.dtensors:  # their local shards
-                tensors = [local(t) for t in tensors]
-            have = sis
-            if has_none(tensors):  # no such state yet
-                have = [si for si, t in zip(sis, tensors) if t is not None]
-                tensors = [t for t in tensors if t is not None]
-        scan = _tensors.scan(tensors)  # (addresses, versions, flags): each tensor read once
-        ordered = in_memory_order(plan, have, tensors, copies, scan[2])
-        columns.append((have, tensors, scan))
-        base = bases[key] = np.zeros(n, dtype=np.int64)
-        base[have] = scan[0] if ordered is tensors else data_ptrs(ordered)
-    return bases, Reads(columns), copies
+def live_bases(plan: Plan, states: list, slots: np.ndarray, key, keep: list
+               ) -> Tuple[np.ndarray, tuple]:
+    """For role ``key`` (None: the parameter, else an optimizer state key; ``states``: each
+    slot's state dict, None where none yet) of each slot of ``slots`` (an int64 array): the
+    address of the live tensor in its parameter's planned memory order (0 where it has no
+    such state yet), and the tensors read as a :class:`Reads` column. Tensors laid out unlike
+    their parameter are read through flat copies, appended to ``keep`` (alive until the copy
+    has run)."""
+    if not plan.dtensors:  # the usual case: one C++ pass, for every slot at once
+        tensors, *scan, every = _tensors.gather_scan(
+            plan.params if key is None else states, slots, key)
+        if plan.contiguous and every & _tensors.CONTIGUOUS:
+            return scan[0], (slots, tensors, scan)
+    sis = slots.tolist()
+    if key is None:
+        tensors = [plan.locals()[si] for si in sis]
+    else:
+        tensors = _tensors.values([states[si] for si in sis], key)
+        if plan.dtensors:  # their local shards
+            tensors = [None if t is None else local(t) for t in tensors]
+    have = sis
+    present = tensors
+    if has_none(tensors):  # no such state yet
+        have = [si for si, t in zip(sis, tensors) if t is not None]
+        present = [t for t in tensors if t is not None]
+    scan = _tensors.scan(tensors)  # (addresses, versions, flags): each tensor read once
+    ordered = in_memory_order(plan, have, present, keep, scan[2][scan[2] != 0])
+    if ordered is present:
+        return scan[0], (slots, tensors, scan)
+    at = dict(zip(have, data_ptrs(ordered).tolist()))  # (the flat copies': what is copied)
+    return np.fromiter((at.get(si, 0) for si in sis), np.int64, len(sis)), (slots, tensors, scan)
 
 
 def data_ptrs(tensors: list) -> np.ndarray:
@@ -88,9 +94,8 @@ class Reads:
         """The slots of the tensors written or moved since they were queued."""
         out = set()
         for (slots, tensors), (at, version, _) in zip(self.columns, self.scans):
-            now_at, now_version, _ = _tensors.scan(tensors)
-            changed = (now_version != version) | (now_at != at)
-            if changed.any():
+            changed = _tensors.moved(tensors, at, version)
+            if len(changed):
                 out.update(np.asarray(slots, dtype=np.int64)[changed].tolist())
         return out
 

@@ -14,6 +14,7 @@ Four kinds of capture feed one checkpoint:
 
 from __future__ import annotations
 
+import operator
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -23,9 +24,9 @@ from ..core.blocks import BlockTable
 from ..core.digest import LiveDigests, Ticket as DigestTicket
 from ..core.errors import Adaptation, ConsistencyError
 from ..core.job import Job
-from ..core.optstate import optimizer_small
+from ..core.optstate import KnownStates, optimizer_small
 from ..core.memory import flat, local
-from ..core.planning import fingerprint
+from ..core.planning import same_params
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
 from ..core.staging import GradPool, HostCopy
@@ -48,6 +49,8 @@ class Capture:
         self.states = StateWatch(optimizer)
         self.grads = GradientCopies(engine, self.states, transport)
         self._zeros = Zeros()
+        self._known = None  # what _known_states() read at the last F, and its result
+        self._layouts = None  # (plan, host, its arenas, {tables: _SegmentLayout})
 
     def declare_state_keys(self, host: HostCopy) -> None:
         """Which optimizer state tensors this checkpoint carries, per slot (with a replay: the
@@ -83,7 +86,7 @@ class Capture:
         if len(table):
             ticket, _ = self._copy(job, table, GRADIENT)
             ticket.wait()
-            job.capture.captured.extend(table.blocks)
+            job.capture.parts.append(table.blocks)
             job.capture.at_f_table = table
         return table.blocks
 
@@ -101,32 +104,40 @@ class Capture:
                     params: Optional[BlockTable] = None):
         """The copies of ``table``'s blocks as host memcpy segments (their parameters: those of
         ``params``' blocks, default ``table``), in the planned memory order of each role:
-        (dst, src, nbytes, keep, the tensors read)."""
-        params = table if params is None else params
-        roles = (None,) + job.host.roles()
-        slots = table.slots if params is table else np.union1d(table.slots, params.slots)
-        live, read, keep = live_bases(job.plan, states, slots, roles)
-        dst, src, size = [], [], []
-        for key in roles:
-            hbase, hitem = job.host.bases(key)
-            t = params if key is None else table
-            rows = hbase[t.slot] != 0  # the blocks whose slot has this role
-            if not rows.any():
-                continue
-            sub = t.slot[rows]
-            offset = t.start[rows] * hitem[sub]
-            nbytes = t.numel[rows] * hitem[sub]
-            src_rows = live[key][sub] + offset
-            missing = live[key][sub] == 0
-            if missing.any():
-                src_rows[missing] = self._zeros.address(int(nbytes[missing].max()))
+        (dst, src, nbytes, keep, the tensors read). Where each block goes, and from which
+        element, is worked out once per table (:class:`_SegmentLayout`); here only the live
+        tensors are read."""
+        layout = self._segment_layout(job, table, table if params is None else params)
+        srcs, keep, columns = [], [], []
+        for role in layout.roles:
+            live, read = live_bases(job.plan, states, role.slots, role.key, keep)
+            columns.append(read)
+            src = live[role.at] + role.offset
+            missing = live[role.at] == 0
+            if missing.any():  # no such state yet: zeros are copied
+                src[missing] = self._zeros.address(int(role.nbytes[missing].max()))
                 keep.append(self._zeros.buffer)
-            dst.append(hbase[sub] + offset)
-            src.append(src_rows)
-            size.append(nbytes)
-        if not dst:
-            return _NO_SEGMENTS + ([], read)
-        return np.concatenate(dst), np.concatenate(src), np.concatenate(size), keep, read
+            srcs.append(src)
+        if not srcs:
+            return _NO_SEGMENTS + ([], Reads([]))
+        return layout.dst, np.concatenate(srcs), layout.nbytes, keep, Reads(columns)
+
+    def _segment_layout(self, job: Job, table: BlockTable, params: BlockTable
+                        ) -> "_SegmentLayout":
+        """:class:`_SegmentLayout` of ``table`` / ``params`` in ``job``'s host copy, kept
+        while the plan and the host copy's arenas are the same (a few tables per plan)."""
+        host = job.host
+        roles = (None,) + host.roles()
+        arenas = tuple(host.bases(key)[0] for key in roles)
+        seen = self._layouts
+        if seen is None or seen[0] is not job.plan or seen[1] is not host or \
+                len(seen[2]) != len(arenas) or any(map(operator.is_not, seen[2], arenas)):
+            seen = self._layouts = (job.plan, host, arenas, {})
+        key = (id(table), id(params))
+        found = seen[3].get(key)
+        if found is None or found[0] is not table or found[1] is not params:
+            found = seen[3][key] = (table, params, _SegmentLayout(host, table, params, roles))
+        return found[2]
 
     def digest_live(self, job: Job, digester: LiveDigests) -> None:
         """At the boundary of F, after the small state is frozen: queue the digests
@@ -206,7 +217,7 @@ class Capture:
                 "or moved to other memory: p.data = ...); "
                 "the checkpoint is not committed and these tensors are copied at the step "
                 "boundary from now on", adapt=Adaptation.COPY_AT_F, tensors=written)
-        book.captured.extend(book.groups[j - 1])
+        book.parts.append(book.groups[j - 1])
         book.landed.append(j)
 
     def copy_rest(self, job: Job) -> None:
@@ -217,7 +228,7 @@ class Capture:
                 self.enqueue_group(job, j)
         for j in range(1, job.k + 1):
             book.tickets[j].wait()
-        book.captured = [b for g in book.groups for b in g]
+        book.captured = [b for g in book.groups for b in g]  # (as a list of its own)
         book.landed = list(range(1, job.k + 1))
         book.at_f_table = None
         job.captured()
@@ -229,24 +240,41 @@ class Capture:
         if callable(extra_state):
             extra_state = extra_state()
         plan = job.plan
-        states = self.states.of(job)  # checked at F by replaced_states()
-        with_state = [(si, index) for si, index in plan.optimized if states[si] is not None]
-        known = [(index, states[si]) for si, index in with_state]
-        keys = job.host.keys
-        aligned = {index: keys[si] for si, index in with_state}
+        known, aligned = self._known_states(job)
         # The plan's indices hold while the optimizer's parameters are the planned ones (a
         # parameter added after the last step pre-hook of the window: ask state_dict())
-        indices = plan.group_indices if fingerprint(self.optimizer) == plan.fingerprint \
-            else None
+        if not same_params(self.optimizer, plan.fingerprint) or plan.group_indices is None:
+            known = None
         values = {
             "model": smallstate.model_small(self.model, plan.slot_of_id),
-            "optimizer": optimizer_small(
-                self.optimizer, aligned, (known, indices) if indices is not None else None),
+            "optimizer": optimizer_small(self.optimizer, aligned, known),
             "scheduler": smallstate.scheduler_state(self.scheduler),
             "rng": smallstate.capture_rng(),
             "extra_state": extra_state,
         }
         return values, aligned
+
+    def _known_states(self, job: Job) -> Tuple[KnownStates, Dict[int, tuple]]:
+        """The optimizer state of ``job``'s optimized slots as :func:`optimizer_small` takes it,
+        and the aligned keys of each state index (shared by the checkpoints that find the same:
+        never changed once built). Built again only when some slot's state dict is not the one
+        of the last F (created or replaced since), or the aligned keys were declared anew."""
+        states = self.states.of(job)  # checked at F by replaced_states()
+        plan, host = job.plan, job.host
+        if self._known is not None:
+            seen, version, states_then, out = self._known
+            if seen == (plan, host) and version == host.keys_version and \
+                    len(states) == len(states_then) and all(map(operator.is_, states, states_then)):
+                return out  # (one C-level identity pass over the list, no dict read)
+        with_state = [(si, index) for si, index in plan.optimized if states[si] is not None]
+        aligned = {index: host.keys[si] for si, index in with_state}
+        first = next(iter(aligned.values()), None)
+        known = KnownStates([index for _, index in with_state],
+                            [states[si] for si, _ in with_state], plan.group_indices,
+                            first if all(k == first for k in aligned.values()) else None)
+        self._known = ((plan, host), host.keys_version, list(states), (known, aligned))
+        return known, aligned
+
 
 class LiveDigestBook:
     """The digests of the live tensors at F of one checkpoint: ``entries`` (slot, None for
@@ -287,6 +315,41 @@ class LiveDigestBook:
 
 
 _NO_SEGMENTS = (np.zeros(0, np.int64),) * 3
+
+
+class _Role:
+    """The copies of one role (None: the parameter, else an aligned state key) of a table's
+    blocks: the slots read, and per block row copied: its slot's place among them, the
+    byte offset of its first element in the slot, and its bytes."""
+
+    def __init__(self, key, slots: np.ndarray, at: np.ndarray, offset: np.ndarray,
+                 nbytes: np.ndarray):
+        self.key, self.slots, self.at, self.offset, self.nbytes = key, slots, at, offset, nbytes
+
+
+class _SegmentLayout:
+    """What the memcpy segments of a table's blocks are, but for the live addresses: per role,
+    a :class:`_Role`; and every segment's destination in the host copy and its bytes, role
+    after role (the sources are read at each copy: :meth:`Capture.segments_of`)."""
+
+    def __init__(self, host: HostCopy, table: BlockTable, params: BlockTable, roles):
+        self.roles: List[_Role] = []
+        dst, size = [], []
+        for key in roles:
+            hbase, hitem = host.bases(key)
+            t = params if key is None else table
+            rows = hbase[t.slot] != 0  # the blocks whose slot has this role
+            if not rows.any():
+                continue
+            sub = t.slot[rows]
+            slots = np.unique(sub)
+            offset = t.start[rows] * hitem[sub]
+            nbytes = t.numel[rows] * hitem[sub]
+            self.roles.append(_Role(key, slots, np.searchsorted(slots, sub), offset, nbytes))
+            dst.append(hbase[sub] + offset)
+            size.append(nbytes)
+        self.dst = np.concatenate(dst) if dst else _NO_SEGMENTS[0]
+        self.nbytes = np.concatenate(size) if size else _NO_SEGMENTS[0]
 
 
 class _StateCopies:

@@ -68,10 +68,18 @@ class GradientCopies:
         job.capture.recorded |= stepped
         plan = job.plan
         table = job.capture.captured_table()  # only these gradients are replayed
-        grads, at = live_gradients(plan, table.slots[plan.in_groups(groups)[table.slots]].tolist())
-        steps = adapter.step_counts(grads, self.states.of(job))
-        if len(grads) < len(table.slots):  # (else every captured slot is stepped now)
-            table = table.where(np.isin(table.slot, np.fromiter(grads, np.int64, len(grads))))
+        slots = table.slots[plan.in_groups(groups)[table.slots]].tolist()
+        # a snapshot reads the gradients by address only: no Python object for each of them
+        found = gradient_addresses(plan, slots) if snapshot and self.transport is None \
+            else None
+        if found is None:
+            grads, at = live_gradients(plan, slots)
+            slots = list(grads)
+        else:
+            grads, (slots, at) = None, found
+        steps = adapter.step_counts(slots, self.states.of(job))
+        if len(slots) < len(table.slots):  # (else every captured slot is stepped now)
+            table = table.where(np.isin(table.slot, np.asarray(slots, dtype=np.int64)))
         # bf16: images made on the device now, so the copy reads them and not .grad (a
         # snapshot); fp32 when the transport is off or this step's images are not exact
         encoded = self.transport.encode({si: grads[si] for si in table.slots.tolist()},
@@ -228,6 +236,30 @@ def live_gradients(plan, slots: list) -> Tuple[Dict[int, torch.Tensor], Optional
     at = np.zeros(len(plan.slots), dtype=np.int64)
     at[slots] = addresses
     return dict(zip(slots, tensors)), at
+
+
+def gradient_addresses(plan, slots: list) -> Optional[Tuple[list, np.ndarray]]:
+    """What :func:`live_gradients` finds where a copy needs only the gradients' addresses, read
+    in one C++ pass without a Python object per gradient: the slots of ``slots`` whose
+    parameter has a gradient, and per slot of ``plan`` its address (0: none). None where
+    :func:`live_gradients` must look (DTensors, tensor subclasses, a gradient that is not a
+    contiguous dense float32 tensor: it raises or reads them its own way)."""
+    if plan.dtensors:
+        return None
+    found = _tensors.grad_scan(list(map(plan.params.__getitem__, slots)))
+    if found is None or not plan.contiguous:
+        return None
+    addresses, flags = found
+    usual = _tensors.PRESENT | _tensors.CONTIGUOUS | _tensors.DENSE_FLOAT32
+    if not np.all(flags == usual):
+        with_grad = flags != 0
+        if not np.all(flags[with_grad] == usual):
+            return None
+        slots = np.asarray(slots, dtype=np.int64)[with_grad].tolist()
+        addresses = addresses[with_grad]
+    at = np.zeros(len(plan.slots), dtype=np.int64)
+    at[slots] = addresses
+    return slots, at
 
 
 def local_gradient(slot, grad: torch.Tensor) -> torch.Tensor:

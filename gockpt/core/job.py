@@ -135,8 +135,10 @@ class CaptureBook:
 
     groups: List[List[Block]]
     """Group j (1-based) is copied during step j of the window."""
-    captured: List[Block] = field(default_factory=list)
-    """Blocks whose copy has landed, in capture order (:meth:`captured_table`: as a table)."""
+    parts: List[List[Block]] = field(default_factory=list)
+    """The blocks whose copy has landed, list by list in capture order (a group's own list,
+    the blocks copied at F): :attr:`captured` joins them (landing a group, a hook, costs no
+    step per block)."""
     landed: List[int] = field(default_factory=list)
     """Groups whose copy has landed, in order (the blocks at F are not a group)."""
     tickets: Dict[int, object] = field(default_factory=dict)
@@ -151,9 +153,22 @@ class CaptureBook:
     """The digests of the live tensors at F (gockpt.capture.copies.LiveDigestBook)."""
     group_tables: Dict[int, BlockTable] = field(default_factory=dict)
     """Group j -> its blocks as a BlockTable (the plan's, built once per K)."""
+    landed_tables: Optional[List[BlockTable]] = None
+    """Groups 1..j as one BlockTable at index j - 1 (the plan's, built once per K)."""
     at_f_table: Optional[BlockTable] = None
     """The blocks copied directly at F, once copied."""
-    _captured_table: tuple = (-1, None)  # (len(captured) when built, the table)
+    _captured_table: tuple = (None, None)  # (what it was built from, the table)
+
+    @property
+    def captured(self) -> List[Block]:
+        """Blocks whose copy has landed, in capture order (:meth:`captured_table`: as a
+        table)."""
+        return [b for part in self.parts for b in part]
+
+    @captured.setter
+    def captured(self, blocks: List[Block]) -> None:
+        self.parts = [list(blocks)]
+        self._captured_table = (None, None)
 
     def table(self, j: int) -> BlockTable:
         """Group j as a BlockTable (built once)."""
@@ -162,13 +177,19 @@ class CaptureBook:
         return self.group_tables[j]
 
     def captured_table(self) -> BlockTable:
-        """``captured`` as a BlockTable, derived from the groups' tables (no loop per block)
-        and kept until another group lands."""
-        key = len(self.captured)
+        """``captured`` as a BlockTable: the plan's table of the groups landed so far where
+        they landed in order (the usual case), else derived from the groups' tables (no loop
+        per block); kept until another part lands."""
+        key = (len(self.parts), len(self.landed), self.at_f_table is None)
         if self._captured_table[0] != key:
-            at_f = [self.at_f_table] if self.at_f_table is not None else []
-            self._captured_table = (
-                key, BlockTable.concat([self.table(j) for j in self.landed] + at_f))
+            n = len(self.landed)
+            if self.landed_tables is not None and self.at_f_table is None and n and \
+                    self.landed == list(range(1, n + 1)):
+                table = self.landed_tables[n - 1]
+            else:
+                at_f = [self.at_f_table] if self.at_f_table is not None else []
+                table = BlockTable.concat([self.table(j) for j in self.landed] + at_f)
+            self._captured_table = (key, table)
         return self._captured_table[1]
 
 
@@ -193,7 +214,7 @@ class Job:
     """Book-keeping of one checkpoint (created and driven by the Checkpointer)."""
 
     def __init__(self, start_step: int, k: int, start_boundary: int, groups, mode: str,
-                 path: str, host=None, plan=None, tables=None):
+                 path: str, host=None, plan=None, tables=None, landed_tables=None):
         self.k = k
         self.start_boundary = start_boundary
         self.f_boundary = start_boundary + k - 1
@@ -211,6 +232,7 @@ class Job:
         self.capture = CaptureBook(groups)
         if tables is not None:  # the plan's (built once per K): group j is tables[j - 1]
             self.capture.group_tables = {j + 1: t for j, t in enumerate(tables)}
+            self.capture.landed_tables = landed_tables
         self.stream = StreamBook()
         self.samples: List = []
         """Self-check samples: (block, direct copies at F) (written by gockpt.replay.selfcheck

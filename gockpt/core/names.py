@@ -15,15 +15,17 @@ import torch
 from torch import nn
 
 #: Children that are always a wrapper's inner module (private names of torch's wrappers).
-_WRAPPED_CHILDREN = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+WRAPPED_CHILDREN = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+#: The wrappers whose child ``module`` is the module they wrap.
+MODULE_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
 def is_wrapper_child(parent: nn.Module, child: str) -> bool:
     """Whether ``parent``'s submodule ``child`` is the module a wrapper wraps (its name is
     not part of the framework-independent names)."""
     if child == "module":
-        return isinstance(parent, (nn.parallel.DistributedDataParallel, nn.DataParallel))
-    return child in _WRAPPED_CHILDREN
+        return isinstance(parent, MODULE_WRAPPERS)
+    return child in WRAPPED_CHILDREN
 
 
 class Names:

@@ -5,7 +5,8 @@ and put back in place when one is loaded (:func:`expand_columns`)."""
 from __future__ import annotations
 
 import operator
-from typing import Dict
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import torch
 
@@ -30,7 +31,23 @@ def expand_columns(small: dict) -> dict:
     return state
 
 
-def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys, known=None) -> dict:
+@dataclass(frozen=True)
+class KnownStates:
+    """The optimizer state as a caller's plan knows it (:func:`optimizer_small` then walks
+    neither ``optimizer.state_dict()`` nor ``optimizer.state`` by parameter)."""
+
+    indices: List[int]
+    """The state index of every parameter with state, as ``state_dict()`` numbers them."""
+    dicts: List[dict]
+    """Its state dict, at the same place."""
+    group_indices: List[List[int]]
+    """Each param group's state indices."""
+    aligned: Optional[tuple] = None
+    """The aligned keys, when every state index has the same (else None)."""
+
+
+def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys,
+                    known: Optional[KnownStates] = None) -> dict:
     """``optimizer.state_dict()`` without the aligned per-element state (which travels as
     blocks): param groups, step counts and any other small state, copied (frozen at this
     version).
@@ -40,15 +57,18 @@ def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys, known=None) 
     ``{key: [{"index": [state index, ...], "values": 1-D tensor}, ...]}``;
     :func:`gockpt.core.optstate.expand_columns` puts them back in place.
 
-    ``known``: ([(state index, state dict), ...] of every parameter with state, [each param
-    group's state indices]) as the caller's plan has them: used instead of asking
-    ``optimizer.state_dict()`` (a walk over every parameter) when that method is torch's own,
-    with no hook, and ``optimizer.state`` holds nothing else."""
+    ``aligned_keys``: state index -> the keys that travel as blocks. ``known``: used instead
+    of asking ``optimizer.state_dict()`` (a walk over every parameter) when that method is
+    torch's own, with no hook, and ``optimizer.state`` holds nothing else."""
     if known is not None and _plain_optimizer(optimizer) and \
-            len(optimizer.state) == len(known[0]) and len(known[1]) == len(optimizer.param_groups):
-        items = known[0]
+            len(optimizer.state) == len(known.indices) and \
+            len(known.group_indices) == len(optimizer.param_groups):
         param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(index)}
-                        for g, index in zip(optimizer.param_groups, known[1])]
+                        for g, index in zip(optimizer.param_groups, known.group_indices)]
+        columns = _uniform_columns(known)
+        if columns is not None:
+            return {"state": {}, "columns": columns, "param_groups": param_groups}
+        items = list(zip(known.indices, known.dicts))
     else:
         sd = optimizer.state_dict()
         items, param_groups = sd["state"].items(), sd["param_groups"]
@@ -81,6 +101,22 @@ def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys, known=None) 
             continue
         columns.setdefault(key, []).append({"index": index, "values": column.to("cpu")})
     return {"state": state, "columns": columns, "param_groups": param_groups}
+
+
+def _uniform_columns(known: KnownStates) -> Optional[dict]:
+    """The columns of the usual case, in a few C++ passes: every state dict with the same
+    keys, the same aligned keys, and every other value a 0-dim CPU tensor of one dtype per
+    key (Adam's steps). None otherwise (the general walk decides)."""
+    keys = _tensors.same_keys(known.dicts) if known.aligned is not None else None
+    if keys is None:
+        return None
+    columns = {}
+    for key in _kept((keys, known.aligned)):
+        column = _tensors.stack_scalars(_tensors.values(known.dicts, key))
+        if column is None:
+            return None
+        columns[key] = [{"index": list(known.indices), "values": column}]
+    return columns
 
 
 def _place(state: dict, gathered: dict, key: str, index: list, values: list) -> None:

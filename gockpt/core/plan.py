@@ -166,6 +166,8 @@ class Plan:
     def copy_at_f(self, names) -> List[str]:
         """From now on, copy the slots named ``names`` directly at F; returns those that were
         not already."""
+        if not names:
+            return []  # (the usual case: a loop over every slot at each checkpoint's start)
         changed = []
         for s in self.slots:
             if s.name in names and (not s.at_f or s.step_written):
@@ -272,6 +274,11 @@ class Plan:
         themselves where no slot's parameter is copied at F."""
         return self._window(k)[2]
 
+    def landed_tables(self, k: int) -> list:
+        """Groups 1..j of :meth:`groups` as one ``BlockTable`` at index j - 1 (built once per
+        K): the blocks a window has captured when its first j groups have landed."""
+        return self._window(k)[3]
+
     def _window(self, k: int) -> tuple:
         if k not in self._windows:
             groups = self._split(k)
@@ -283,7 +290,8 @@ class Plan:
                 params = [BlockTable([b for b in g if not self.slots[b.slot].param_at_f]
                                      + (late if j == len(groups) - 1 else []))
                           for j, g in enumerate(groups)]
-            self._windows[k] = (groups, tables, params)
+            landed = [BlockTable.concat(tables[:j]) for j in range(1, len(tables) + 1)]
+            self._windows[k] = (groups, tables, params, landed)
         return self._windows[k]
 
     def _split(self, k: int) -> List[List[Block]]:

@@ -160,14 +160,24 @@ def fingerprint(optimizer: torch.optim.Optimizer) -> tuple:
     return tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
 
 
+def same_params(optimizer: torch.optim.Optimizer, planned: tuple) -> bool:
+    """Whether ``optimizer`` updates the parameters of the :func:`fingerprint` ``planned``,
+    group by group: one C++ pass over the lists (no ``id()`` object per parameter: this runs
+    in every step of a checkpoint's window)."""
+    groups = optimizer.param_groups
+    if type(groups) is list and _tensors.same_params(groups, planned):
+        return True
+    return fingerprint(optimizer) == planned  # (any other shape of param_groups)
+
+
 def stepped_groups(planned: tuple, optimizer: torch.optim.Optimizer) -> Optional[Tuple[int, ...]]:
     """The planned index of each param group ``optimizer`` is about to step: every group, or a
     subset when the caller narrows ``param_groups`` for the call (DeepSpeed's ZeRO 1/2 step
     the base optimizer group by group); None when the groups are not the planned ones (the
     plan is stale).  ``planned`` is the :func:`fingerprint` taken at planning."""
-    now = fingerprint(optimizer)
-    if now == planned:
+    if same_params(optimizer, planned):
         return tuple(range(len(planned)))
+    now = fingerprint(optimizer)
     out: List[int] = []
     for params in now:
         index = next((i for i, q in enumerate(planned) if q == params and i not in out), None)

@@ -144,17 +144,22 @@ class AdamAdapter:
 
     def step_counts(self, slots, states) -> Dict[int, float]:
         """t of the update about to run, for every slot in ``slots`` whose optimizer state is
-        ``states[slot]`` (None: none yet): the step counters gathered on the CPU in one C++
-        pass (:func:`gockpt._tensors.stack_scalars`), elsewhere with one stack, not one read
-        (a device synchronisation on a GPU) each."""
+        ``states[slot]`` (None: none yet): the step counters read on the CPU in one C++ pass
+        (:func:`gockpt._tensors.scalar_floats`), elsewhere with one stack, not one read (a
+        device synchronisation on a GPU) each."""
         slots = list(slots)
-        steps = _tensors.values(list(map(states.__getitem__, slots)), "step")
+        dicts = list(map(states.__getitem__, slots))
+        counts = _tensors.scalar_floats(dicts, "step", 0.0)  # (the usual case: on the CPU)
+        if counts is not None:
+            counts += 1.0
+            return dict(zip(slots, counts.tolist()))
+        steps = _tensors.values(dicts, "step")
         out = dict.fromkeys(slots, 1.0)
         if has_none(steps):  # no state yet (their first update)
             slots = [si for si, t in zip(slots, steps) if t is not None]
             steps = [t for t in steps if t is not None]
         if steps:
-            stacked = _tensors.stack_scalars(steps)  # (the usual case: on the CPU)
+            stacked = _tensors.stack_scalars(steps)
             if stacked is None:
                 stacked = torch.stack(steps)
             counts = stacked.to("cpu", torch.float64).reshape(-1).numpy()

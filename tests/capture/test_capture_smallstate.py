@@ -88,3 +88,36 @@ def test_model_small_walk_equals_state_dict_and_defers_to_hooks():
         sd[prefix + "added"] = torch.zeros(1)
     model.bn._register_state_dict_hook(hook)
     assert "bn.added" in smallstate.model_small(model, planned)
+
+
+def test_model_small_walk_names_wrapped_models_as_state_dict_does_without_them():
+    """The C++ walk against state_dict(): wrappers (DataParallel's ``module``, torch.compile,
+    activation checkpointing) dropped from the names, a plain child named ``module`` kept,
+    None parameters and buffers skipped, a module type seen for the first time classified,
+    and one that saves its state its own way handed to state_dict()."""
+    inner = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    inner.register_parameter("unset", None)
+    inner.register_buffer("nothing", None)
+    outer = torch.nn.Module()
+    outer.module = inner  # a plain child named "module": part of the names
+    outer.block = torch.nn.Module()
+    outer.block._checkpoint_wrapped_module = torch.nn.BatchNorm1d(2)
+    planned = {id(p): None for p in outer.parameters()}
+    expected = ["module.1.running_mean", "module.1.running_var", "module.1.num_batches_tracked",
+                "block.running_mean", "block.running_var", "block.num_batches_tracked"]
+    assert list(smallstate.model_small(outer, planned)) == expected
+    wrapped = torch.nn.DataParallel(torch.compile(outer, backend="eager"))
+    assert list(smallstate.model_small(wrapped, planned)) == expected
+
+    class NewKind(torch.nn.Module):  # never seen: classified on the way
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(1))
+    outer.new = NewKind()
+    assert list(smallstate.model_small(outer, planned)) == expected + ["new.count"]
+
+    class OwnSave(torch.nn.Module):  # its state is what its own method says
+        def _save_to_state_dict(self, destination, prefix, keep_vars):
+            destination[prefix + "own"] = torch.ones(1)
+    outer.block.own = OwnSave()
+    assert "block.own.own" in smallstate.model_small(outer, planned)

@@ -1,6 +1,7 @@
 """gockpt._tensors (the hooks' reads of many tensors in one C++ pass) reads what Python reads:
 plain tensors, Parameters, tensor subclasses (through Python), None, sparse and strided views."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,3 +97,69 @@ def test_stack_scalars_leaves_everything_else_to_torch_stack():
     assert _tensors.stack_scalars([one, torch.ones(1)]) is None  # not 0-dim
     assert _tensors.stack_scalars([one, torch.tensor(1.0).as_subclass(Traced)]) is None
     assert _tensors.stack_scalars([one, torch.tensor(1.0, device="meta")]) is None
+    assert _tensors.stack_scalars([1, one]) is None  # (the first not a tensor: DeepSpeed's int)
+
+
+def test_gather_scan_and_moved_read_picked_tensors_and_find_writes_and_moves():
+    tensors = _tensors_of_every_kind()
+    index = np.array([4, 0, 2, 3], dtype=np.int64)
+    picked, at, version, flags, every = _tensors.gather_scan(tensors, index, None)
+    assert picked == [tensors[i] for i in index.tolist()]
+    assert [a.tolist() for a in (at, version, flags)] == \
+        [a.tolist() for a in _tensors.scan(picked)]
+    assert every == np.bitwise_and.reduce(flags[flags != 0])  # (the view: not contiguous)
+    assert not every & _tensors.CONTIGUOUS
+    dicts = [{"exp_avg": tensors[0]}, None, {}, {"exp_avg": tensors[1]}]
+    picked, at, _, flags, every = _tensors.gather_scan(dicts, np.arange(4), "exp_avg")
+    assert picked == [tensors[0], None, None, tensors[1]] and at[1] == at[2] == 0
+    assert every == _tensors.PRESENT | _tensors.CONTIGUOUS | _tensors.DENSE_FLOAT32
+    assert _tensors.gather_scan([None], np.zeros(1, np.int64), "k")[4] == 0xFF  # none present
+    with pytest.raises(IndexError):
+        _tensors.gather_scan(tensors, np.array([7], dtype=np.int64), None)
+    # moved(): the positions written (version) or moved to other memory (address) since
+    at, version, _ = _tensors.scan(picked)
+    assert _tensors.moved(picked, at, version).tolist() == []
+    with torch.no_grad():
+        picked[3].add_(1)  # written in place
+    picked[0].data = torch.zeros(3, 4)  # moved: its version as it was
+    assert _tensors.moved(picked, at, version).tolist() == [0, 3]
+
+
+def test_scalar_floats_reads_0_dim_cpu_scalars_and_gives_up_on_the_rest():
+    dicts = [{"step": torch.tensor(3.0)}, None, {},
+             {"step": torch.tensor(2 ** 40, dtype=torch.int64)},
+             {"step": torch.tensor(5.0, dtype=torch.float64)}]
+    assert _tensors.scalar_floats(dicts, "step", -1.0).tolist() == \
+        [3.0, -1.0, -1.0, 2.0 ** 40, 5.0]
+    for odd in (7, torch.tensor(1.0, dtype=torch.bfloat16), torch.ones(1),
+                torch.tensor(1.0).as_subclass(Traced)):
+        assert _tensors.scalar_floats([{"step": odd}], "step", 0.0) is None
+
+
+def test_grad_scan_reads_gradients_without_python_objects_and_gives_up_on_subclasses():
+    params = [torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(3)]
+    params.append(torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)))
+    params[0].grad = torch.ones(2, 3)
+    params[2].grad = torch.ones(3, 2).t()
+    params[3].grad = torch.ones(2, dtype=torch.bfloat16)
+    at, flags = _tensors.grad_scan(params)
+    assert at.tolist() == [params[0].grad.data_ptr(), 0, params[2].grad.data_ptr(),
+                           params[3].grad.data_ptr()]
+    assert flags.tolist() == [_tensors.PRESENT | _tensors.CONTIGUOUS | _tensors.DENSE_FLOAT32,
+                              0, _tensors.PRESENT | _tensors.DENSE_FLOAT32,
+                              _tensors.PRESENT | _tensors.CONTIGUOUS]
+    assert _tensors.grad_scan(params + [torch.zeros(1).as_subclass(Traced)]) is None
+
+
+def test_same_keys_and_same_params():
+    a, b = torch.zeros(1), torch.zeros(1)
+    assert _tensors.same_keys([{"x": a, "y": b}, {"x": b, "y": a}]) == ("x", "y")
+    assert _tensors.same_keys([{"x": a, "y": b}, {"y": a, "x": b}]) is None  # another order
+    assert _tensors.same_keys([{"x": a}, {"x": a, "y": b}]) is None
+    assert _tensors.same_keys([{"x": a}, None]) is None and _tensors.same_keys([]) is None
+    groups = [{"params": [a, b]}, {"params": [b]}]
+    assert _tensors.same_params(groups, ((id(a), id(b)), (id(b),)))
+    assert not _tensors.same_params(groups, ((id(b), id(a)), (id(b),)))
+    assert not _tensors.same_params(groups, ((id(a), id(b)),))
+    # (a tuple of params: Python's fingerprint() decides)
+    assert not _tensors.same_params([{"params": (a, b)}], ((id(a), id(b)),))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gockpt.core.optstate import expand_columns, optimizer_small
+from gockpt.core.optstate import KnownStates, expand_columns, optimizer_small
 
 from tests._support import harness as H
 
@@ -57,20 +57,36 @@ def test_optimizer_small_keeps_every_odd_scalar_as_it_is():
 
 
 def test_optimizer_small_from_the_plan_equals_state_dict():
-    # The fast path (states and group indices known by the caller) holds what
-    # optimizer.state_dict() holds; a hook on state_dict, or an extra entry in
-    # optimizer.state, sends it back to state_dict() itself.
+    # The fast paths (states and group indices known by the caller; every state alike, or
+    # not) hold what optimizer.state_dict() holds; a hook on state_dict, or an extra entry
+    # in optimizer.state, sends it back to state_dict() itself.
     model, opt, sched = H.build()
     H.train_steps(model, opt, sched, 1, 2)
     params = [p for g in opt.param_groups for p in g["params"]]
     index = {id(p): i for i, p in enumerate(params)}
-    known = ([(i, opt.state[p]) for i, p in enumerate(params) if p in opt.state],
-             [[index[id(p)] for p in g["params"]] for g in opt.param_groups])
-    aligned = {0: ("exp_avg", "exp_avg_sq")}
+    with_state = [(i, opt.state[p]) for i, p in enumerate(params) if p in opt.state]
+    moments = ("exp_avg", "exp_avg_sq")
+    aligned = {i: moments for i, _ in with_state}
+    known = KnownStates([i for i, _ in with_state], [st for _, st in with_state],
+                        [[index[id(p)] for p in g["params"]] for g in opt.param_groups], moments)
     slow = optimizer_small(opt, aligned)
     fast = optimizer_small(opt, aligned, known)
     assert fast["param_groups"] == slow["param_groups"] == opt.state_dict()["param_groups"]
-    assert _expanded(fast) == _expanded(slow)
+    assert _expanded(fast) == _expanded(slow) and set(fast["columns"]) == {"step"}
+    # not every state alike: a step that is a float (the first one read), then also a key
+    # of its own
+    first, second = with_state[0][1], with_state[1][1]
+    kept = first["step"]
+    first["step"] = float(kept)
+    for _ in range(2):
+        assert _expanded(optimizer_small(opt, aligned, known)) == \
+            _expanded(optimizer_small(opt, aligned))
+        assert optimizer_small(opt, aligned, known)["state"][with_state[0][0]]["step"] == \
+            float(kept)
+        second["note"] = 7
+    assert optimizer_small(opt, aligned, known)["state"][with_state[1][0]]["note"] == 7
+    del second["note"]
+    first["step"] = kept
 
     def hook(optimizer, sd):
         sd["param_groups"][0]["marked"] = True
