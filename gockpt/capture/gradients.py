@@ -38,6 +38,7 @@ class GradientCopies:
         # (plan, [two device-side gradient snapshots, each with the ticket of its D2H copy]):
         # a step's snapshot is written while the previous step's is still being copied
         self._snapshots = None
+        self._stepped_slots = (None, {})  # (plan, {(table, groups): (table, slots, params)})
 
     def snapshot_bytes(self) -> int:
         """Device memory held by the gradient snapshots (host memory on the CPU)."""
@@ -68,10 +69,10 @@ class GradientCopies:
         job.capture.recorded |= stepped
         plan = job.plan
         table = job.capture.captured_table()  # only these gradients are replayed
-        slots = table.slots[plan.in_groups(groups)[table.slots]].tolist()
+        slots, params = self._stepped(plan, table, groups)
         # a snapshot reads the gradients by address only: no Python object for each of them
-        found = gradient_addresses(plan, slots) if snapshot and self.transport is None \
-            else None
+        found = gradient_addresses(plan, slots, params) \
+            if snapshot and self.transport is None else None
         if found is None:
             grads, at = live_gradients(plan, slots)
             slots = list(grads)
@@ -108,6 +109,19 @@ class GradientCopies:
                                   new_step)
         job.capture.grad_tickets.append(ticket)
         return record
+
+    def _stepped(self, plan, table: BlockTable, groups) -> Tuple[list, list]:
+        """The slots of ``table`` the param groups ``groups`` step, and their parameters (kept
+        while the captured table and the groups are the same: from one window to the next)."""
+        if self._stepped_slots[0] is not plan:
+            self._stepped_slots = (plan, {})
+        key = (id(table), tuple(groups))
+        seen = self._stepped_slots[1].get(key)
+        if seen is None or seen[0] is not table:  # (one per captured table of the plan)
+            slots = table.slots[plan.in_groups(groups)[table.slots]].tolist()
+            seen = self._stepped_slots[1][key] = (table, slots,
+                                                  list(map(plan.params.__getitem__, slots)))
+        return seen[1], seen[2]
 
     def _copy_snapshot(self, job: Job, table: BlockTable, grads, grad_base: np.ndarray,
                        at: Optional[np.ndarray]):
@@ -238,15 +252,16 @@ def live_gradients(plan, slots: list) -> Tuple[Dict[int, torch.Tensor], Optional
     return dict(zip(slots, tensors)), at
 
 
-def gradient_addresses(plan, slots: list) -> Optional[Tuple[list, np.ndarray]]:
+def gradient_addresses(plan, slots: list, params: list) -> Optional[Tuple[list, np.ndarray]]:
     """What :func:`live_gradients` finds where a copy needs only the gradients' addresses, read
-    in one C++ pass without a Python object per gradient: the slots of ``slots`` whose
-    parameter has a gradient, and per slot of ``plan`` its address (0: none). None where
-    :func:`live_gradients` must look (DTensors, tensor subclasses, a gradient that is not a
-    contiguous dense float32 tensor: it raises or reads them its own way)."""
+    in one C++ pass without a Python object per gradient: the slots of ``slots`` (their
+    parameters: ``params``) whose parameter has a gradient, and per slot of ``plan`` its
+    address (0: none). None where :func:`live_gradients` must look (DTensors, tensor
+    subclasses, a gradient that is not a contiguous dense float32 tensor: it raises or reads
+    them its own way)."""
     if plan.dtensors:
         return None
-    found = _tensors.grad_scan(list(map(plan.params.__getitem__, slots)))
+    found = _tensors.grad_scan(params)
     if found is None or not plan.contiguous:
         return None
     addresses, flags = found
