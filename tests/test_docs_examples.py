@@ -18,6 +18,7 @@ PAGES = ["README.md"] + sorted(f"docs/{p}" for p in os.listdir(os.path.join(ROOT
                                if p.endswith(".md"))
 
 NOT_RUN = {  # (page, block index): why, and where it is covered
+    ("docs/dcp.md", 1): "an S3 store: tests/test_remote.py (the DCP writer's uploads)",
     ("docs/deepspeed.md", 0): "a DeepSpeed engine: tests/integrations/test_deepspeed.py",
     ("docs/interval.md", 0): "signatures, not code: tests/test_interval.py",
     ("docs/memory-tier.md", 0): "its training loop is elided: tests/test_memory_tier.py",

@@ -211,6 +211,58 @@ def test_the_store_keeps_its_own_number_of_checkpoints(tmp_path, url):
     assert read_latest(url)[0] == storage.checkpoint_name(4)
 
 
+def dcp_save(model, opt, directory, step, **writer):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from gockpt.storage.dcp import GockptWriter
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optimizer": optim_sd, "train_state": {"step": step}},
+             storage_writer=GockptWriter(directory, step=step, **writer))
+
+
+@pytest.mark.filterwarnings("ignore:.*keeps no RNG states")
+def test_a_dcp_writer_uploads_its_checkpoints_and_they_load_from_the_store(tmp_path, url):
+    from gockpt.storage.dcp import wait_uploads
+    directory = str(tmp_path / "run")
+    model, opt = big_model()
+    states = {}
+    for step in (1, 2, 3):
+        opt.zero_grad()
+        model(torch.randn(4, 1536, generator=torch.Generator().manual_seed(step))).square() \
+            .mean().backward()
+        opt.step()
+        dcp_save(model, opt, directory, step, keep_last=2, remote=url, remote_keep_last=2,
+                 remote_options=fast()["remote_options"])
+        states[step] = H.snapshot(model, opt)
+    [status] = wait_uploads(120)
+    assert status.error is None and not status.pending and not status.uploading, status
+    assert storage.checkpoint_name(3) in status.uploaded
+    assert list_checkpoints(url) == [storage.checkpoint_name(2), storage.checkpoint_name(3)]
+    assert read_latest(url)[0] == storage.checkpoint_name(3)
+    for step in (2, 3):
+        restored, got = loads_equal(url, tag=storage.checkpoint_name(step))
+        assert restored.step == step and restored.extra_state["train_state.step"] == step
+        H.assert_same(got, states[step])
+    assert gockpt.verify(f"{url}/{storage.checkpoint_name(3)}").ok
+    with pytest.raises(ConfigError, match="remote_keep_last must be None or an int >= 1"):
+        dcp_save(model, opt, directory, 4, remote=url, remote_keep_last=0)
+    with pytest.raises(ConfigError, match="need remote="):
+        dcp_save(model, opt, directory, 4, remote_wait_s=5)
+    with pytest.raises(ConfigError, match="GockptWriter: remote"):
+        dcp_save(model, opt, directory, 4, remote="bucket/prefix")
+
+
+def test_a_process_that_saved_through_dcp_uploads_at_its_end(tmp_path, url):
+    directory = str(tmp_path / "run")
+    done = run_worker("remote_worker", "dcp", directory, url, 3, env=worker_env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    # the worker returned right after its last save: its end waited for the uploads
+    assert list_checkpoints(url) == [storage.checkpoint_name(s) for s in (1, 2, 3)]
+    model, opt, _ = H.build()
+    gockpt.load(url, model, opt, restore_rng=False)
+    assert H.state_digest(model, opt) == json.loads(done.stdout)["digest"]
+
+
 # ------------------------------------------------------------------------------- faults
 
 def test_a_server_killed_mid_upload_leaves_the_previous_latest_and_the_upload_completes_after(

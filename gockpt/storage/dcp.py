@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..core.errors import CorruptCheckpointError, GockptError, LoadError
 from .format import CODE_TO_DTYPE, MANIFEST_FILE
+from .dcp_uploads import wait_uploads
 from .dcp_writer import GockptWriter
 from .index import boxes_problem
 from .manifest import parse, parts_of
@@ -50,7 +51,7 @@ from .refs import inverse, permuted
 from .schema import WRITTEN_BY_DCP, Manifest, is_small_tensor
 from .statedict import optimizer_state_dict
 
-__all__ = ["GockptReader", "GockptWriter", "load"]
+__all__ = ["GockptReader", "GockptWriter", "load", "wait_uploads"]
 
 
 @dataclass(frozen=True)

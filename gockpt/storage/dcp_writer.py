@@ -1,34 +1,25 @@
 """gockpt's format written by torch.distributed.checkpoint (DCP): :class:`GockptWriter`, a
-``StorageWriter`` for any loop that calls ``dcp.save`` / ``dcp.async_save`` (torchtitan's
-checkpoint manager among them), so that its checkpoints are gockpt's -- parallel O_DIRECT
-writes, a crc32c per chunk, JSON manifests, the global index, an atomic commit, ``latest`` --
-and ``gockpt verify``, ``gockpt.load``, :class:`~gockpt.storage.dcp.GockptReader` and the
-remote tier take them.
+``StorageWriter`` for ``dcp.save`` / ``dcp.async_save`` (torchtitan's checkpoint manager among
+them): parallel O_DIRECT writes, a crc32c per chunk, JSON manifests, the global index, an
+atomic commit, ``latest``; ``gockpt verify``, ``gockpt.load``, the reader take them, and its
+own uploads (``remote=``) put them in an object store.
 
-What DCP's flattened names become (the inverse of what the reader offers):
+What DCP's flattened names become (the inverse of what the reader offers; the table in
+docs/dcp.md): ``model.<name>`` tensors (and any other tensor of one or more dimensions outside
+``optimizer.``) the parameter ``<name>``, each rank's chunk a slice of the global tensor;
+``optimizer.state.<param>.<key>`` its aligned optimizer state (in the same part as the
+parameter's chunk: the coordinator hands a replicated moment to the rank that writes its
+parameter) or its small state (0-dim: Adam's ``step``); ``optimizer.param_groups.*`` the param
+groups; anything else the small state's ``extra_state`` under its DCP name (values gockpt
+encodes without pickle; anything else is refused, naming it).
 
-- ``model.<name>`` tensors: the parameter ``<name>`` (buffers too), each rank's chunk a slice
-  of the global tensor (``model.slices``, the top manifest's index); any other tensor of one
-  or more dimensions outside ``optimizer.`` (a model's own flat state dict, a larger tensor
-  of the train state) likewise, under its DCP name;
-- ``optimizer.state.<param>.<key>``: the aligned optimizer state of ``<param>`` (sliced as
-  its parameter, in the same part: the coordinator hands a replicated moment to the rank
-  that writes its parameter), or its small state (0-dim: Adam's ``step``);
-  ``optimizer.param_groups.<param>.<key>`` (flattened) or ``optimizer.param_groups.<i>.<key>``:
-  the param groups (parameters with the same settings form one group);
-- anything else (the scheduler, the data loader, the train state): the small state's
-  ``extra_state`` under its DCP name -- 0-dim tensors and values gockpt encodes without
-  pickle (numbers, strings, lists, dicts); anything else is refused, naming it.
-
-The coordinator (rank 0) makes the checkpoint's temporary directory in
-``prepare_global_plan`` and names it, and every parameter's optimizer state index, in each
-rank's plan; each rank writes its part (``rank-<r>/``: its chunks, checksummed as written,
-its manifest with the digests of what it wrote) in ``write_data``; the small state of every
-rank (DCP writes each replicated value on one rank only) travels to the coordinator with the
-write results, and ``finish`` writes it with the coordinator's part, then the top manifest
-and the index, and publishes the directory and ``latest`` atomically. One process writes a
-single-rank checkpoint. The checkpoint's mode is ``"dcp"``: ``gockpt.load`` loads it through
-DCP's planner (any number of ranks, any sharding).
+The coordinator (rank 0) makes the temporary directory in ``prepare_global_plan`` and names
+it, and every parameter's optimizer state index, in each rank's plan; each rank writes its part
+(``rank-<r>/``: its chunks, checksummed as written, its manifest with their digests) in
+``write_data``; every rank's small state (DCP writes each replicated value on one rank) travels
+to the coordinator with the write results, and ``finish`` writes it with the coordinator's
+part, then the top manifest and the index, and publishes the directory and ``latest``
+atomically. Its mode is ``"dcp"``: ``gockpt.load`` loads it through DCP's planner.
 """
 
 from __future__ import annotations
@@ -51,6 +42,7 @@ from ..core.digest import as_pairs, digests, to_hex
 from ..core.errors import ConfigError, GockptError
 from . import index as index_mod
 from .commit import apply_retention, check_new_name
+from .dcp_uploads import Uploads
 from .format import DTYPE_TO_CODE, TMP_PREFIX, check_name
 from .refs import TensorRef
 from .schema import (WRITTEN_BY_DCP, Manifest, ModelSection, OptimizerSection, PartsManifest, SmallSection,
@@ -105,12 +97,17 @@ class GockptWriter(StorageWriter):
     storage_writer=GockptWriter())``: the checkpoint ``step-100`` of ``run_dir``, its step the
     number its name ends in. ``keep_last``: committed checkpoints kept (older ones deleted
     after a commit). ``threads`` / ``direct`` / ``chunk_bytes``: as
-    :class:`~gockpt.storage.writer.CheckpointWriter` takes them."""
+    :class:`~gockpt.storage.writer.CheckpointWriter` takes them. ``remote`` (``s3://...``),
+    ``remote_options`` / ``_keep_last`` / ``_wait_s``: each checkpoint also uploaded there in
+    the background, as ``Config``'s fields say (:mod:`gockpt.storage.dcp_uploads`)."""
 
     def __init__(self, path: Optional[str | os.PathLike] = None, *, step: Optional[int] = None,
                  keep_last: Optional[int] = None, threads: Optional[int] = None,
-                 direct: Optional[bool] = None, chunk_bytes: Optional[int] = None):
+                 direct: Optional[bool] = None, chunk_bytes: Optional[int] = None,
+                 remote: Optional[str] = None, remote_options=None,
+                 remote_keep_last: Optional[int] = None, remote_wait_s: Optional[float] = None):
         super().__init__()
+        self.uploads = Uploads.of(remote, remote_options, remote_keep_last, remote_wait_s)
         if step is not None and (type(step) is not int or step < 0):
             raise ConfigError(f"GockptWriter: step must be an int >= 0, got {step!r}")
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
@@ -248,6 +245,8 @@ class GockptWriter(StorageWriter):
             self._top.abort()
             raise
         apply_retention(self.root, self.keep_last)
+        if self.uploads is not None:
+            self.uploads.submit(self.root, self.name)
 
 
 def _role(item, shared: _Shared) -> tuple:

@@ -11,6 +11,9 @@
     resume SOURCE TOTAL           gockpt.load(SOURCE) (a directory or an s3:// URL), train on to
                                   TOTAL, print the losses and the digest of the final state
     straight TOTAL                TOTAL steps without checkpoints (the uninterrupted run)
+    dcp DIR URL TOTAL             TOTAL steps, a dcp.save through GockptWriter(remote=URL) after
+                                  each; prints the final state's digest and returns at once:
+                                  the process's end waits for the uploads
 """
 
 import json
@@ -72,6 +75,18 @@ def main():
         ck.close()
         print(json.dumps({"uploaded": ck.remote_status().uploaded,
                           "records": gockpt.metrics.read(directory, record="upload")}))
+        return
+    if phase == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from gockpt.storage.dcp import GockptWriter
+        directory, url, total = args[0], args[1], int(args[2])
+        for step in range(total):
+            H.train_steps(model, opt, sched, step, step + 1)
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optimizer": optim_sd},
+                     storage_writer=GockptWriter(directory, step=step + 1, remote=url))
+        print(json.dumps({"digest": H.state_digest(model, opt)}))
         return
     start = 0
     if phase == "resume":

@@ -1,0 +1,109 @@
+"""The uploads of :class:`~gockpt.storage.dcp_writer.GockptWriter`'s checkpoints to an object
+store (``GockptWriter(..., remote="s3://bucket/prefix")``), as the remote tier uploads a
+``Checkpointer``'s: the coordinator queues each checkpoint it commits with the run directory's
+:class:`~gockpt.storage.replicate.Replicator` (data first, manifests last, the store's
+``latest`` moved once every object is there and checked; what an earlier process committed but
+did not upload goes first), in the background -- ``dcp.save`` does not wait for it.
+
+A loop makes a writer per save or keeps one: the uploads of a run directory to a store are one
+:class:`Replicator` per process, shared by its writers. The process's end (``atexit``) waits
+for what they still owe, as a ``Checkpointer``'s ``close()`` does (``remote_wait_s``: ``None``
+until uploaded or an upload fails, else at most that many seconds), saying how far they are
+and, in a warning, what is left; :func:`wait_uploads` waits when the loop asks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from ..core.errors import ConfigError
+from ..core.paths import split_remote
+from ..core.remote_options import RemoteOptions
+from . import remote
+from .replicate import RemoteStatus, Replicator
+
+_lock = threading.Lock()
+_uploads: Dict[Tuple[str, str], Tuple[Replicator, "Uploads"]] = {}
+_exit_registered = False
+
+
+@dataclass(frozen=True)
+class Uploads:
+    """Where a writer's checkpoints go, as ``GockptWriter``'s ``remote*`` arguments say (the
+    ``Config`` fields of the same names)."""
+
+    url: str
+    options: RemoteOptions
+    keep_last: Optional[int] = None
+    wait_s: Optional[float] = None
+    retry_s: float = 5.0
+
+    @classmethod
+    def of(cls, url, options=None, keep_last=None, wait_s=None) -> Optional["Uploads"]:
+        """The uploads ``GockptWriter(remote=url, remote_options=..., remote_keep_last=...,
+        remote_wait_s=...)`` asks for (None without ``url``); ConfigError naming a bad one."""
+        if url is None:
+            if (options, keep_last, wait_s) != (None, None, None):
+                raise ConfigError("GockptWriter: remote_options, remote_keep_last and "
+                                  "remote_wait_s need remote='s3://bucket/prefix'")
+            return None
+        try:
+            split_remote(url)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"GockptWriter: remote: {exc}") from None
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise ConfigError(f"GockptWriter: remote_keep_last must be None or an int >= 1, "
+                              f"got {keep_last!r}")
+        if wait_s is not None and (isinstance(wait_s, bool) or not isinstance(
+                wait_s, (int, float)) or wait_s < 0):
+            raise ConfigError(f"GockptWriter: remote_wait_s must be None or seconds >= 0, got "
+                              f"{wait_s!r}")
+        return cls(url.rstrip("/"), RemoteOptions.of(options), keep_last, wait_s)
+
+    def submit(self, directory: str, name: str) -> None:
+        """Queue checkpoint ``name``, just committed in ``directory`` (the coordinator)."""
+        global _exit_registered
+        with _lock:
+            key = (directory, self.url)
+            found = _uploads.get(key)
+            if found is None or found[1] != self:
+                if found is not None:  # other settings: the earlier uploads end first
+                    found[0].close(found[1].wait_s)
+                remote.register(self.url, self.options)
+                replicator = Replicator(directory, self.url, keep_last=self.keep_last,
+                                        retry_s=self.retry_s)
+                replicator.resume()  # (what an earlier process left: uploaded first)
+                found = _uploads[key] = (replicator, self)
+            if not _exit_registered:
+                atexit.register(close_uploads)
+                _exit_registered = True
+        found[0].submit(name)
+
+
+def wait_uploads(timeout: Optional[float] = None) -> List[RemoteStatus]:
+    """Wait until every checkpoint the ``GockptWriter``\\ s of this process committed with
+    ``remote=`` is in its store (at most ``timeout`` seconds in all); the status of each run
+    directory's uploads (``uploaded``, ``pending``, ``error``, ...)."""
+    with _lock:
+        replicators = [r for r, _ in _uploads.values()]
+    out = []
+    for replicator in replicators:
+        replicator.wait(timeout)
+        out.append(replicator.status())
+    return out
+
+
+def close_uploads() -> List[RemoteStatus]:
+    """The process's end: wait for what the uploads owe (each writer's ``remote_wait_s``),
+    then stop them, saying what is left (the next writer of that directory, in any process,
+    uploads it first)."""
+    with _lock:
+        found = list(_uploads.values())
+        _uploads.clear()
+    return [replicator.close(uploads.wait_s) for replicator, uploads in found]
+
+
+__all__ = ["Uploads", "wait_uploads", "close_uploads"]
