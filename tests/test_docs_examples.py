@@ -98,6 +98,29 @@ def _lightning():
     return {"pl": pl, "model": Module(), "train_loader": DataLoader(data, batch_size=4)}
 
 
+def _lightning_saves():
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from gockpt.integrations.lightning import GockptCallback
+    ns = _lightning()
+    module = ns["model"]
+
+    def validation_step(batch, batch_idx):
+        module.log("val_loss", module.net(batch[0]).square().mean())
+    module.validation_step = validation_step
+    return {**ns, "ModelCheckpoint": ModelCheckpoint, "GockptCallback": GockptCallback,
+            "val_loader": ns["train_loader"]}
+
+
+def _saved_as_pointers(ns) -> None:
+    files = sorted(os.listdir("checkpoints/files"))
+    assert files == ["epoch=9-step=500.ckpt", "last.ckpt"], files
+    for f in files:
+        with open(os.path.join("checkpoints/files", f)) as fh:
+            assert fh.read().startswith('{"gockpt_checkpoint": ')
+    assert ns["trainer"].global_step == 500
+
+
 def _accelerate():
     from accelerate import Accelerator
     ns = _plain()
@@ -116,6 +139,7 @@ SETUP = {  # (page, block index): the names the block assumes, the run directory
     ("README.md", 0): (_custom_loop, "checkpoints/run1", None, 1),
     ("docs/dcp.md", 0): (lambda: {**_plain(), "step": 5}, "checkpoints/run1", None, 1),
     ("docs/lightning.md", 0): (_lightning, "checkpoints/run1", None, 1),
+    ("docs/lightning.md", 1): (_lightning_saves, "checkpoints/run1", _saved_as_pointers, 1),
     ("docs/resharding.md", 0): (lambda: _saved(_plain()), "checkpoints/run1",
                                 _loaded_the_saved, 1),
     ("docs/resharding.md", 3): (lambda: _saved(_plain()), "checkpoints/run1",

@@ -24,19 +24,26 @@ What it does to Lightning's loop (``setup``, for ``fit``):
   scheduler and RNG states are restored by ``gockpt.load`` (every byte checked) in
   ``on_fit_start``, before Lightning's own restore of the optimizer, which then keeps them.
 
+- ``trainer.save_checkpoint`` (what ``ModelCheckpoint`` calls: every N steps or epochs, the
+  best by a metric, the last) takes a gockpt checkpoint of that step. Each step's boundary is
+  taken at the next batch's or epoch's start (or the end of ``fit``), once every callback
+  has said whether it saves the step; Lightning's state is the one it dumped for the save
+  (taken at the step's end when gockpt's own interval checkpoints it). Once the checkpoint is
+  durable, the file ``ModelCheckpoint`` named holds a pointer to it (rank 0; a small JSON
+  file): ``ckpt_path="last"`` / ``"best"`` / that file resume from the gockpt checkpoint.
+
 Refused (ConfigError when ``fit`` starts): manual optimization, a strategy other than one
 device or DDP (FSDP and DeepSpeed restore after ``on_fit_start`` and step otherwise), more
 than one optimizer or scheduler, an optimizer that needs a closure (LBFGS), a precision other
 than 32-true and bf16-mixed (16-mixed's GradScaler skips steps: not yet;
 the "-true" half and double precisions train other than fp32 weights, which the replay needs).
-Lightning's ``ModelCheckpoint`` keeps writing its own files beside; gockpt's checkpoints are
-this callback's (``every_n_train_steps``).
 """
 
 from __future__ import annotations
 
 import os
 import types
+import warnings
 from typing import Optional
 
 import torch
@@ -51,6 +58,7 @@ except ImportError:  # pragma: no cover - whichever is installed
 import gockpt
 from ..core.errors import ConfigError
 from ..storage import tree
+from .lightning_files import Pointers, pointed
 from .saved import extra_state_of
 
 PRECISIONS = ("32-true", "bf16-mixed")
@@ -60,24 +68,33 @@ _OWN = ("state_dict", "optimizer_states", "lr_schedulers", "hyper_parameters", "
 
 class GockptCallback(pl.Callback):
     """gockpt's checkpoints of a Lightning ``fit``: ``directory`` (a run directory), one every
-    ``every_n_train_steps`` optimizer steps; ``options``: the rest of
+    ``every_n_train_steps`` optimizer steps (None: none of its own) and one at each
+    ``trainer.save_checkpoint`` (``ModelCheckpoint``'s saves); ``options``: the rest of
     :class:`gockpt.Config` (``mode`` default ``"gockpt-o"``, ``overlap_steps``, ``keep_last``,
     ``memory``, ``remote``, ...)."""
 
-    def __init__(self, directory: str | os.PathLike, every_n_train_steps: int, **options):
+    def __init__(self, directory: str | os.PathLike, every_n_train_steps: Optional[int] = None,
+                 **options):
         super().__init__()
-        if type(every_n_train_steps) is not int or every_n_train_steps < 1:
-            raise ConfigError(f"every_n_train_steps must be an int >= 1, got "
+        if every_n_train_steps is not None and (type(every_n_train_steps) is not int
+                                                or every_n_train_steps < 1):
+            raise ConfigError(f"every_n_train_steps must be None or an int >= 1, got "
                               f"{every_n_train_steps!r}")
         self.directory, self.every = os.fspath(directory), every_n_train_steps
         self.options = {"mode": "gockpt-o", **options}
         self.ck: Optional[gockpt.Checkpointer] = None
         self._in_step = False  # backward_begin called, the step's save not yet
         self._stepped_at: Optional[int] = None  # global_step at the last boundary
+        self._pending: Optional[list] = None  # [step, Lightning's state, files asked] not yet
+        self._pointers: Optional[Pointers] = None  # ModelCheckpoint's files, once durable
         self._resume: Optional[str] = None  # the checkpoint ckpt_path named (CheckpointIO)
         self._trainer = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = trainer
+        io = trainer.strategy.checkpoint_io  # (validate / test / predict read pointers too)
+        trainer.strategy.checkpoint_io = _GockptIO(self, io.inner if isinstance(io, _GockptIO)
+                                                   else io)
         if stage != "fit":
             return
         if not pl_module.automatic_optimization:
@@ -89,12 +106,11 @@ class GockptCallback(pl.Callback):
         if type(trainer.strategy).__name__ not in ("SingleDeviceStrategy", "DDPStrategy"):
             raise ConfigError(f"GockptCallback: strategy {type(trainer.strategy).__name__} is "
                               "not supported; one device or DDP")
-        self._trainer = trainer
         plugin = trainer.strategy.precision_plugin
         plugin.optimizer_step = types.MethodType(_closure_first(self), plugin)
-        io = trainer.strategy.checkpoint_io
-        trainer.strategy.checkpoint_io = _GockptIO(self, io.inner if isinstance(io, _GockptIO)
-                                                   else io)
+        if "save_checkpoint" not in vars(trainer):  # (every rank calls it, every caller)
+            trainer.save_checkpoint = types.MethodType(_save_through(self, trainer.save_checkpoint),
+                                                       trainer)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self._resume is None:
@@ -123,9 +139,10 @@ class GockptCallback(pl.Callback):
             raise ConfigError(f"GockptCallback: Lightning's checkpoint state cannot be stored "
                               f"without pickle: {exc}") from exc
         self.ck = gockpt.Checkpointer(pl_module, _optimizer_of(trainer), self.directory,
-                                      scheduler=_scheduler_of(trainer), interval=self.every,
-                                      **options)
-        self._stepped_at = trainer.global_step
+                                      scheduler=_scheduler_of(trainer),
+                                      interval=self.every or _asked_every(trainer), **options)
+        self._stepped_at, self._pending = trainer.global_step, None
+        self._pointers = Pointers(trainer.is_global_zero)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self._begin_step()
@@ -140,24 +157,75 @@ class GockptCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.ck is None or trainer.global_step == self._stepped_at:
             return  # (accumulating: no optimizer step in this batch)
-        self._stepped_at, self._in_step = trainer.global_step, False
-        self.ck.save_checkpoint(trainer.global_step, extra_state=lambda: _loop_state(trainer))
+        step = self._stepped_at = trainer.global_step
+        self._in_step = False
+        # The boundary waits for the saves callbacks ask for this step (ModelCheckpoint's
+        # come after this hook, some at the validation's end); Lightning's state is taken
+        # now where gockpt's own interval checkpoints the step (the next batch's start finds
+        # its loops a batch further on)
+        self._pending = [step, _loop_state(trainer) if self.ck.schedule.due(step) else None,
+                         []]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._boundary()
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._boundary()  # (before the epoch's data loader draws from the RNG)
+
+    def _boundary(self) -> None:
+        """The step boundary taken last: a gockpt checkpoint of it where one was asked for
+        (its files written once it is durable) or gockpt's interval says so."""
+        if self.ck is None or self._pending is None:
+            return
+        (step, state, files), self._pending = self._pending, None
+        handle = self.ck.save_checkpoint(step, extra_state=state, force=bool(files))
+        if files and handle is None:
+            warnings.warn(f"gockpt: the checkpoint of step {step} did not start (the previous "
+                          f"one is still busy): {', '.join(files)} not written", RuntimeWarning)
+        elif files:
+            self._pointers.add(handle, files)
+
+    def _asked(self, filepath) -> bool:
+        """``trainer.save_checkpoint(filepath)`` (every rank): a gockpt checkpoint of the step
+        just taken, ``filepath`` pointing to it once it is durable; False when there is no
+        such step (no fit, or mid-step: Lightning's own save then)."""
+        trainer = self._trainer
+        if self.ck is None or self._pending is None or \
+                self._pending[0] != trainer.global_step:
+            return False
+        self._pending[1] = _loop_state(trainer)  # (the newest: callbacks' states after theirs)
+        self._pending[2].append(os.fspath(filepath))
+        return True
+
+    def wait(self) -> None:
+        """Block until the checkpoints in flight are durable and the files
+        ``ModelCheckpoint`` asked for are written."""
+        if self.ck is not None:
+            self.ck.wait()
+        if self._pointers is not None:
+            self._pointers.flush()
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._resume = None
+        self._boundary()  # (the last step's)
         self.close()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        self._in_step, self._resume = False, None
+        self._in_step, self._resume, self._pending = False, None, None
         if self.ck is not None:
             ck, self.ck = self.ck, None
             ck.close_at_exit(failing=True)
+        if self._pointers is not None:  # (what is durable still gets its files)
+            self._pointers.close(wait=False)
 
     def close(self) -> None:
-        """Finish the checkpoints in flight (durable) and stop gockpt's threads."""
+        """Finish the checkpoints in flight (durable), write the files ``ModelCheckpoint``
+        asked for, and stop gockpt's threads."""
         if self.ck is not None:
             ck, self.ck = self.ck, None
             ck.close()
+        if self._pointers is not None:
+            self._pointers.close()
 
 
 def _optimizer_of(trainer) -> torch.optim.Optimizer:
@@ -172,6 +240,23 @@ def _scheduler_of(trainer):
     if len(configs) > 1:
         raise ConfigError("GockptCallback: more than one LR scheduler is not supported")
     return configs[0].scheduler if configs else None
+
+
+def _asked_every(trainer) -> Optional[int]:
+    """The interval at which ``ModelCheckpoint`` saves (``every_n_train_steps``, when every one
+    that saves by steps says the same): gockpt then copies each checkpoint ahead of its step."""
+    every = {c._every_n_train_steps for c in trainer.checkpoint_callbacks
+             if getattr(c, "_every_n_train_steps", 0)}
+    return every.pop() if len(every) == 1 else None
+
+
+def _save_through(callback: GockptCallback, lightning_save):
+    """``trainer.save_checkpoint``: gockpt's checkpoint of the step just taken (during ``fit``,
+    between steps), else Lightning's own save."""
+    def save_checkpoint(trainer, filepath, weights_only=None, storage_options=None):
+        if not callback._asked(filepath):
+            lightning_save(filepath, weights_only, storage_options)
+    return save_checkpoint
 
 
 def _closure_first(callback: GockptCallback):
@@ -208,13 +293,18 @@ class _GockptIO(CheckpointIO):
         self.inner.save_checkpoint(checkpoint, path, storage_options)
 
     def remove_checkpoint(self, path) -> None:
+        if self.callback._pointers is not None:  # (not written once its checkpoint is durable)
+            self.callback._pointers.removed(path)
         self.inner.remove_checkpoint(path)
 
     def teardown(self) -> None:
         self.inner.teardown()
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
-        if not os.path.isdir(os.fspath(path)):
+        path = os.fspath(path)
+        if os.path.isfile(path):
+            path = pointed(path) or path  # (a file ModelCheckpoint named: its checkpoint)
+        if not os.path.isdir(path):
             return self.inner.load_checkpoint(path, map_location=map_location,
                                               weights_only=weights_only)
         top, rest = extra_state_of(path)

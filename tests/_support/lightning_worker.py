@@ -1,12 +1,16 @@
 """One rank of tests/integrations/test_lightning.py's runs: ``python -m
-tests._support.lightning_worker RUN_DIR OUT PRECISION [resume] [die:STEP]`` trains a small
+tests._support.lightning_worker RUN_DIR OUT PRECISION [resume] [die:STEP] [modelcheckpoint]``
+trains a small
 LightningModule for 4 epochs (AdamW, a per-step StepLR, gradient clipping, the data in order)
 with :class:`gockpt.integrations.lightning.GockptCallback` (gockpt-o, K=2, a checkpoint at the
 end of every epoch), resumed from RUN_DIR's newest checkpoint with ``resume``, killed with
 SIGKILL at the training step ``die:STEP`` once the checkpoints so far are durable; rank 0 writes each step's loss and the final
-state to OUT. Several ranks (RANK / WORLD_SIZE set, as torchrun's): DDP, Lightning seeing
+state to OUT. With ``modelcheckpoint``, gockpt's checkpoints are a ModelCheckpoint's saves (at
+each epoch's end, the best two by the training loss and the last: files in RUN_DIR-files,
+which OUT lists) and ``resume`` is from ``"last"``. Several ranks (RANK / WORLD_SIZE set, as torchrun's): DDP, Lightning seeing
 torchrun's environment."""
 
+import json
 import os
 import signal
 import sys
@@ -15,6 +19,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from gockpt.integrations.lightning import GockptCallback, pl
+
+ModelCheckpoint = pl.callbacks.ModelCheckpoint
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 BATCHES = 8 // WORLD  # per epoch and rank (DDP's sampler splits the 8 batches)
@@ -32,8 +38,9 @@ class Small(pl.LightningModule):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.losses.append((self.trainer.global_step, loss.item()))
+        self.log("train_loss", loss)
         if self.trainer.global_step == self.die_at:
-            self.gockpt.ck.wait()  # (the checkpoints so far durable: the kill comes after)
+            self.gockpt.wait()  # (the checkpoints so far durable: the kill comes after)
             os.kill(os.getpid(), signal.SIGKILL)
         return loss
 
@@ -41,6 +48,15 @@ class Small(pl.LightningModule):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def kept_files(run, saves) -> dict:
+    """Every file in ModelCheckpoint's folder -> what it holds (JSON: a gockpt pointer), and
+    which of them it lists as its best."""
+    folder = f"{run}-files"
+    return {"listed": sorted(os.path.basename(p) for p in saves.best_k_models),
+            "folder": {f: json.load(open(os.path.join(folder, f)))
+                       for f in sorted(os.listdir(folder))}}
 
 
 def main():
@@ -52,18 +68,23 @@ def main():
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
     model = Small(die)
-    model.gockpt = GockptCallback(run, every_n_train_steps=BATCHES, overlap_steps=2,
+    files = "modelcheckpoint" in flags  # ModelCheckpoint's saves at each epoch's end: gockpt's
+    model.gockpt = GockptCallback(run, every_n_train_steps=None if files else BATCHES,
+                                  overlap_steps=2,
                                   block_bytes=1024)  # (several blocks of this small state)
+    saves = [ModelCheckpoint(dirpath=f"{run}-files", every_n_train_steps=BATCHES, save_top_k=2,
+                             monitor="train_loss", save_last=True)] if files else []
     trainer = pl.Trainer(
         max_epochs=4, accelerator="cpu", devices=WORLD,
         strategy="ddp" if WORLD > 1 else "auto", precision=precision,
-        callbacks=[model.gockpt],
-        gradient_clip_val=0.5, logger=False, enable_checkpointing=False,
+        callbacks=[model.gockpt, *saves],
+        gradient_clip_val=0.5, logger=False, enable_checkpointing=files,
         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, DataLoader(data, batch_size=8),
-                ckpt_path=run if "resume" in flags else None)
+    resume = ("last" if files else run) if "resume" in flags else None
+    trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=resume)
     if trainer.global_rank == 0:
-        torch.save({"losses": model.losses, "state": model.state_dict()}, out)
+        torch.save({"losses": model.losses, "state": model.state_dict(),
+                    "files": kept_files(run, saves[0]) if files else None}, out)
     print(f"rank {trainer.global_rank}: done at step {trainer.global_step}", flush=True)
 
 

@@ -3,6 +3,8 @@ killed with SIGKILL and resumed from gockpt's checkpoint in a fresh process goes
 like an uninterrupted one (every later step's loss, the final state) -- one process in 32-true
 and bf16-mixed, DDP on 2 ranks; what the callback cannot follow is refused."""
 
+import json
+import os
 import time
 
 import pytest
@@ -69,6 +71,48 @@ def test_a_killed_fit_resumes_from_gockpt_bit_for_bit(tmp_path, precision, world
         assert why is None, why
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_model_checkpoint_saves_are_gockpt_checkpoints_and_last_resumes_bit_for_bit(tmp_path,
+                                                                                     world):
+    """ModelCheckpoint's saves (each epoch's end, the best two, the last) are gockpt
+    checkpoints of their steps, its files pointers to them, written once they are durable:
+    killed at step 13, ``last.ckpt`` names the checkpoint of the last epoch's end before, and
+    ``fit(ckpt_path="last")`` goes on bit for bit, keeping the files the uninterrupted fit
+    keeps."""
+    epoch = 8 // world  # optimizer steps per epoch (the worker's 8 batches among the ranks)
+    full = _run(tmp_path, "full", "32-true", world, "modelcheckpoint")
+    _run(tmp_path, "run", "32-true", world, "modelcheckpoint", "die:13", expect_killed=True)
+    start = 13 // epoch * epoch  # the last epoch's end before the kill
+    with open(tmp_path / "run-files" / "last.ckpt") as f:
+        assert json.load(f) == {"gockpt_checkpoint": str(tmp_path / "run" / f"step-{start:09d}")}
+    resumed = _run(tmp_path, "run", "32-true", world, "modelcheckpoint", "resume")
+    assert min(step for step, _ in resumed["losses"]) == start
+    assert resumed["losses"] == [(s, v) for s, v in full["losses"] if s >= start]
+    why = gockpt.testing.first_difference(full["state"], resumed["state"], "resumed fit")
+    assert why is None, why
+    # the same files as the uninterrupted fit's, each naming its step's gockpt checkpoint
+    names = {f: os.path.basename(p["gockpt_checkpoint"])
+             for f, p in resumed["files"]["folder"].items()}
+    assert names == {f: os.path.basename(p["gockpt_checkpoint"])
+                     for f, p in full["files"]["folder"].items()}
+    third, fourth = f"epoch=2-step={3 * epoch}.ckpt", f"epoch=3-step={4 * epoch}.ckpt"
+    assert resumed["files"]["listed"] == full["files"]["listed"] == [third, fourth]
+    assert names == {third: f"step-{3 * epoch:09d}", fourth: f"step-{4 * epoch:09d}",
+                     "last.ckpt": f"step-{4 * epoch:09d}"}
+    assert gockpt.verify(str(tmp_path / "run")).ok
+
+
+def test_a_file_naming_a_removed_checkpoint_says_so(tmp_path):
+    from gockpt.integrations import lightning_files as L
+    pointer = tmp_path / "last.ckpt"
+    L.write_pointer(str(pointer), str(tmp_path / "run" / "step-000000008"))
+    with pytest.raises(ConfigError, match="names the gockpt checkpoint .*step-000000008, which "
+                                          "is not there"):
+        L.pointed(str(pointer))
+    (tmp_path / "other.ckpt").write_bytes(b"PK\x03\x04 a torch.save file")
+    assert L.pointed(str(tmp_path / "other.ckpt")) is None
+
+
 def test_what_the_callback_cannot_follow_is_refused(tmp_path):
     from gockpt.integrations.lightning import GockptCallback
 
@@ -95,7 +139,7 @@ def test_what_the_callback_cannot_follow_is_refused(tmp_path):
                              callbacks=[GockptCallback(tmp_path / "r", every_n_train_steps=1)])
         with pytest.raises(ConfigError, match=said):
             trainer.fit(model, data)
-    with pytest.raises(ConfigError, match="every_n_train_steps must be an int >= 1"):
+    with pytest.raises(ConfigError, match="every_n_train_steps must be None or an int >= 1"):
         GockptCallback(tmp_path / "r", every_n_train_steps=0)
 
 
