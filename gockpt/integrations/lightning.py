@@ -14,6 +14,8 @@ What it does to Lightning's loop (``setup``, for ``fit``):
   ``on_before_optimizer_step`` hooks and clipping after it) first, then
   ``Checkpointer.update_begin``, then the step: the replay sees the gradients the update
   consumes, clipped and accumulated.
+- The fit's last step (``trainer.estimated_stepping_batches``) is a checkpoint, announced
+  when training starts (copied over the steps before it).
 - ``backward_begin`` before the first backward of each optimizer step (``on_before_backward``,
   once per accumulation window), ``save_checkpoint(global_step)`` after each optimizer step
   (``on_train_batch_end``), with Lightning's own state at F as ``extra_state``: its loops
@@ -143,6 +145,9 @@ class GockptCallback(pl.Callback):
                                       interval=self.every or _asked_every(trainer), **options)
         self._stepped_at, self._pending = trainer.global_step, None
         self._pointers = Pointers(trainer.is_global_zero)
+        last = trainer.estimated_stepping_batches  # (max_steps, or the epochs' steps)
+        if isinstance(last, int) and last > trainer.global_step:
+            self.ck.plan_checkpoint(last)  # the trained model, copied over its last steps
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self._begin_step()

@@ -102,6 +102,48 @@ def test_model_checkpoint_saves_are_gockpt_checkpoints_and_last_resumes_bit_for_
     assert gockpt.verify(str(tmp_path / "run")).ok
 
 
+def test_the_last_step_is_checkpointed_and_a_fit_resumed_from_it_trains_no_further(tmp_path):
+    """max_steps not a multiple of every_n_train_steps: the fit's last step is a checkpoint too
+    (announced at the start: copied over the steps up to it); a fit resumed from it ends at
+    once, with that state."""
+    from gockpt.integrations.lightning import GockptCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(40, 4, generator=torch.Generator().manual_seed(1))), batch_size=4)
+
+    def fit(model, **kw):
+        trainer = pl.Trainer(max_steps=15, accelerator="cpu", logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[GockptCallback(
+                                 tmp_path / "run", every_n_train_steps=4, overlap_steps=2)])
+        trainer.fit(model, data, **kw)
+        return trainer
+
+    model = Tiny()
+    fit(model)
+    assert gockpt.storage.list_checkpoints(str(tmp_path / "run")) == \
+        [f"step-{s:09d}" for s in (4, 8, 12, 15)]
+    last = [m for m in gockpt.metrics.read(str(tmp_path / "run")) if m["final_step"] == 15]
+    assert last[0]["overlap_steps"] == 2  # (announced: not copied under a step after it)
+    again = Tiny()
+    trainer = fit(again, ckpt_path=str(tmp_path / "run"))
+    assert trainer.global_step == 15
+    why = gockpt.testing.first_difference(model.state_dict(), again.state_dict(), "resumed")
+    assert why is None, why
+
+
 def test_a_file_naming_a_removed_checkpoint_says_so(tmp_path):
     from gockpt.integrations import lightning_files as L
     pointer = tmp_path / "last.ckpt"
