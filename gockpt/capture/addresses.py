@@ -35,7 +35,8 @@ def live_bases(plan: Plan, states: list, slots: np.ndarray, key, keep: list
             return scan[0], (slots, tensors, scan)
     sis = slots.tolist()
     if key is None:
-        tensors = [plan.locals()[si] for si in sis]
+        params = plan.locals()  # (read anew for DTensors: once, not per slot)
+        tensors = [params[si] for si in sis]
     else:
         tensors = _tensors.values([states[si] for si in sis], key)
         if plan.dtensors:  # their local shards

@@ -263,7 +263,7 @@ class Capture:
         plan, host = job.plan, job.host
         if self._known is not None:
             seen, version, states_then, out = self._known
-            if seen == (plan, host) and version == host.keys_version and \
+            if seen[0] is plan and seen[1] is host and version == host.keys_version and \
                     len(states) == len(states_then) and all(map(operator.is_, states, states_then)):
                 return out  # (one C-level identity pass over the list, no dict read)
         with_state = [(si, index) for si, index in plan.optimized if states[si] is not None]

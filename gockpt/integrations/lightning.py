@@ -94,6 +94,12 @@ class GockptCallback(pl.Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer = trainer
+        if trainer.callbacks[0] is not self and self in trainer.callbacks:
+            # its hooks first: a step's boundary taken before another callback's next hook
+            # changes anything (moved to the front, the others' order kept; the hook being
+            # called goes on with the one after this callback, as it would have)
+            trainer.callbacks.remove(self)
+            trainer.callbacks.insert(0, self)
         io = trainer.strategy.checkpoint_io  # (validate / test / predict read pointers too)
         trainer.strategy.checkpoint_io = _GockptIO(self, io.inner if isinstance(io, _GockptIO)
                                                    else io)
@@ -164,10 +170,11 @@ class GockptCallback(pl.Callback):
             return  # (accumulating: no optimizer step in this batch)
         step = self._stepped_at = trainer.global_step
         self._in_step = False
-        # The boundary waits for the saves callbacks ask for this step (ModelCheckpoint's
-        # come after this hook, some at the validation's end); Lightning's state is taken
-        # now where gockpt's own interval checkpoints the step (the next batch's start finds
-        # its loops a batch further on)
+        # The boundary waits for the saves of this step (ModelCheckpoint's come after this
+        # hook, some at the validation's end, and its state in a checkpoint is the one after
+        # its last save): taken at the next batch's or epoch's start. Lightning's state is
+        # taken now where gockpt's own interval checkpoints the step (the next batch's start
+        # finds its loops a batch further on)
         self._pending = [step, _loop_state(trainer) if self.ck.schedule.due(step) else None,
                          []]
 
@@ -193,10 +200,13 @@ class GockptCallback(pl.Callback):
     def _asked(self, filepath) -> bool:
         """``trainer.save_checkpoint(filepath)`` (every rank): a gockpt checkpoint of the step
         just taken, ``filepath`` pointing to it once it is durable; False when there is no
-        such step (no fit, or mid-step: Lightning's own save then)."""
+        such step (no fit, or mid-step) or the save is Lightning's SLURM requeue
+        (``hpc_ckpt_*``, which must be on disk before the job is requeued): Lightning's own
+        save then."""
         trainer = self._trainer
         if self.ck is None or self._pending is None or \
-                self._pending[0] != trainer.global_step:
+                self._pending[0] != trainer.global_step or \
+                os.path.basename(os.fspath(filepath)).startswith("hpc_ckpt"):
             return False
         self._pending[1] = _loop_state(trainer)  # (the newest: callbacks' states after theirs)
         self._pending[2].append(os.fspath(filepath))

@@ -15,7 +15,9 @@ and, in a warning, what is left; :func:`wait_uploads` waits when the loop asks.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -66,12 +68,13 @@ class Uploads:
     def submit(self, directory: str, name: str) -> None:
         """Queue checkpoint ``name``, just committed in ``directory`` (the coordinator)."""
         global _exit_registered
+        directory = os.path.abspath(directory)  # (a writer given it relative, one absolute)
         with _lock:
             key = (directory, self.url)
             found = _uploads.get(key)
             if found is None or found[1] != self:
-                if found is not None:  # other settings: the earlier uploads end first
-                    found[0].close(found[1].wait_s)
+                if found is not None:  # other settings: the new uploads take over what is left
+                    found[0].close(0)  # (at once: a save must not wait for the store)
                 remote.register(self.url, self.options)
                 replicator = Replicator(directory, self.url, keep_last=self.keep_last,
                                         retry_s=self.retry_s)
@@ -89,9 +92,10 @@ def wait_uploads(timeout: Optional[float] = None) -> List[RemoteStatus]:
     directory's uploads (``uploaded``, ``pending``, ``error``, ...)."""
     with _lock:
         replicators = [r for r, _ in _uploads.values()]
+    deadline = None if timeout is None else time.monotonic() + timeout
     out = []
     for replicator in replicators:
-        replicator.wait(timeout)
+        replicator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         out.append(replicator.status())
     return out
 
@@ -105,5 +109,15 @@ def close_uploads() -> List[RemoteStatus]:
         _uploads.clear()
     return [replicator.close(uploads.wait_s) for replicator, uploads in found]
 
+
+def _forget() -> None:
+    """A child forked while uploads run has their objects but not their threads (nor, maybe,
+    a lock another thread held): it owes nothing."""
+    global _lock
+    _lock = threading.Lock()
+    _uploads.clear()
+
+
+os.register_at_fork(after_in_child=_forget)
 
 __all__ = ["Uploads", "wait_uploads", "close_uploads"]

@@ -1,5 +1,5 @@
 """One rank of tests/integrations/test_lightning.py's runs: ``python -m
-tests._support.lightning_worker RUN_DIR OUT PRECISION [resume] [die:STEP] [modelcheckpoint]``
+tests._support.lightning_worker RUN_DIR OUT PRECISION [resume] [die:STEP] [modelcheckpoint] [epoch_lr]``
 trains a small
 LightningModule for 4 epochs (AdamW, a per-step StepLR, gradient clipping, the data in order)
 with :class:`gockpt.integrations.lightning.GockptCallback` (gockpt-o, K=2, a checkpoint at the
@@ -7,7 +7,8 @@ end of every epoch), resumed from RUN_DIR's newest checkpoint with ``resume``, k
 SIGKILL at the training step ``die:STEP`` once the checkpoints so far are durable; rank 0 writes each step's loss and the final
 state to OUT. With ``modelcheckpoint``, gockpt's checkpoints are a ModelCheckpoint's saves (at
 each epoch's end, the best two by the training loss and the last: files in RUN_DIR-files,
-which OUT lists) and ``resume`` is from ``"last"``. Several ranks (RANK / WORLD_SIZE set, as torchrun's): DDP, Lightning seeing
+which OUT lists) and ``resume`` is from ``"last"``; ``epoch_lr``: the scheduler halves the rate
+after each epoch (Lightning steps it after the epoch's end). Several ranks (RANK / WORLD_SIZE set, as torchrun's): DDP, Lightning seeing
 torchrun's environment."""
 
 import json
@@ -27,8 +28,9 @@ BATCHES = 8 // WORLD  # per epoch and rank (DDP's sampler splits the 8 batches)
 
 
 class Small(pl.LightningModule):
-    def __init__(self, die_at=None):
+    def __init__(self, die_at=None, epoch_lr=False):
         super().__init__()
+        self.epoch_lr = epoch_lr
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 128), torch.nn.Tanh(),
                                        torch.nn.Linear(128, 1))
@@ -46,6 +48,9 @@ class Small(pl.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        if self.epoch_lr:  # (stepped by Lightning after each epoch's end: after F)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -67,7 +72,7 @@ def main():
                           LOCAL_WORLD_SIZE=str(WORLD), TORCHELASTIC_RUN_ID="gockpt-test")
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
-    model = Small(die)
+    model = Small(die, epoch_lr="epoch_lr" in flags)
     files = "modelcheckpoint" in flags  # ModelCheckpoint's saves at each epoch's end: gockpt's
     model.gockpt = GockptCallback(run, every_n_train_steps=None if files else BATCHES,
                                   overlap_steps=2,

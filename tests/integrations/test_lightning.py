@@ -71,21 +71,23 @@ def test_a_killed_fit_resumes_from_gockpt_bit_for_bit(tmp_path, precision, world
         assert why is None, why
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world,more", [(1, ()), (2, ()), (1, ("epoch_lr",))])
 def test_model_checkpoint_saves_are_gockpt_checkpoints_and_last_resumes_bit_for_bit(tmp_path,
-                                                                                     world):
+                                                                                     world, more):
     """ModelCheckpoint's saves (each epoch's end, the best two, the last) are gockpt
     checkpoints of their steps, its files pointers to them, written once they are durable:
     killed at step 13, ``last.ckpt`` names the checkpoint of the last epoch's end before, and
     ``fit(ckpt_path="last")`` goes on bit for bit, keeping the files the uninterrupted fit
-    keeps."""
+    keeps. ``epoch_lr``: the scheduler is stepped after each epoch's end, before the next
+    epoch's start where gockpt takes the boundary of the epoch's last step."""
     epoch = 8 // world  # optimizer steps per epoch (the worker's 8 batches among the ranks)
-    full = _run(tmp_path, "full", "32-true", world, "modelcheckpoint")
-    _run(tmp_path, "run", "32-true", world, "modelcheckpoint", "die:13", expect_killed=True)
+    full = _run(tmp_path, "full", "32-true", world, "modelcheckpoint", *more)
+    _run(tmp_path, "run", "32-true", world, "modelcheckpoint", "die:13", *more,
+         expect_killed=True)
     start = 13 // epoch * epoch  # the last epoch's end before the kill
     with open(tmp_path / "run-files" / "last.ckpt") as f:
         assert json.load(f) == {"gockpt_checkpoint": str(tmp_path / "run" / f"step-{start:09d}")}
-    resumed = _run(tmp_path, "run", "32-true", world, "modelcheckpoint", "resume")
+    resumed = _run(tmp_path, "run", "32-true", world, "modelcheckpoint", "resume", *more)
     assert min(step for step, _ in resumed["losses"]) == start
     assert resumed["losses"] == [(s, v) for s, v in full["losses"] if s >= start]
     why = gockpt.testing.first_difference(full["state"], resumed["state"], "resumed fit")
