@@ -9,8 +9,8 @@ from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Tupl
 
 from .errors import ConfigError, StorageError
 from .modes import MODES, POLICIES, Mode, ModePolicy
-from .paths import is_remote, real_directory, split_remote
-from .remote_options import RemoteOptions
+from .paths import is_remote, real_directory
+from .remote_options import RemoteOptions, check_remote
 
 
 class _Named(str, enum.Enum):
@@ -324,24 +324,9 @@ class Config:
         if self.storage_writer is not None and not callable(self.storage_writer):
             raise ConfigError(f"storage_writer must be a callable (root, name) -> writer, got "
                               f"{self.storage_writer!r}")
-        if self.remote is not None:
-            try:
-                split_remote(self.remote)
-            except ValueError as exc:
-                raise ConfigError(f"remote: {exc}") from None
-            self.remote = self.remote.rstrip("/")
-        self.remote_options = RemoteOptions.of(self.remote_options)
-        if self.remote_keep_last is not None and (type(self.remote_keep_last) is not int
-                                                  or self.remote_keep_last < 1):
-            raise ConfigError(f"remote_keep_last must be None or an int >= 1, got "
-                              f"{self.remote_keep_last!r}")
-        if isinstance(self.remote_retry_s, bool) or not isinstance(
-                self.remote_retry_s, (int, float)) or not self.remote_retry_s > 0:
-            raise ConfigError(f"remote_retry_s must be seconds > 0, got {self.remote_retry_s!r}")
-        if self.remote_wait_s is not None and (isinstance(self.remote_wait_s, bool) or not isinstance(
-                self.remote_wait_s, (int, float)) or self.remote_wait_s < 0):
-            raise ConfigError(f"remote_wait_s must be None or seconds >= 0, got "
-                              f"{self.remote_wait_s!r}")
+        self.remote, self.remote_options = check_remote(
+            self.remote, self.remote_options, self.remote_keep_last, self.remote_retry_s,
+            self.remote_wait_s)
         if isinstance(self.exit_wait_s, bool) or not isinstance(
                 self.exit_wait_s, (int, float)) or not self.exit_wait_s >= 0:
             raise ConfigError(f"exit_wait_s must be seconds >= 0, got {self.exit_wait_s!r}")

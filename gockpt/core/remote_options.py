@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from .errors import ConfigError
+from .paths import split_remote
 
 
 @dataclass
@@ -86,3 +87,25 @@ class RemoteOptions:
                 raise ConfigError(f"remote_options: unknown option(s) {sorted(unknown)}")
             return cls(**value)
         raise ConfigError(f"remote_options must be None, a dict or RemoteOptions, got {value!r:.80}")
+
+
+def check_remote(url: Optional[str], options, keep_last: Optional[int], retry_s: float,
+                 wait_s: Optional[float]) -> Tuple[Optional[str], RemoteOptions]:
+    """The remote tier's settings (``Config``'s ``remote*`` fields, ``GockptWriter``'s
+    arguments of the same names) checked: ConfigError naming a bad one; the URL without a
+    trailing ``/`` and the options as :class:`RemoteOptions`."""
+    if url is not None:
+        try:
+            split_remote(url)
+        except ValueError as exc:
+            raise ConfigError(f"remote: {exc}") from None
+        url = url.rstrip("/")
+    options = RemoteOptions.of(options)
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        raise ConfigError(f"remote_keep_last must be None or an int >= 1, got {keep_last!r}")
+    if isinstance(retry_s, bool) or not isinstance(retry_s, (int, float)) or not retry_s > 0:
+        raise ConfigError(f"remote_retry_s must be seconds > 0, got {retry_s!r}")
+    if wait_s is not None and (isinstance(wait_s, bool) or not isinstance(
+            wait_s, (int, float)) or wait_s < 0):
+        raise ConfigError(f"remote_wait_s must be None or seconds >= 0, got {wait_s!r}")
+    return url, options

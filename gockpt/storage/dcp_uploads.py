@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..core.errors import ConfigError
-from ..core.paths import split_remote
-from ..core.remote_options import RemoteOptions
+from ..core.remote_options import RemoteOptions, check_remote
 from . import remote
 from .replicate import RemoteStatus, Replicator
 
@@ -53,17 +52,10 @@ class Uploads:
                                   "remote_wait_s need remote='s3://bucket/prefix'")
             return None
         try:
-            split_remote(url)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"GockptWriter: remote: {exc}") from None
-        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
-            raise ConfigError(f"GockptWriter: remote_keep_last must be None or an int >= 1, "
-                              f"got {keep_last!r}")
-        if wait_s is not None and (isinstance(wait_s, bool) or not isinstance(
-                wait_s, (int, float)) or wait_s < 0):
-            raise ConfigError(f"GockptWriter: remote_wait_s must be None or seconds >= 0, got "
-                              f"{wait_s!r}")
-        return cls(url.rstrip("/"), RemoteOptions.of(options), keep_last, wait_s)
+            url, options = check_remote(url, options, keep_last, cls.retry_s, wait_s)
+        except ConfigError as exc:
+            raise ConfigError(f"GockptWriter: {exc}") from None
+        return cls(url, options, keep_last, wait_s)
 
     def submit(self, directory: str, name: str) -> None:
         """Queue checkpoint ``name``, just committed in ``directory`` (the coordinator)."""
