@@ -228,7 +228,7 @@ class Capture:
                 self.enqueue_group(job, j)
         for j in range(1, job.k + 1):
             book.tickets[j].wait()
-        book.captured = [b for g in book.groups for b in g]  # (as a list of its own)
+        book.parts = list(book.groups)
         book.landed = list(range(1, job.k + 1))
         book.at_f_table = None
         job.captured()
