@@ -24,14 +24,18 @@ a GPU. Ratios are measured side by side in one process; absolute times vary with
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import gc
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import traceback
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -81,6 +85,15 @@ def parse_args(argv=None):
     ap.add_argument("--runs", default=None,
                     help="comma-separated runs (default: the size's; all: " + ", ".join(ALL) + ")")
     ap.add_argument("--markdown", metavar="OUT", help="write the table as markdown")
+    ap.add_argument("--trace", default="", metavar="RUN[,RUN]",
+                    help="after the runs, each of these (torch loop runs) once more under "
+                         "torch.profiler, around a checkpoint's F: TRACE_DIR/trace-RUN.txt "
+                         "and .json.gz (where a window's time goes; not in the table)")
+    ap.add_argument("--run-timeout", type=float, default=None, metavar="S",
+                    help="a run still going after S seconds is stopped and recorded as failed, "
+                         "with every thread's stack on stderr (the next runs go on)")
+    ap.add_argument("--trace-dir", default=None,
+                    help="where --trace writes (default: --json's directory, else .)")
     ap.add_argument("--dir", default=None,
                     help="where checkpoints go (default: /dev/shm where it has room)")
     args = ap.parse_args(argv)
@@ -116,6 +129,7 @@ def main(argv=None) -> int:
 
     try:
         results = run_all(setup, args, write)
+        trace_runs(setup, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(setup, results)
@@ -148,7 +162,8 @@ def run_all(setup: "Setup", args, write=lambda results: None) -> dict:
             continue
         print(f"  {name:<20} ...", end="", flush=True)
         try:
-            results[name] = RUNS[name](setup)
+            with time_limit(args.run_timeout, name):
+                results[name] = RUNS[name](setup)
         except Exception as exc:  # noqa: BLE001 -- recorded; the other runs still say much
             traceback.print_exc()
             results[name] = failed(exc)
@@ -162,6 +177,48 @@ def run_all(setup: "Setup", args, write=lambda results: None) -> dict:
                                      f"blocked/ckpt {fmt(r['blocked_median_s'])}  overhead "
                                      f"{r['overhead_vs_none']:+.1%}"), flush=True)
     return results
+
+
+def trace_runs(setup: "Setup", args) -> None:
+    """--trace: each named run again under the profiler (after the measured runs: the
+    profiler's own cost stays out of them)."""
+    where = args.trace_dir or os.path.dirname(os.path.abspath(args.json or "x"))
+    for name in [n.strip() for n in args.trace.split(",") if n.strip()]:
+        if name not in RUNS or name.startswith("ds-"):
+            print(f"  trace {name}: not a run of the torch loop; runs: {', '.join(ALL)}")
+            continue
+        setup.trace = os.path.join(where, f"trace-{name}")
+        print(f"  trace {name:<14} ...", end="", flush=True)
+        try:
+            with time_limit(args.run_timeout, f"{name} (traced)"):
+                RUNS[name](setup)
+            print(f"\r  trace {name:<14} wrote {setup.trace}.txt, .json.gz", flush=True)
+        except Exception:  # noqa: BLE001 -- the measured runs are already written
+            traceback.print_exc()
+        finally:
+            setup.trace = None
+            release(setup)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: Optional[float], name: str):
+    """--run-timeout: every thread's stack on stderr and a TimeoutError in the run once
+    ``seconds`` have passed (raised when the training thread next runs Python)."""
+    if not seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        faulthandler.dump_traceback(all_threads=True)
+        raise TimeoutError(f"run {name} still going after {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def failed(exc) -> dict:

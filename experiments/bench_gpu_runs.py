@@ -48,6 +48,7 @@ class Setup:
         self.ds_step_s = 0.0     # the same for the DeepSpeed engine (bench_gpu_deepspeed)
         self.link_gbps: Optional[float] = None
         self.state_bytes = 0
+        self.trace: Optional[str] = None  # a run's profiler output, path prefix (see profiler)
 
     def build(self):
         torch.manual_seed(0)
@@ -90,6 +91,7 @@ def train(setup: Setup, model, opt, hooks=None, on_step: Callable = None) -> Tim
     """The loop: ``hooks`` has backward_begin/update_begin/boundary/before_step callables."""
     timing = Timing()
     sync = torch.cuda.synchronize if setup.device == "cuda" else (lambda: None)
+    prof = profiler(setup)
     t_start, t_between = time.perf_counter(), 0.0
     for step, tokens in enumerate(setup.batches):
         t0 = time.perf_counter()
@@ -97,17 +99,17 @@ def train(setup: Setup, model, opt, hooks=None, on_step: Callable = None) -> Tim
         with torch.autocast(setup.device, dtype=torch.bfloat16, enabled=setup.device == "cuda"):
             loss = model.loss(tokens.to(setup.device))
         if hooks:
-            lost += _timed(hooks.backward_begin)
+            lost += _timed(hooks.backward_begin, prof)
         loss.backward()
         if hooks:
-            lost += _timed(hooks.update_begin)
+            lost += _timed(hooks.update_begin, prof)
         t_fwd_bwd = time.perf_counter() - t0
         tu = time.perf_counter()
         opt.step()
         timing.update.append(time.perf_counter() - tu)
         opt.zero_grad()
         if hooks:
-            lost += _timed(lambda: hooks.boundary(step + 1))
+            lost += _timed(lambda: hooks.boundary(step + 1), prof, "boundary")
         loss.item()
         sync()
         timing.lost.append(lost)
@@ -116,13 +118,57 @@ def train(setup: Setup, model, opt, hooks=None, on_step: Callable = None) -> Tim
             t0 = time.perf_counter()
             on_step(step, t_fwd_bwd)
             t_between += time.perf_counter() - t0
+        if prof is not None:
+            prof.step()
     timing.total = time.perf_counter() - t_start - t_between
+    if prof is not None:
+        prof.stop()
     return timing
 
 
-def _timed(fn) -> float:
+def profiler(setup: Setup):
+    """With ``setup.trace`` set: a started torch.profiler over the steps around one
+    checkpoint's F (the second checkpoint where the run has one, past the first's warm-up),
+    written at the end to ``<trace>.txt`` (the ops by device and by CPU time) and
+    ``<trace>.json.gz`` (a Chrome trace). Where the time of a window goes, when a target is
+    missed; the traced run's own timings are not the benchmark's."""
+    if not setup.trace:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+    every, steps = setup.args.every, setup.args.steps
+    f = 2 * every if steps >= 2 * every + 4 else every
+    first = max(0, f - 8)  # K <= 4 copy steps before F, and the boundaries around them
+    activities = [ProfilerActivity.CPU] + \
+        ([ProfilerActivity.CUDA] if setup.device == "cuda" else [])
+
+    def write(prof) -> None:
+        events = prof.key_averages()
+        with open(setup.trace + ".txt", "w") as out:
+            out.write(f"steps {first}..{first + 11} (checkpoint at {f}, every {every})\n\n")
+            for key in (("self_cuda_time_total",) if setup.device == "cuda" else ()) + \
+                    ("self_cpu_time_total",):
+                out.write(f"by {key}:\n{events.table(sort_by=key, row_limit=40)}\n\n")
+        prof.export_chrome_trace(setup.trace + ".json")
+        import gzip
+        with open(setup.trace + ".json", "rb") as src, gzip.open(setup.trace + ".json.gz",
+                                                                "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(setup.trace + ".json")
+
+    prof = profile(activities=activities, on_trace_ready=write,
+                   schedule=schedule(wait=max(0, first - 1), warmup=1 if first else 0,
+                                     active=12, repeat=1))
+    prof.start()
+    return prof
+
+
+def _timed(fn, prof=None, name: str = "") -> float:
     t0 = time.perf_counter()
-    fn()
+    if prof is None:
+        fn()
+    else:  # a named range in the trace
+        with torch.profiler.record_function(f"hook:{name or fn.__name__}"):
+            fn()
     return time.perf_counter() - t0
 
 

@@ -1,36 +1,44 @@
 #!/usr/bin/env bash
-# The GPU round (issue #23): everything a lent GPU machine should run, by parts (one device call
-# runs one or two).
+# The GPU round (issues #23, #41): everything a lent GPU machine should run, by parts.
 #
-#   ./run gpu-check OUTDIR [PART...]        PART: tests bench large remote (default: all four,
-#                                           about 20 min: three 10-minute device calls take them
-#                                           as docs/gpu.md says)
+#   ./run gpu-check OUTDIR [PART...]     PART: first second large remote (default: first second)
 #
-# Before the call, here:  ../shared/tools/gpu_wheels.sh   (DeepSpeed and its dependencies -> .whl/)
-#                         scripts/gpu_remote_wheels.sh    (obstore and weed -> .whl/)
-# A device call:          ./run gpu-check "$OUT" tests            carry: [".whl"]
+# A session gets 15 minutes of device time in all (the machine's start and every wait included):
+# `first` is what matters most, in one call of about 7 minutes; `second` follows at once in the
+# same warm machine if the first left 4 minutes or more; `large` and `remote` are for a later
+# session. docs/gpu.md says how.
+#
+# Before the call, here:  ../shared/tools/gpu_wheels.sh && scripts/gpu_round_wheels.sh
+#                         (DeepSpeed and its dependencies, pytest-xdist -> .whl/)
+# A device call:          GPU_ROUND_BUDGET_S=420 ./run gpu-check "$OUT" first     carry: [".whl"]
 #
 # Always: the machine's versions, the carried wheels installed into /tmp/site, gockpt._C built
-# with the machine's python3 (torch with CUDA), gockpt's entry points registered (the DeepSpeed
-# FusedAdam adapter is found through them). Then, by PART:
-#   tests   tests/gpu (every mode on torch's AdamW, the probe, a killed run resumed, DeepSpeed's
-#           CUDA engines), golden vectors recorded afresh from this GPU's Adam/AdamW kernels and
-#           every replay profile checked against them (and against the stored H100 ones), the
-#           never-wrong and partial-replay tests
-#   bench   experiments/bench_gpu.py, tiny then 370m: every scheme side by side, DCP's
-#           async_save, DeepSpeed's save_checkpoint and gockpt's patched one
+# with the machine's python3 (torch with CUDA). Then, by PART:
+#   first   tests/gpu on torch's AdamW fused and foreach (every mode; training unchanged; a killed
+#           run resumed; the probe; the never-wrong and partial-replay cases on CUDA), golden
+#           vectors recorded afresh from this GPU's Adam/AdamW kernels with every replay profile
+#           checked against them, and bench_gpu.py --size 370m: none, the copy-only reference,
+#           gockpt-o (K chosen, and K = 4), DCP's async_save with its pinned stager, async-o,
+#           async; then gockpt-o-k once more under torch.profiler (trace-gockpt-o-k.txt)
+#   second  gockpt's entry points registered (the DeepSpeed FusedAdam adapter), DeepSpeed's
+#           op report, its CUDA engines (tests/gpu/test_gpu_deepspeed.py), ZeRO 1 bf16 at 370m
+#           (none, native save_checkpoint, the patched one in async-o and gockpt-o), golden
+#           vectors of DeepSpeed's FusedAdam, the stored H100 vectors and the CPU never-wrong
+#           suite on this machine's build
 #   large   experiments/bench_gpu.py --size 2.2b (state 26.5 GB)
-#   remote  the remote tier's blocked time, training on the GPU (needs weed in .whl/)
+#   remote  the remote tier's blocked time, training on the GPU (needs weed in .whl/:
+#           scripts/gpu_remote_wheels.sh, 48 MB more to carry)
 # Every step has a time limit, within GPU_ROUND_BUDGET_S for the whole call (default 570 s: a
 # device call may run 600); a step that does not fit is reported as not run. A failing step does
-# not stop the next ones.
+# not stop the next ones, and each writes what it measured as it goes (a cut call still brings
+# back its logs, XML reports and the benchmark rows finished so far).
 # Everything lands in OUTDIR: one log per step, pytest's XML reports, the benchmarks' JSON and
 # markdown, steps.tsv, and report.md (experiments/gpu_report.py) that puts them together.
 # The exit status is the number of failed steps.
 set -uo pipefail
-OUT=${1:?usage: scripts/gpu_round.sh OUTDIR [tests] [bench] [large] [remote]}
+OUT=${1:?usage: scripts/gpu_round.sh OUTDIR [first] [second] [large] [remote]}
 shift
-PARTS=" ${*:-tests bench large remote} "
+PARTS=" ${*:-first second} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -81,26 +89,39 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 step build 240 python3 setup.py build_ext --inplace
-# entry points (gockpt.optimizer_adapters) without touching the network or the dependencies
-step install 60 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
+# pytest-xdist where carried: the GPU tests in several processes sharing the GPU; pytest-timeout:
+# a test that hangs fails alone (with every thread's stack) instead of taking the step's time
+PAR=()
+python3 -c "import xdist" 2> /dev/null && PAR=(-n 6)
+python3 -c "import pytest_timeout" 2> /dev/null && PAR+=(--timeout 120)
 
-if wants tests; then
-    # which DeepSpeed ops this machine can build (its CUDA FusedAdam needs a CUDA compiler)
-    step ds_report 60 python3 -m deepspeed.env_report
-    pytest_step gpu_tests 400 tests/gpu
-    step golden_record 60 python3 experiments/record_golden.py "$OUT/golden-fresh.safetensors" \
-        --deepspeed
+if wants first; then
+    pytest_step gpu_tests 180 "${PAR[@]}" tests/gpu/test_gpu_checkpoints.py \
+        tests/gpu/test_gpu_never_wrong.py tests/capture/test_capture_device.py
+    step golden_record 60 python3 experiments/record_golden.py "$OUT/golden-fresh.safetensors"
     pytest_step golden_fresh 60 GOCKPT_GOLDEN="$OUT/golden-fresh.safetensors" \
         tests/replay/test_replay_arithmetic_golden.py
-    pytest_step golden_stored 120 tests/replay
-    pytest_step never_wrong 120 tests/test_never_wrong.py tests/test_partial_replay.py \
-        tests/capture
-fi
-if wants bench; then
-    step bench_tiny 120 python3 experiments/bench_gpu.py --size tiny \
-        --json "$OUT/bench_tiny.json" --markdown "$OUT/bench_tiny.md"
-    step bench_370m 360 python3 experiments/bench_gpu.py --size 370m \
+    step bench_370m 420 python3 experiments/bench_gpu.py --size 370m \
+        --runs none,reference,gockpt-o,gockpt-o-k,dcp-async,async-o,async --trace gockpt-o-k \
+        --run-timeout 90 \
         --json "$OUT/bench_370m.json" --markdown "$OUT/bench_370m.md"
+fi
+if wants second; then
+    # entry points (gockpt.optimizer_adapters) without touching the network or the dependencies
+    step install 90 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
+    # which DeepSpeed ops this machine can build (its CUDA FusedAdam needs a CUDA compiler)
+    step ds_report 60 python3 -m deepspeed.env_report
+    pytest_step gpu_deepspeed 300 "${PAR[@]}" tests/gpu/test_gpu_deepspeed.py
+    step bench_370m_ds 240 python3 experiments/bench_gpu.py --size 370m \
+        --runs ds-none,ds-native,ds-gockpt-o,ds-async-o --run-timeout 120 \
+        --json "$OUT/bench_370m_ds.json" --markdown "$OUT/bench_370m_ds.md"
+    step golden_record_ds 90 python3 experiments/record_golden.py \
+        "$OUT/golden-fresh-ds.safetensors" --deepspeed
+    pytest_step golden_fresh_ds 60 GOCKPT_GOLDEN="$OUT/golden-fresh-ds.safetensors" \
+        tests/replay/test_replay_arithmetic_golden.py
+    pytest_step golden_stored 120 "${PAR[@]}" tests/replay
+    pytest_step never_wrong 150 "${PAR[@]}" tests/test_never_wrong.py \
+        tests/test_partial_replay.py tests/capture
 fi
 if wants large; then
     step bench_2.2b 540 python3 experiments/bench_gpu.py --size 2.2b \
