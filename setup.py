@@ -33,12 +33,19 @@ CXX_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fno-m
 
 sources = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
 
+# A toolchain that links libstdc++ statically into the extension (the lent H200 machine's
+# /opt/gcc does: `ldd` shows no libstdc++) leaves that copy's symbols exported, and the dynamic
+# linker binds them to the older libstdc++ torch loaded first: gockpt._C segfaulted at import.
+# Hidden, each extension keeps its own copy; with a shared libstdc++ the flag changes nothing.
+LINK_FLAGS = ["-Wl,--exclude-libs,ALL"]
+
 ext_modules = [
     Pybind11Extension(
         "gockpt._C",
         sources,
         include_dirs=["csrc"],
         extra_compile_args=CXX_FLAGS,
+        extra_link_args=LINK_FLAGS,
         libraries=["pthread", "dl"],
         cxx_std=17,
     ),
@@ -51,6 +58,7 @@ ext_modules = [
         extra_compile_args=["-O2", "-g0", "-std=c++20", "-fvisibility=hidden",
                             "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_tensors",
                             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"],
+        extra_link_args=LINK_FLAGS,
     ),
 ]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -187,7 +188,13 @@ def summarise(setup: Setup, timing: Timing, extra: dict, step_s: Optional[float]
                     sum(timing.lost[s] + (max(0.0, timing.update[s] - setup.update_s)
                                           if timing.update else 0.0) for s in steps))
     base = step_s * len(timing.wall)
+    inside = {s for window in timing.windows for s in window}
     return {"blocked_median_s": statistics.median(lost) if lost else None,
+            # what the steps outside every window took beyond the loop's median step (a run's
+            # start: its host memory, the first steps' warm-up)
+            "wall_lost_outside_windows_s": sum(max(0.0, w - step_s) for s, w in
+                                               enumerate(timing.wall) if s not in inside),
+            "wall_steps_s": [round(w, 5) for w in timing.wall],
             "blocked_first_s": lost[0] if lost else None,
             "blocked_all_s": lost,
             # every loop alike: what the window's steps took beyond the loop's median step
@@ -385,6 +392,19 @@ class _CudaCopier(_Copier):
             self.pending = None
 
 
+def plain(tree, path: str = "state"):
+    """``tree`` with its mappings as dicts: torch 2.11's DefaultStager failed on the H200 with
+    ``KeyError: <class 'type'>`` reconstructing an object of the state dicts (2.13's does not);
+    a leaf that is not a tensor, number, string or None is said on stderr."""
+    if isinstance(tree, dict):
+        return {k: plain(v, f"{path}[{k!r}]") for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(plain(v, f"{path}[{i}]") for i, v in enumerate(tree))
+    if not isinstance(tree, (torch.Tensor, int, float, str, type(None))):
+        print(f"dcp-async: {path} is a {type(tree).__name__}", file=sys.stderr)
+    return tree
+
+
 def run_dcp_async(setup: Setup) -> dict:
     """torch.distributed.checkpoint.async_save with DefaultStager as PyTorch's "zero-overhead"
     checkpointing sets it up (CUDA): pinned host buffers, the device-to-host copy on a
@@ -405,7 +425,7 @@ def run_dcp_async(setup: Setup) -> dict:
         if state["pending"] is not None:
             _result(state["pending"]).result()
         state["dir"] = os.path.join(setup.work, f"dcp-{step}")
-        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        sd = plain({"model": model.state_dict(), "optim": opt.state_dict()})
         state["pending"] = dcp.async_save(sd, checkpoint_id=state["dir"], async_stager=stager,
                                           no_dist=True)
         windows.append(range(step - 1, step + 1))

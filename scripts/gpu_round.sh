@@ -40,8 +40,16 @@ OUT=${1:?usage: scripts/gpu_round.sh OUTDIR [first] [second] [large] [remote]}
 shift
 PARTS=" ${*:-first second} "
 mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+DEST=$(cd "$OUT" && pwd)
+# A device call brings back 8 files of its $OUT at most: the round writes into a folder of its
+# own and DEST gets round.tgz (all of it, packed again after every step: a call cut short still
+# brings back what ran), summary.txt and report.md.
+OUT=$(mktemp -d /tmp/gpu-round.XXXXXX)
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+pack() {
+    tar czf "$DEST/round.tgz.part" -C "$OUT" . && mv "$DEST/round.tgz.part" "$DEST/round.tgz"
+    cp "$OUT/summary.txt" "$DEST/" 2> /dev/null || true
+}
 BUDGET=${GPU_ROUND_BUDGET_S:-570}
 failed=0
 printf 'step\trc\tseconds\tlimit\tlast line\n' > "$OUT/steps.tsv"
@@ -69,6 +77,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAM
     printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" "$last" >> "$OUT/steps.tsv"
     echo "   rc=$rc, $((SECONDS - t0)) s; $last" | tee -a "$OUT/summary.txt"
     [ $rc -eq 0 ] || failed=$((failed + 1))
+    pack
 }
 
 pytest_step() {  # pytest_step NAME LIMIT_S [VAR=VALUE...] PYTEST ARGS...: with an XML report
@@ -89,6 +98,19 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 step build 240 python3 setup.py build_ext --inplace
+# gockpt's extensions must import before anything else can run (the H200 machine's toolchain once
+# gave a gockpt._C that segfaulted at import). If they do not, the compiler's own libstdc++ is
+# preloaded for the rest of the round, and the summary says so.
+IMPORT='import gockpt._C, gockpt._tensors, gockpt; print("gockpt imports; isa", gockpt._C.isa())'
+step import 60 python3 -c "$IMPORT"
+if ! python3 -c "$IMPORT" > /dev/null 2>&1; then
+    LIBSTDCXX=$(${CXX:-g++} -print-file-name=libstdc++.so.6 2> /dev/null)
+    if [ -f "$LIBSTDCXX" ] && LD_PRELOAD=$LIBSTDCXX python3 -c "$IMPORT" > /dev/null 2>&1; then
+        export LD_PRELOAD=$LIBSTDCXX
+        echo "== import: works with LD_PRELOAD=$LIBSTDCXX (set for the rest of the round)" \
+            | tee -a "$OUT/summary.txt"
+    fi
+fi
 # pytest-xdist where carried: the GPU tests in several processes sharing the GPU; pytest-timeout:
 # a test that hangs fails alone (with every thread's stack) instead of taking the step's time
 PAR=()
@@ -144,4 +166,6 @@ fi
 echo "failed steps: $failed" | tee -a "$OUT/summary.txt"
 python3 experiments/gpu_report.py "$OUT" > "$OUT/report.log" 2>&1 \
     || echo "report.md not written: see report.log" | tee -a "$OUT/summary.txt"
+pack
+cp "$OUT/report.md" "$DEST/" 2> /dev/null || true
 exit $failed

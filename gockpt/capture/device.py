@@ -19,7 +19,9 @@ the simulated device exercises, line for line, the code the GPU runs.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, ContextManager, List, Optional, Protocol, Tuple
 
 import numpy as np
@@ -325,6 +327,23 @@ class _PinnedMapping(mmap.mmap):
                 pass
 
 
+PREFAULT_CHUNK = 1 << 28
+
+
+def prefault(address: int, nbytes: int, threads: int = 4) -> None:
+    """Touch every page of ``[address, address + nbytes)`` (a fresh mapping), in chunks on a
+    few threads without the GIL (ctypes releases it). Registering memory with the GPU's driver
+    holds driver-wide locks -- every CUDA call of the training thread waits meanwhile -- and
+    faulting the pages in is most of that time when the driver does it: on an H200, staging
+    registered on a background thread cost the loop about 0.5 s per GB (docs/gpu.md). Faulted
+    here first, the registration only pins them."""
+    starts = range(0, nbytes, PREFAULT_CHUNK)
+    with ThreadPoolExecutor(max(1, min(threads, len(starts))),
+                            thread_name_prefix="gockpt-prefault") as pool:
+        list(pool.map(lambda o: ctypes.memset(address + o, 0, min(PREFAULT_CHUNK, nbytes - o)),
+                      starts))
+
+
 def pinned_exact(numel: int, dtype: torch.dtype, register: Callable[[int, int], bool],
                  unregister: Callable[[int], None],
                  fallback: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -340,6 +359,7 @@ def pinned_exact(numel: int, dtype: torch.dtype, register: Callable[[int, int], 
         return torch.empty(0, dtype=dtype)
     mapping = _PinnedMapping(-1, nbytes)
     tensor = torch.frombuffer(mapping, dtype=dtype)  # holds the mapping while it lives
+    prefault(tensor.data_ptr(), nbytes)
     if not register(tensor.data_ptr(), nbytes):
         return fallback()
     mapping.address, mapping.unregister = tensor.data_ptr(), unregister

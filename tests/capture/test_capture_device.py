@@ -59,6 +59,29 @@ def test_pinned_buffers_are_registered_at_their_size_until_the_last_view_is_gone
     assert calls == [("register", address, 12000), ("unregister", address)]
 
 
+def resident_fraction(address: int, nbytes: int) -> float:
+    """The fraction of the pages of a page-aligned range that are in memory (mincore)."""
+    import ctypes
+    import mmap
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) == 0
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_the_pages_are_faulted_in_before_the_driver_registers_them(monkeypatch):
+    """Faulting pages in while registering holds the driver's locks (the training thread's
+    CUDA calls wait): the buffer is touched first, in several chunks."""
+    from gockpt.capture import device
+    monkeypatch.setattr(device, "PREFAULT_CHUNK", 1 << 16)
+    seen = []
+    buf = pinned_exact(300_000, torch.float32,
+                       lambda a, n: seen.append(resident_fraction(a, n)) or True,
+                       lambda a: None, fallback=None)
+    assert seen == [1.0] and int(buf.count_nonzero()) == 0
+
+
 def test_pinned_buffers_fall_back_where_registering_fails():
     calls = []
     fallback = torch.zeros(5, dtype=torch.bfloat16)
