@@ -787,6 +787,27 @@ def test_each_rank_reads_only_its_slices_of_an_fsdp2_checkpoint_from_the_store(
     assert all(abs(r - stored / 4) <= 0.2 * stored / 4 for r in read), (read, stored)
 
 
+@pytest.mark.slow
+def test_a_dcp_save_on_two_ranks_is_uploaded_whole_and_loads_from_the_store(
+        tmp_path, url, monkeypatch):
+    """dcp.save through GockptWriter(remote=...) on 2 gloo ranks (DDP): the coordinator
+    uploads every rank's part, the other rank starts no uploads (ranks_worker's dcpsave);
+    with the local directory gone, gockpt.load on 2 fresh ranks reads the store and gets the
+    state the saving run gathered, bit for bit (its dcpgload)."""
+    monkeypatch.setenv("GOCKPT_TEST_REMOTE", url)
+    directory = str(tmp_path / "ddp")
+    run_ranks(directory, "dcpsave:adamw:ddp", world=2, worker="ranks_worker")
+    name = storage.checkpoint_name(ranks_worker.SAVE_AT[-1])
+    assert list_checkpoints(url) == [name] and read_latest(url)[0] == name
+    bucket, prefix = remote.bucket_of(url)
+    stored = sorted(o["path"][len(prefix) + 1:] for o in bucket.list_all(prefix)
+                    if o["path"].startswith(f"{prefix}/{name}/"))
+    assert stored == [f"{name}/{rel}" for rel in every_object(directory, name)]
+    assert any("rank-00001/" in rel for rel in stored)
+    shutil.rmtree(directory)
+    run_ranks(directory, "dcpgload:adamw:ddp", world=2, worker="ranks_worker")
+
+
 def loads_equal_small(source):
     model, opt, sched = H.build()
     gockpt.load(source, model, opt, scheduler=sched)

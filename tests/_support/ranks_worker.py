@@ -390,12 +390,21 @@ def dcp_save(directory: str, rank: int, mode: str, kind: str) -> None:
     if rank == 0:
         torch.save({**full, "scheduler": sched.state_dict()}, f"{directory}.global.pt")
     msd, osd = get_state_dict(model, opt)
-    writer = GockptWriter(directory, step=SAVE_AT[-1], chunk_bytes=8192)
+    writer = GockptWriter(directory, step=SAVE_AT[-1], chunk_bytes=8192, **remote_tier())
     dcp.save({"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(),
               "train_state": {"step": SAVE_AT[-1], "tokens": torch.tensor(12345)}},
              storage_writer=writer)
     if rank == 0:  # (the coordinator commits it)
         assert writer.path == os.path.join(directory, storage.checkpoint_name(SAVE_AT[-1]))
+    if os.environ.get("GOCKPT_TEST_REMOTE"):  # the coordinator alone uploads, every part
+        from gockpt.storage.dcp import wait_uploads
+        statuses = wait_uploads(120)
+        if rank == 0:
+            [status] = statuses
+            assert status.error is None and not status.pending, status
+            assert storage.checkpoint_name(SAVE_AT[-1]) in status.uploaded, status
+        else:
+            assert statuses == [], statuses
 
 
 def dcp_gockpt_load(directory: str, rank: int, mode: str, kind: str) -> None:
@@ -406,7 +415,7 @@ def dcp_gockpt_load(directory: str, rank: int, mode: str, kind: str) -> None:
     model, opt, sched = dcp_objects(mode, kind)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        restored = gockpt.load(directory, model, opt)
+        restored = gockpt.load(os.environ.get("GOCKPT_TEST_REMOTE") or directory, model, opt)
     saved = assert_state_at_f(directory, rank, model, opt, "gockpt.load of DCP's save")
     extra = restored.extra_state
     assert restored.step == SAVE_AT[-1] and not restored.rng_restored
