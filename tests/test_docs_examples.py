@@ -7,6 +7,7 @@ block in neither list fails a test, so a new example is either run here or named
 
 import os
 import re
+import uuid
 
 import pytest
 import torch
@@ -18,11 +19,9 @@ PAGES = ["README.md"] + sorted(f"docs/{p}" for p in os.listdir(os.path.join(ROOT
                                if p.endswith(".md"))
 
 NOT_RUN = {  # (page, block index): why, and where it is covered
-    ("docs/dcp.md", 1): "an S3 store: tests/test_remote.py (the DCP writer's uploads)",
     ("docs/deepspeed.md", 0): "a DeepSpeed engine: tests/integrations/test_deepspeed.py",
     ("docs/interval.md", 0): "signatures, not code: tests/test_interval.py",
     ("docs/memory-tier.md", 0): "its training loop is elided: tests/test_memory_tier.py",
-    ("docs/object-storage.md", 0): "an S3 store: tests/test_remote.py",
     ("docs/resharding.md", 1): "FSDP2 on several ranks: tests/test_many_ranks.py",
     ("docs/resharding.md", 2): "ZeRO on several ranks: tests/integrations/test_deepspeed.py",
     ("docs/transformers.md", 0): "its TrainingArguments are elided: "
@@ -134,10 +133,41 @@ def _resumed_at_the_end(ns) -> None:
     assert ns["start"] == 500  # (run again: from its checkpoint of step 500, nothing left)
 
 
+def _dcp_names(ns):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from gockpt.storage.dcp import GockptWriter
+    model_sd, optim_sd = get_state_dict(ns["model"], ns["optimizer"])
+    return {**ns, "dcp": dcp, "GockptWriter": GockptWriter, "step": 5,
+            "state": {"model": model_sd, "optimizer": optim_sd}}
+
+
+def _dcp_uploaded(ns) -> None:
+    from gockpt.storage.dcp import wait_uploads
+    url = f"s3://{os.environ['GOCKPT_DOCS_BUCKET']}/runs/run1"
+    [status] = [s for s in wait_uploads(120) if s.url == url]
+    name = gockpt.storage.checkpoint_name(5)
+    assert status.error is None and status.uploaded == [name], status
+    assert gockpt.verify(f"{url}/{name}").ok
+
+
+def _restored_from_the_store(ns) -> None:
+    assert ns["restored"].step == 100 and ns["restored"].path.startswith("s3://")
+
+
+# The examples that name an S3 store run against a real one (SeaweedFS, as tests/test_remote.py):
+# its bucket "my-bucket" stands for a fresh bucket of each test.
+S3 = {("docs/dcp.md", 1), ("docs/object-storage.md", 0)}
+
+
 SETUP = {  # (page, block index): the names the block assumes, the run directory to verify,
     #        what to check of the names after it ran, and how many times it runs there
     ("README.md", 0): (_custom_loop, "checkpoints/run1", None, 1),
     ("docs/dcp.md", 0): (lambda: {**_plain(), "step": 5}, "checkpoints/run1", None, 1),
+    ("docs/dcp.md", 1): (lambda: _dcp_names(_plain()), "checkpoints/run1", _dcp_uploaded, 1),
+    ("docs/object-storage.md", 0): (_custom_loop, "checkpoints/run1",
+                                    _restored_from_the_store, 1),
     ("docs/lightning.md", 0): (_lightning, "checkpoints/run1", None, 1),
     ("docs/lightning.md", 1): (_lightning_saves, "checkpoints/run1", _saved_as_pointers, 1),
     ("docs/resharding.md", 0): (lambda: _saved(_plain()), "checkpoints/run1",
@@ -148,6 +178,27 @@ SETUP = {  # (page, block index): the names the block assumes, the run directory
 }
 
 
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    from tests._support.s3server import S3Server
+    server = S3Server(str(tmp_path_factory.mktemp("seaweedfs")))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server, monkeypatch):
+    """A fresh bucket of the server, its credentials and endpoint in the environment."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    name = f"docs-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(name)
+    s3_server.warm(name)
+    monkeypatch.setenv("GOCKPT_DOCS_BUCKET", name)
+    return name
+
+
 def test_every_example_is_run_here_or_named_with_its_test():
     found = set(blocks())
     assert not set(SETUP) & set(NOT_RUN)
@@ -156,9 +207,11 @@ def test_every_example_is_run_here_or_named_with_its_test():
 
 
 @pytest.mark.parametrize("page,index", list(SETUP), ids=[f"{p}:{i}" for p, i in SETUP])
-def test_the_docs_examples_run_as_written(page, index, tmp_path, monkeypatch):
+def test_the_docs_examples_run_as_written(page, index, tmp_path, monkeypatch, request):
     code = blocks()[(page, index)]
     monkeypatch.chdir(tmp_path)
+    if (page, index) in S3:
+        code = code.replace("s3://my-bucket/", f"s3://{request.getfixturevalue('bucket')}/")
     setup, run_dir, check, runs = SETUP[(page, index)]
     for _ in range(runs):  # (a second run resumes from what the first saved)
         namespace = setup()

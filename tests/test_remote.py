@@ -234,7 +234,8 @@ def test_a_dcp_writer_uploads_its_checkpoints_and_they_load_from_the_store(tmp_p
         dcp_save(model, opt, directory, step, keep_last=2, remote=url, remote_keep_last=2,
                  remote_options=fast()["remote_options"])
         states[step] = H.snapshot(model, opt)
-    [status] = wait_uploads(120)
+    # (this process's other uploads: other tests' in the same pytest worker)
+    [status] = [s for s in wait_uploads(120) if s.url == url]
     assert status.error is None and not status.pending and not status.uploading, status
     assert storage.checkpoint_name(3) in status.uploaded
     assert list_checkpoints(url) == [storage.checkpoint_name(2), storage.checkpoint_name(3)]
