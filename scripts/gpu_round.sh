@@ -19,7 +19,9 @@
 #           vectors recorded afresh from this GPU's Adam/AdamW kernels with every replay profile
 #           checked against them, and bench_gpu.py --size 370m: none, the copy-only reference,
 #           gockpt-o (K chosen, and K = 4), DCP's async_save with its pinned stager, async-o,
-#           async; then gockpt-o-k once more under torch.profiler (trace-gockpt-o-k.txt)
+#           async; then gockpt-o-k once more under torch.profiler (trace-gockpt-o-k.txt); before
+#           it, bench_pinning.py: what pinning 4 GB on a background thread costs the training
+#           thread, four ways
 #   second  gockpt's entry points registered (the DeepSpeed FusedAdam adapter), DeepSpeed's
 #           op report, its CUDA engines (tests/gpu/test_gpu_deepspeed.py), ZeRO 1 bf16 at 370m
 #           (none, native save_checkpoint, the patched one in async-o and gockpt-o), golden
@@ -123,6 +125,9 @@ if wants first; then
     step golden_record 60 python3 experiments/record_golden.py "$OUT/golden-fresh.safetensors"
     pytest_step golden_fresh 60 GOCKPT_GOLDEN="$OUT/golden-fresh.safetensors" \
         tests/replay/test_replay_arithmetic_golden.py
+    # what pinning host memory on a background thread costs the training thread, four ways
+    step bench_pinning 60 python3 experiments/bench_pinning.py --gb 4 \
+        --json "$OUT/bench_pinning.json"
     step bench_370m 420 python3 experiments/bench_gpu.py --size 370m \
         --runs none,reference,gockpt-o,gockpt-o-k,dcp-async,async-o,async --trace gockpt-o-k \
         --run-timeout 90 \
