@@ -34,8 +34,12 @@ What it does to Lightning's loop (``setup``, for ``fit``):
   durable, the file ``ModelCheckpoint`` named holds a pointer to it (rank 0; a small JSON
   file): ``ckpt_path="last"`` / ``"best"`` / that file resume from the gockpt checkpoint.
 
+Under FSDP2 (``ModelParallelStrategy``, data parallel) each rank checkpoints its shards;
+the strategy reads checkpoints itself after ``on_fit_start``, so its ``load_checkpoint``
+restores a gockpt checkpoint there.
+
 Refused (ConfigError when ``fit`` starts): manual optimization, a strategy other than one
-device or DDP (FSDP and DeepSpeed restore after ``on_fit_start`` and step otherwise), more
+device, DDP or FSDP2 through ModelParallelStrategy without tensor parallelism, more
 than one optimizer or scheduler, an optimizer that needs a closure (LBFGS), a precision other
 than 32-true and bf16-mixed (16-mixed's GradScaler skips steps: not yet;
 the "-true" half and double precisions train other than fp32 weights, which the replay needs).
@@ -111,9 +115,14 @@ class GockptCallback(pl.Callback):
         if str(trainer.precision) not in PRECISIONS:
             raise ConfigError(f"GockptCallback: precision {trainer.precision!r} is not "
                               f"supported; use one of {', '.join(PRECISIONS)}")
-        if type(trainer.strategy).__name__ not in ("SingleDeviceStrategy", "DDPStrategy"):
-            raise ConfigError(f"GockptCallback: strategy {type(trainer.strategy).__name__} is "
-                              "not supported; one device or DDP")
+        strategy = type(trainer.strategy).__name__
+        if strategy not in ("SingleDeviceStrategy", "DDPStrategy", "ModelParallelStrategy") or \
+                getattr(trainer.strategy, "_tensor_parallel_size", 1) not in (1, "auto"):
+            raise ConfigError(f"GockptCallback: strategy {strategy} is not supported; one "
+                              "device, DDP, or FSDP2 (ModelParallelStrategy, data parallel)")
+        if strategy == "ModelParallelStrategy" and "load_checkpoint" not in vars(trainer.strategy):
+            trainer.strategy.load_checkpoint = types.MethodType(
+                _load_through(self, trainer.strategy.load_checkpoint), trainer.strategy)
         plugin = trainer.strategy.precision_plugin
         plugin.optimizer_step = types.MethodType(_closure_first(self), plugin)
         if "save_checkpoint" not in vars(trainer):  # (every rank calls it, every caller)
@@ -121,22 +130,24 @@ class GockptCallback(pl.Callback):
                                                        trainer)
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self._resume is None:
-            return
+        if self._resume is not None:
+            self._restore(trainer, trainer._checkpoint_connector._loaded_checkpoint)
+
+    def _restore(self, trainer, loaded: dict) -> None:
+        """gockpt.load of the checkpoint ``ckpt_path`` named, into the fit's model, optimizer
+        and scheduler; ``loaded``: what Lightning restores next, from what ckpt_path gave it
+        (made the states gockpt.load just put in place)."""
         top, self._resume = self._resume, None
         optimizer, scheduler = _optimizer_of(trainer), _scheduler_of(trainer)
-        gockpt.load(top, pl_module, optimizer, scheduler=scheduler)
-        # Lightning restores the optimizer and scheduler next, from what ckpt_path gave it:
-        # the states gockpt.load just put in place
-        loaded = trainer._checkpoint_connector._loaded_checkpoint
+        gockpt.load(top, trainer.lightning_module, optimizer, scheduler=scheduler)
         loaded["optimizer_states"] = [optimizer.state_dict()]
         loaded["lr_schedulers"] = [scheduler.state_dict()] if scheduler is not None else []
 
     def on_train_start(self, trainer, pl_module) -> None:
         # the LightningModule itself (its names, whatever wraps it: a checkpoint loads on any
         # number of devices), its replicas declared as such on several (DDP)
-        options = {"replicated": True, **self.options} if trainer.world_size > 1 \
-            else self.options
+        ddp = trainer.world_size > 1 and type(trainer.strategy).__name__ == "DDPStrategy"
+        options = {"replicated": True, **self.options} if ddp else self.options
         self._in_step = False  # (a fit that raised before left it set)
         if isinstance(_optimizer_of(trainer), torch.optim.LBFGS):
             raise ConfigError("GockptCallback: LBFGS needs its closure inside the step; gockpt "
@@ -289,10 +300,34 @@ def _closure_first(callback: GockptCallback):
     return optimizer_step
 
 
+def _load_through(callback: GockptCallback, strategy_load):
+    """ModelParallelStrategy's ``load_checkpoint`` (it reads checkpoints itself, after its
+    setup and ``on_fit_start``): a gockpt checkpoint restored there, anything else its own."""
+    def load_checkpoint(strategy, checkpoint_path, weights_only=None):
+        io = strategy.checkpoint_io
+        if not isinstance(io, _GockptIO) or io.gockpt_path(checkpoint_path) is None:
+            return strategy_load(checkpoint_path, weights_only)
+        loaded = io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if callback._resume is not None:
+            callback._restore(callback._trainer, loaded)
+        return loaded
+    return load_checkpoint
+
+
 def _loop_state(trainer) -> dict:
     """Lightning's own state at F (what ``trainer.save_checkpoint`` writes), less what gockpt's
-    checkpoint holds itself."""
-    state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    checkpoint holds itself (under FSDP2 not even gathered: ModelParallelStrategy's state dicts
+    are the whole model's, on every checkpoint)."""
+    strategy = trainer.strategy
+    skip = type(strategy).__name__ == "ModelParallelStrategy"
+    if skip:
+        strategy.lightning_module_state_dict = lambda: {}
+        strategy.optimizer_state = lambda optimizer: {}
+    try:
+        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    finally:
+        if skip:
+            del strategy.lightning_module_state_dict, strategy.optimizer_state
     return {k: v for k, v in state.items() if k not in _OWN}
 
 
@@ -315,13 +350,20 @@ class _GockptIO(CheckpointIO):
     def teardown(self) -> None:
         self.inner.teardown()
 
-    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+    @staticmethod
+    def gockpt_path(path) -> Optional[str]:
+        """The gockpt run or checkpoint directory ``path`` names (itself, or a file
+        ``ModelCheckpoint`` named pointing to one); None for anything else."""
         path = os.fspath(path)
         if os.path.isfile(path):
             path = pointed(path) or path  # (a file ModelCheckpoint named: its checkpoint)
-        if not os.path.isdir(path):
+        return path if os.path.isdir(path) else None
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        if self.gockpt_path(path) is None:
             return self.inner.load_checkpoint(path, map_location=map_location,
                                               weights_only=weights_only)
+        path = self.gockpt_path(path)
         top, rest = extra_state_of(path)
         if not isinstance(rest, dict) or "loops" not in rest:
             raise ConfigError(f"{top} holds no Lightning loop state (not written by "

@@ -9,7 +9,8 @@ state to OUT. With ``modelcheckpoint``, gockpt's checkpoints are a ModelCheckpoi
 each epoch's end, the best two by the training loss and the last: files in RUN_DIR-files,
 which OUT lists) and ``resume`` is from ``"last"``; ``epoch_lr``: the scheduler halves the rate
 after each epoch (Lightning steps it after the epoch's end). Several ranks (RANK / WORLD_SIZE set, as torchrun's): DDP, Lightning seeing
-torchrun's environment."""
+torchrun's environment; ``fsdp2``: FSDP2 instead (ModelParallelStrategy, the layers sharded
+in ``configure_model``), the final state gathered."""
 
 import json
 import os
@@ -28,9 +29,9 @@ BATCHES = 8 // WORLD  # per epoch and rank (DDP's sampler splits the 8 batches)
 
 
 class Small(pl.LightningModule):
-    def __init__(self, die_at=None, epoch_lr=False):
+    def __init__(self, die_at=None, epoch_lr=False, fsdp2=False):
         super().__init__()
-        self.epoch_lr = epoch_lr
+        self.epoch_lr, self.fsdp2 = epoch_lr, fsdp2
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 128), torch.nn.Tanh(),
                                        torch.nn.Linear(128, 1))
@@ -45,6 +46,13 @@ class Small(pl.LightningModule):
             self.gockpt.wait()  # (the checkpoints so far durable: the kill comes after)
             os.kill(os.getpid(), signal.SIGKILL)
         return loss
+
+    def configure_model(self):
+        if self.fsdp2:  # (ModelParallelStrategy calls it on each rank, its device mesh set)
+            from torch.distributed.fsdp import fully_shard
+            for layer in (self.net[0], self.net[2]):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
@@ -64,6 +72,14 @@ def kept_files(run, saves) -> dict:
                        for f in sorted(os.listdir(folder))}}
 
 
+def strategy(flags):
+    """DDP on several ranks; with ``fsdp2``, FSDP2 (ModelParallelStrategy, data parallel)."""
+    if "fsdp2" in flags:
+        from pytorch_lightning.strategies import ModelParallelStrategy
+        return ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+    return "ddp" if WORLD > 1 else "auto"
+
+
 def main():
     run, out, precision, *flags = sys.argv[1:]
     die = next((int(f.split(":")[1]) for f in flags if f.startswith("die:")), None)
@@ -72,7 +88,7 @@ def main():
                           LOCAL_WORLD_SIZE=str(WORLD), TORCHELASTIC_RUN_ID="gockpt-test")
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
-    model = Small(die, epoch_lr="epoch_lr" in flags)
+    model = Small(die, epoch_lr="epoch_lr" in flags, fsdp2="fsdp2" in flags)
     files = "modelcheckpoint" in flags  # ModelCheckpoint's saves at each epoch's end: gockpt's
     model.gockpt = GockptCallback(run, every_n_train_steps=None if files else BATCHES,
                                   overlap_steps=2,
@@ -81,14 +97,17 @@ def main():
                              monitor="train_loss", save_last=True)] if files else []
     trainer = pl.Trainer(
         max_epochs=4, accelerator="cpu", devices=WORLD,
-        strategy="ddp" if WORLD > 1 else "auto", precision=precision,
+        strategy=strategy(flags), precision=precision,
         callbacks=[model.gockpt, *saves],
         gradient_clip_val=0.5, logger=False, enable_checkpointing=files,
         enable_progress_bar=False, enable_model_summary=False)
     resume = ("last" if files else run) if "resume" in flags else None
     trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=resume)
+    state = model.state_dict()
+    if "fsdp2" in flags:  # (gathered on every rank: a collective)
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
     if trainer.global_rank == 0:
-        torch.save({"losses": model.losses, "state": model.state_dict(),
+        torch.save({"losses": model.losses, "state": state,
                     "files": kept_files(run, saves[0]) if files else None}, out)
     print(f"rank {trainer.global_rank}: done at step {trainer.global_step}", flush=True)
 

@@ -1,7 +1,7 @@
 """gockpt in PyTorch Lightning's loop (gockpt.integrations.lightning.GockptCallback): a fit
 killed with SIGKILL and resumed from gockpt's checkpoint in a fresh process goes on bit for bit
 like an uninterrupted one (every later step's loss, the final state) -- one process in 32-true
-and bf16-mixed, DDP on 2 ranks; what the callback cannot follow is refused."""
+and bf16-mixed, DDP and FSDP2 on 2 ranks; what the callback cannot follow is refused."""
 
 import json
 import os
@@ -45,14 +45,15 @@ def _run(tmp_path, name, precision, world, *flags, expect_killed=False):
     return torch.load(out, weights_only=True)
 
 
-@pytest.mark.parametrize("precision,world", [("32-true", 1), ("bf16-mixed", 1),
-                                             ("32-true", 2)])
-def test_a_killed_fit_resumes_from_gockpt_bit_for_bit(tmp_path, precision, world):
-    full = _run(tmp_path, "full", precision, world)
-    _run(tmp_path, "run", precision, world, "die:13", expect_killed=True)
+@pytest.mark.parametrize("precision,world,more", [
+    ("32-true", 1, ()), ("bf16-mixed", 1, ()), ("32-true", 2, ()),
+    ("32-true", 2, ("fsdp2",))])  # (FSDP2: ModelParallelStrategy, each rank its shards)
+def test_a_killed_fit_resumes_from_gockpt_bit_for_bit(tmp_path, precision, world, more):
+    full = _run(tmp_path, "full", precision, world, *more)
+    _run(tmp_path, "run", precision, world, "die:13", *more, expect_killed=True)
     saved = gockpt.storage.list_checkpoints(str(tmp_path / "run"))
     assert saved, "a checkpoint committed before the kill"
-    resumed = _run(tmp_path, "run", precision, world, "resume")
+    resumed = _run(tmp_path, "run", precision, world, "resume", *more)
     start = min(step for step, _ in resumed["losses"])
     assert f"step-{start:09d}" == saved[-1]  # from the newest checkpoint on
     assert resumed["losses"] == [(s, v) for s, v in full["losses"] if s >= start]
@@ -71,10 +72,11 @@ def test_a_killed_fit_resumes_from_gockpt_bit_for_bit(tmp_path, precision, world
         assert why is None, why
 
 
-@pytest.mark.parametrize("world,more", [(1, ()), (2, ()), (1, ("epoch_lr",))])
+@pytest.mark.parametrize("world,more", [(1, ()), (2, ("fsdp2",)), (1, ("epoch_lr",))])
 def test_model_checkpoint_saves_are_gockpt_checkpoints_and_last_resumes_bit_for_bit(tmp_path,
                                                                                      world, more):
-    """ModelCheckpoint's saves (each epoch's end, the best two, the last) are gockpt
+    """ModelCheckpoint's saves (each epoch's end, the best two, the last; on 2 ranks under
+    FSDP2, each rank its shards) are gockpt
     checkpoints of their steps, its files pointers to them, written once they are durable:
     killed at step 13, ``last.ckpt`` names the checkpoint of the last epoch's end before, and
     ``fit(ckpt_path="last")`` goes on bit for bit, keeping the files the uninterrupted fit
