@@ -109,10 +109,11 @@ class Checkpointer(Lifecycle):
         if self.config.replicated is None and is_replicated(model):
             self.config.replicated = True  # (None: DTensors replicated as their placements say)
         self.plan = self._new_plan()
-        if self.config.memory_log is not None and self.ranks.several and (
-                self.plan.dtensors or self.config.replicated is not True):
-            raise ConfigError("memory_log: the step log keeps one process's or DDP's steps; "
-                              "with other ranks (FSDP2) leave it off (memory= alone works)")
+        if self.config.memory_log is not None and self.ranks.several and not (
+                self.plan.dtensors or self.config.replicated is True):
+            raise ConfigError("memory_log: the step log keeps one process's, DDP's or "
+                              "FSDP2's steps; with ranks of other models leave it off "
+                              "(memory= alone works)")
         ensure_writable(self.config.directory)
         self.lock = lock_for_ranks(self.config.directory, self.ranks)
         self.adapter = None

@@ -14,9 +14,10 @@ it; anything that does not match (a damaged entry, a digest) loads the checkpoin
 crash then costs the step in progress (and the last one, when its entry was not written yet),
 not the steps since the checkpoint.
 
-On several ranks (replicated parameters: DDP) each rank logs its own steps, and a restart
-replays on every rank the steps every rank has logged whole and alike; sharded parameters
-(FSDP2) not yet. The log is off where it is not asked for.
+On several ranks each rank logs its own steps -- with sharded parameters (FSDP2) its shards'
+gradients and digests --, and a restart replays on every rank the steps every rank has logged
+whole (alike, for DDP's replicas), on the ranks and shards that logged them. The log is off
+where it is not asked for.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .agree import common_prefix, everyone, several
 from .capture import smallstate
 from .core.digest import LiveDigests, as_pairs, digests, to_hex
 from .core.errors import ConfigError, CorruptCheckpointError
+from .core.memory import is_dtensor, like, local
 from .core.names import Names
 from .restored import Restored, apply_rest
 from .storage import reader, tree
@@ -48,12 +50,12 @@ def live_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     names, state, out = Names(model), optimizer.state, []
     for name, p in model.named_parameters():
         clean = names.clean(name)
-        out.append((f"param/{clean}", p.detach()))
+        out.append((f"param/{clean}", local(p.detach())))  # (FSDP2: this rank's shard)
         st = state.get(p) or {}
         for key in sorted(k for k in st if isinstance(k, str)):
             v = st[key]
             if isinstance(v, torch.Tensor) and v.shape == p.shape:
-                out.append((f"state/{clean}/{key}", v.detach()))
+                out.append((f"state/{clean}/{key}", local(v.detach())))
     return out
 
 
@@ -114,7 +116,7 @@ class StepLog:
         stepped = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         for key, p in self._params:
             if id(p) in stepped and p.grad is not None:
-                tensors[key] = p.grad.detach().to("cpu", copy=True)
+                tensors[key] = local(p.grad.detach()).to("cpu", copy=True)
         self._pending = (tensors, tree.encode(_groups(self.optimizer), tensors, "used/"))
 
     def boundary(self, step: int, extra_state) -> None:
@@ -173,8 +175,11 @@ def resume(root: Optional[str], restored: Restored, model, optimizer, scheduler,
     except Exception as exc:  # noqa: BLE001 -- unreadable: nothing to replay
         failed = exc
     # the steps every rank logged whole, of one run: DDP's replicas end each step with the
-    # same state, so the same digests (entries a crashed run left behind on one rank differ)
-    keys = [json.dumps([m["step"], m["digests"]], sort_keys=True) for _, m, _ in entries]
+    # same state, so the same digests (entries a crashed run left behind on one rank differ);
+    # FSDP2's ranks hold other shards: the same steps (each checked against its own digests)
+    sharded = any(is_dtensor(p) for p in model.parameters())
+    keys = [json.dumps([m["step"], None if sharded else m["digests"]], sort_keys=True)
+            for _, m, _ in entries]
     entries = entries[:common_prefix(keys)]
     replayed = None
     if entries:
@@ -223,8 +228,7 @@ def replay(entries: List[tuple], restored: Restored, model, optimizer, scheduler
             for path, manifest, tensors in entries:
                 if manifest["stepped"]:
                     for key, p in params.items():
-                        g = tensors.get(key)
-                        p.grad = None if g is None else g.to(p.device, p.dtype)
+                        p.grad = _gradient(tensors.get(key), p, path, key)
                     _set_groups(optimizer, tree.decode(manifest["groups_used"], tensors))
                     optimizer.step()
                 _set_groups(optimizer, tree.decode(manifest["groups_after"], tensors))
@@ -252,6 +256,19 @@ def replay(entries: List[tuple], restored: Restored, model, optimizer, scheduler
                           f"{' ...' if len(wrong) > 3 else ''})")
     return Restored(step=manifest["step"], extra_state=extra, path=path,
                     manifest=restored.manifest, rng_restored=restore_rng, resharded=False)
+
+
+def _gradient(logged: Optional[torch.Tensor], p: torch.Tensor, path: str, key: str):
+    """The logged gradient ``logged`` as ``p``'s: on its device and dtype, and for a DTensor
+    (FSDP2) the local shard on its mesh; a shard of another shape (the ranks resharded since)
+    is a CorruptCheckpointError (the caller loads the checkpoint again)."""
+    if logged is None:
+        return None
+    mine = local(p)
+    if logged.shape != mine.shape:
+        raise CorruptCheckpointError(f"{path}: {key} was logged as {tuple(logged.shape)}, this "
+                                     f"rank holds {tuple(mine.shape)} (logged on other ranks)")
+    return like(p, logged.to(mine.device, mine.dtype))
 
 
 def _set_groups(optimizer, groups) -> None:

@@ -6,7 +6,8 @@ mismatch.
 Scenarios: ``load`` -- the memory copy is a whole checkpoint of every rank, loaded bitwise on
 every rank; one byte of rank 1's part damaged in memory makes every rank load the disk's (a
 warning on each); close() removes the copies. ``hosts`` -- ranks declared on two hosts: the tier is
-off, with a warning, on every rank. ``log`` -- :func:`log_scenario`."""
+off, with a warning, on every rank. ``log`` -- :func:`log_scenario`; ``fsdp2log`` -- the
+same with the model sharded by FSDP2 (each rank logs and replays its shards)."""
 
 import os
 import shutil
@@ -34,14 +35,27 @@ def build():
     return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3)
 
 
+def build_fsdp2():
+    """The same model sharded by FSDP2 over the ranks (each layer, then the whole)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 def train(ddp, opt, ck, steps, rank):
     for s in range(steps):
         step(ddp, opt, ck, s, rank)
     ck.wait()
 
 
-def load(directory, shm):
-    ddp, opt = build()
+def load(directory, shm, make=build):
+    ddp, opt = make()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         restored = gockpt.load(directory, ddp, opt, memory_dir=shm)
@@ -53,8 +67,8 @@ def main():
     shm = os.environ["GOCKPT_TEST_SHM"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if scenario == "log":
-        return log_scenario(directory, shm, rank)
+    if scenario in ("log", "fsdp2log"):
+        return log_scenario(directory, shm, rank, build if scenario == "log" else build_fsdp2)
     if scenario == "hosts":
         ddp, opt = build()
         os.environ["GOCKPT_HOST"] = f"host-{rank}"
@@ -97,12 +111,13 @@ def main():
     print(f"rank {rank}: ok", flush=True)
 
 
-def log_scenario(directory, shm, rank):
-    """The step log on 2 DDP ranks: each rank logs its own steps; a restart replays on every
-    rank the steps every rank logged whole -- rank 1's last entry missing: both resume at the
-    step before it, bitwise; rank 0's first entry after the checkpoint damaged: both resume
-    at the checkpoint (a warning on rank 0); a load that fails on one rank fails on both."""
-    ddp, opt = build()
+def log_scenario(directory, shm, rank, make):
+    """The step log on 2 ranks (DDP, or FSDP2 from ``make``): each rank logs its own steps
+    (FSDP2: its shards'); a restart replays on every rank the steps every rank logged whole --
+    rank 1's last entry missing: both resume at the step before it, bitwise; rank 0's first
+    entry after the checkpoint damaged: both resume at the checkpoint (a warning on rank 0);
+    a load that fails on one rank fails on both."""
+    ddp, opt = make()
     ck = gockpt.Checkpointer(ddp, opt, directory, mode="gockpt-o", overlap_steps=2,
                              interval=3, memory="auto", memory_dir=shm, memory_log=1 << 24)
     snaps = {}
@@ -118,7 +133,7 @@ def log_scenario(directory, shm, rank):
     if rank == 1:  # its entry of step 8 never completed (a crash in its write)
         shutil.rmtree(os.path.join(mine, "step-000000008"))
     dist.barrier()
-    restored, got, said = load(directory, shm)
+    restored, got, said = load(directory, shm, make)
     assert restored.step == 7 and not said, (restored.step, said)
     assert restored.path == os.path.join(mine, "step-000000007"), restored.path
     assert_same(got, snaps[7])
@@ -128,13 +143,13 @@ def log_scenario(directory, shm, rank):
         held = storage.read_manifest(entry)["tensors"]
         flip_byte(entry, max(held, key=lambda name: held[name]["nbytes"]))
     dist.barrier()
-    restored, got, said = load(directory, shm)
+    restored, got, said = load(directory, shm, make)
     assert restored.step == 6, restored.step
     assert any("is damaged" in w for w in said) == (rank == 0), said
     assert_same(got, snaps[6])
     # a load that fails on rank 1 alone (an optimizer the checkpoint does not fit) fails on
     # rank 0 too, which would otherwise wait in the log's gathers for rank 1 (was: a hang)
-    ddp, opt = build()
+    ddp, opt = make()
     if rank == 1:
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     with pytest.raises(gockpt.LoadError) as failed:
