@@ -105,7 +105,7 @@ step build 240 python3 setup.py build_ext --inplace
 # preloaded for the rest of the round, and the summary says so.
 IMPORT='import gockpt._C, gockpt._tensors, gockpt; print("gockpt imports; isa", gockpt._C.isa())'
 step import 60 python3 -c "$IMPORT"
-if ! python3 -c "$IMPORT" > /dev/null 2>&1; then
+if [ $((BUDGET - SECONDS)) -ge 20 ] && ! python3 -c "$IMPORT" > /dev/null 2>&1; then
     LIBSTDCXX=$(${CXX:-g++} -print-file-name=libstdc++.so.6 2> /dev/null)
     if [ -f "$LIBSTDCXX" ] && LD_PRELOAD=$LIBSTDCXX python3 -c "$IMPORT" > /dev/null 2>&1; then
         export LD_PRELOAD=$LIBSTDCXX
