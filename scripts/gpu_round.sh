@@ -29,7 +29,7 @@
 #           suite on this machine's build
 #   large   experiments/bench_gpu.py --size 2.2b (state 26.5 GB)
 #   remote  the remote tier's blocked time, training on the GPU (needs weed in .whl/:
-#           scripts/gpu_remote_wheels.sh, 48 MB more to carry)
+#           scripts/gpu_round_wheels.sh --remote, 48 MB more to carry)
 # Every step has a time limit, within GPU_ROUND_BUDGET_S for the whole call (default 570 s: a
 # device call may run 600); a step that does not fit is reported as not run. A failing step does
 # not stop the next ones, and each writes what it measured as it goes (a cut call still brings
@@ -164,7 +164,7 @@ if wants remote; then
                 --device cuda --mode "$mode" --width 2048 --json "$OUT/bench_remote_$mode.json"
         done
     else
-        echo "== remote: not run, no weed in .whl/ (scripts/gpu_remote_wheels.sh)" \
+        echo "== remote: not run, no weed in .whl/ (scripts/gpu_round_wheels.sh --remote)" \
             | tee -a "$OUT/summary.txt"
     fi
 fi

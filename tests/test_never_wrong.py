@@ -13,7 +13,7 @@ from torch import nn
 import gockpt
 from gockpt import storage
 
-from tests._support.loops import Run, loaded, same
+from tests._support.loops import Run, loaded, overwrite_gradients, same
 
 # Patches the CPU device's own code, which the simulated asynchronous device
 # (GOCKPT_SIMULATED_DEVICE, as .ci/run sets it for a second pass) does not run.
@@ -663,15 +663,7 @@ def test_no_gradient_is_read_after_it_was_overwritten(tmp_path, zeroing):
     x = torch.randn(16, 8, 64, generator=torch.Generator().manual_seed(5))
 
     def between(step):
-        if zeroing == "model.zero_grad":
-            model.zero_grad(set_to_none=False)
-        elif zeroing == "grad.zero_":
-            for p in model.parameters():
-                p.grad.zero_()
-        else:  # another backward accumulates into the same .grad, zeroed before the next
-            model(x[step]).sum().backward()
-            for p in model.parameters():
-                p.grad.zero_()
+        overwrite_gradients(model, zeroing, lambda: model(x[step]).sum().backward())
 
     run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=4, block_bytes=4096,
               emulate_link_gbps=0.001, step_fn=lambda s: model(x[s]).square().mean(),

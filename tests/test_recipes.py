@@ -1,19 +1,19 @@
 """The recipes of the top-level integrations/ (what a user copies; not in the wheel) run as
-shipped, in fresh processes, on a tiny model: each trains with checkpoints, is stopped (killed
-with os._exit, or at the end of a shorter run), runs again with the same command, resumes from
-the newest committed checkpoint, and ends with the losses and the state digest of an
-uninterrupted run, bit for bit.  The scripts write what is compared (``--record``)."""
+shipped, in fresh processes (forked from the tests' server), on a tiny model: each trains with
+checkpoints, is stopped (killed with os._exit, or at the end of a shorter run), runs again with
+the same command, resumes from the newest committed checkpoint, and ends with the losses and
+the state digest of an uninterrupted run, bit for bit.  The scripts write what is compared
+(``--record``)."""
 
 import json
 import os
 import runpy
-import subprocess
-import sys
 
 import pytest
 
 import gockpt
 from tests._support.dist_ranks import free_port
+from tests._support.forked import Forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "integrations")
@@ -35,16 +35,20 @@ def env(**more):
 def run(script, args, cwd, world=1, expect_rc=0, timeout=300):
     """``script args`` as ``world`` ranks (torchrun's environment, gloo; one rank: plain
     ``python``, the script fills in the rest); returns rank 0's stdout.  Each rank must exit
-    with ``expect_rc``."""
+    with ``expect_rc``. Each rank is a fresh process forked from the tests' server that
+    imported torch and DeepSpeed once (tests/_support/forked.py), run as ``python script``
+    runs it: seconds of imports less per process."""
     port = str(free_port())  # not the script's default: other tests may run beside these
-    procs = [subprocess.Popen(
-        [sys.executable, script, *args], cwd=cwd, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=port) if world > 1
-        else env(MASTER_PORT=port))
-        for r in range(world)]
-    outs = [p.communicate(timeout=timeout) for p in procs]
+    procs = [Forked(script, list(args), cwd=cwd,
+                    env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port) if world > 1
+                    else env(MASTER_PORT=port))
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == expect_rc, f"rank {r} exited {p.returncode}:\n{out}\n{err[-4000:]}"
     return outs[0][0]

@@ -49,8 +49,10 @@ def _importable(name: str) -> bool:
         return False
 
 
-def _child(module: str, args: list, env: dict, out_path: str, err_path: str) -> None:
-    """In the forked process: the worker as ``python -m`` would run it."""
+def _child(module: str, args: list, env: dict, out_path: str, err_path: str,
+           cwd: Optional[str] = None) -> None:
+    """In the forked process: the worker as ``python -m`` would run it (a path ending in
+    ``.py``: the script, as ``python PATH`` would), in ``cwd`` when given."""
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
@@ -61,10 +63,16 @@ def _child(module: str, args: list, env: dict, out_path: str, err_path: str) -> 
         if path and path not in sys.path:
             sys.path.insert(0, path)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if cwd is not None:
+        os.chdir(cwd)
     sys.argv = [module, *args]
     code = 0
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module.endswith(".py"):  # (its folder first on sys.path, as python PATH puts it)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(module)))
+            runpy.run_path(module, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
@@ -95,10 +103,12 @@ def _output_dir() -> str:
 class Forked:
     """``python -m tests._support.<worker> ARGS`` forked, used like its ``subprocess.Popen``
     (text output; with ``stream``, ``stdout`` is a pipe read as it writes, as ``stdout=PIPE``
-    gives)."""
+    gives). ``worker`` a path ending in ``.py``: ``python PATH ARGS`` (the recipes), in
+    ``cwd`` when given."""
 
-    def __init__(self, worker: str, args: list, env: dict, stream: bool = False):
-        module = f"{__package__}.{worker}"
+    def __init__(self, worker: str, args: list, env: dict, stream: bool = False,
+                 cwd: Optional[str] = None):
+        module = worker if worker.endswith(".py") else f"{__package__}.{worker}"
         self._dir = _output_dir()
         self._out = os.path.join(self._dir, "stdout")
         self._err = os.path.join(self._dir, "stderr")
@@ -106,7 +116,7 @@ class Forked:
             os.mkfifo(self._out)
         self._proc = _forkserver().Process(target=_child,
                                            args=(module, list(args), dict(env), self._out,
-                                                 self._err))
+                                                 self._err, None if cwd is None else str(cwd)))
         self._proc.start()
         self.pid = self._proc.pid
         self.returncode: Optional[int] = None

@@ -103,6 +103,19 @@ class Run:
         return [h.final_step for h in self.handles if h.done() and h.error is None]
 
 
+def overwrite_gradients(model, how: str, backward_again: Callable[[], None]) -> None:
+    """What loops do to ``.grad`` in place between steps: ``model.zero_grad`` (not to None),
+    ``grad.zero_`` on each parameter, or ``accumulate``: another backward into the same
+    ``.grad`` (``backward_again()``), zeroed before the next step."""
+    if how == "model.zero_grad":
+        model.zero_grad(set_to_none=False)
+        return
+    if how == "accumulate":
+        backward_again()
+    for p in model.parameters():
+        p.grad.zero_()
+
+
 def loaded(directory, model, opt, tag: Optional[str] = None) -> dict:
     """The state a fresh ``model``/``opt`` holds after gockpt.load."""
     gockpt.load(str(directory), model, opt, tag=tag, restore_rng=False)

@@ -15,7 +15,7 @@ from gockpt import storage
 from gockpt.core.plan import Plan
 
 from tests._support import gpu_common as G
-from tests._support.loops import Run, loaded, same
+from tests._support.loops import Run, loaded, overwrite_gradients, same
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run on a GPU machine)")
@@ -67,15 +67,7 @@ def test_no_gradient_is_read_after_the_loop_overwrote_it_on_the_gpu(tmp_path, ze
     xs = inputs()
 
     def between(step):
-        if zeroing == "model.zero_grad":
-            model.zero_grad(set_to_none=False)
-        elif zeroing == "grad.zero_":
-            for p in model.parameters():
-                p.grad.zero_()
-        else:  # another backward accumulates into the same .grad, zeroed before the next
-            loss_of(model, xs[step + 1]).backward()
-            for p in model.parameters():
-                p.grad.zero_()
+        overwrite_gradients(model, zeroing, lambda: loss_of(model, xs[step + 1]).backward())
 
     run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=4, block_bytes=4096,
               verify=True, step_fn=lambda s: loss_of(model, xs[s]), between=between)
