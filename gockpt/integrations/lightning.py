@@ -305,7 +305,9 @@ def _load_through(callback: GockptCallback, strategy_load):
     setup and ``on_fit_start``): a gockpt checkpoint restored there, anything else its own."""
     def load_checkpoint(strategy, checkpoint_path, weights_only=None):
         io = strategy.checkpoint_io
-        if not isinstance(io, _GockptIO) or io.gockpt_path(checkpoint_path) is None:
+        path = None if not isinstance(io, _GockptIO) else io.gockpt_path(checkpoint_path)
+        if path is None or os.path.isfile(os.path.join(path, "meta.pt")):
+            # (not gockpt's; "meta.pt": the strategy's own distributed checkpoint, a folder)
             return strategy_load(checkpoint_path, weights_only)
         loaded = io.load_checkpoint(checkpoint_path, weights_only=weights_only)
         if callback._resume is not None:
