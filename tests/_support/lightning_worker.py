@@ -10,7 +10,9 @@ each epoch's end, the best two by the training loss and the last: files in RUN_D
 which OUT lists) and ``resume`` is from ``"last"``; ``epoch_lr``: the scheduler halves the rate
 after each epoch (Lightning steps it after the epoch's end). Several ranks (RANK / WORLD_SIZE set, as torchrun's): DDP, Lightning seeing
 torchrun's environment; ``fsdp2``: FSDP2 instead (ModelParallelStrategy, the layers sharded
-in ``configure_model``), the final state gathered."""
+in ``configure_model``), the final state gathered; ``lightning_save``: Lightning's own
+checkpoint written after the fit to RUN_DIR-lightning, and ``resume_lightning`` resumes from it
+(the callback present: it stays Lightning's to load)."""
 
 import json
 import os
@@ -102,7 +104,11 @@ def main():
         gradient_clip_val=0.5, logger=False, enable_checkpointing=files,
         enable_progress_bar=False, enable_model_summary=False)
     resume = ("last" if files else run) if "resume" in flags else None
+    if "resume_lightning" in flags:
+        resume = f"{run}-lightning"
     trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=resume)
+    if "lightning_save" in flags:  # after fit: Lightning's own save (FSDP2: a folder, meta.pt)
+        trainer.save_checkpoint(f"{run}-lightning")
     state = model.state_dict()
     if "fsdp2" in flags:  # (gathered on every rank: a collective)
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}

@@ -49,7 +49,8 @@ def _run(tmp_path, name, precision, world, *flags, expect_killed=False):
     ("32-true", 1, ()), ("bf16-mixed", 1, ()), ("32-true", 2, ()),
     ("32-true", 2, ("fsdp2",))])  # (FSDP2: ModelParallelStrategy, each rank its shards)
 def test_a_killed_fit_resumes_from_gockpt_bit_for_bit(tmp_path, precision, world, more):
-    full = _run(tmp_path, "full", precision, world, *more)
+    fsdp2 = "fsdp2" in more
+    full = _run(tmp_path, "full", precision, world, *more, *(("lightning_save",) * fsdp2))
     _run(tmp_path, "run", precision, world, "die:13", *more, expect_killed=True)
     saved = gockpt.storage.list_checkpoints(str(tmp_path / "run"))
     assert saved, "a checkpoint committed before the kill"
@@ -63,6 +64,11 @@ def test_a_killed_fit_resumes_from_gockpt_bit_for_bit(tmp_path, precision, world
     assert {m["mode"] for m in metrics} == {"gockpt-o"}
     assert all(m["overlap_steps"] == 2 and m["grad_steps"] == 1 for m in metrics), metrics
     assert gockpt.verify(str(tmp_path / "run")).ok
+    if fsdp2:  # Lightning's own distributed checkpoint (a folder) stays Lightning's to load
+        again = _run(tmp_path, "full", precision, world, "resume_lightning", *more)
+        assert again["losses"] == []  # (at the fit's end already)
+        why = gockpt.testing.first_difference(full["state"], again["state"], "Lightning's")
+        assert why is None, why
     if world > 1:  # stored under the LightningModule's own names: it loads in one process
         from tests._support.lightning_worker import Small
         alone = Small()
