@@ -101,7 +101,9 @@ def loads_equal(source, tag=None):
 class Faulty(remote.Bucket):
     """The real bucket, with ``fault(self, key)`` run before the first put of an object of the
     checkpoint named ``at`` (or of the object ``at`` = ``name/file``) and ``heal(self)`` before
-    the next request of the upload after that (the retry)."""
+    the next request of the upload once that put has returned or failed (the retry's; not a
+    request of another thread while the faulted one still waits: was a put that a parallel
+    request's heal let through, under load)."""
 
     at, fault, heal = None, None, None
     state: dict = {}
@@ -109,7 +111,7 @@ class Faulty(remote.Bucket):
 
     def _heal(self):
         cls = type(self)
-        if cls.state.get("faulted") and not cls.state.get("healed"):
+        if cls.state.get("over") and not cls.state.get("healed"):
             cls.state["healed"] = True
             cls.heal(self)
 
@@ -124,6 +126,10 @@ class Faulty(remote.Bucket):
                 and not cls.state.get("faulted"):
             cls.state["faulted"] = True
             cls.fault(self, key)
+            try:
+                return super().put_file(key, path, **kw)
+            finally:
+                cls.state["over"] = True
         return super().put_file(key, path, **kw)
 
     def put_bytes(self, key, data):
