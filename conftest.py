@@ -16,6 +16,9 @@ builds with ``ninja``, which pip installs into the venv's ``bin``: that folder g
 import os
 import sys
 
+# fixtures of a real S3 store (``server``, ``url``) for the modules that ask for them
+pytest_plugins = ["tests._support.s3_fixtures"]
+
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 _BIN = os.path.dirname(sys.executable)
 if _BIN not in os.environ.get("PATH", "").split(os.pathsep):

@@ -7,7 +7,6 @@ block in neither list fails a test, so a new example is either run here or named
 
 import os
 import re
-import uuid
 
 import pytest
 import torch
@@ -178,27 +177,6 @@ SETUP = {  # (page, block index): the names the block assumes, the run directory
 }
 
 
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    from tests._support.s3server import S3Server
-    server = S3Server(str(tmp_path_factory.mktemp("seaweedfs")))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def bucket(s3_server, monkeypatch):
-    """A fresh bucket of the server, its credentials and endpoint in the environment."""
-    for key, value in s3_server.env().items():
-        monkeypatch.setenv(key, value)
-    name = f"docs-{uuid.uuid4().hex[:12]}"
-    s3_server.create_bucket(name)
-    s3_server.warm(name)
-    monkeypatch.setenv("GOCKPT_DOCS_BUCKET", name)
-    return name
-
-
 def test_every_example_is_run_here_or_named_with_its_test():
     found = set(blocks())
     assert not set(SETUP) & set(NOT_RUN)
@@ -210,8 +188,10 @@ def test_every_example_is_run_here_or_named_with_its_test():
 def test_the_docs_examples_run_as_written(page, index, tmp_path, monkeypatch, request):
     code = blocks()[(page, index)]
     monkeypatch.chdir(tmp_path)
-    if (page, index) in S3:
-        code = code.replace("s3://my-bucket/", f"s3://{request.getfixturevalue('bucket')}/")
+    if (page, index) in S3:  # (a fresh bucket of the server: request's url fixture)
+        bucket = request.getfixturevalue("url").split("/")[2]
+        monkeypatch.setenv("GOCKPT_DOCS_BUCKET", bucket)
+        code = code.replace("s3://my-bucket/", f"s3://{bucket}/")
     setup, run_dir, check, runs = SETUP[(page, index)]
     for _ in range(runs):  # (a second run resumes from what the first saved)
         namespace = setup()

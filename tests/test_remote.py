@@ -10,7 +10,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import uuid
 
 import pytest
 import torch
@@ -30,30 +29,6 @@ from tests._support import worker_env
 from tests._support.forked import Forked, run_worker
 from tests._support.cli_helpers import run
 from tests._support.s3server import S3Server
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = S3Server(str(tmp_path_factory.mktemp("seaweedfs")))
-    s.start()
-    saved = {k: os.environ.get(k) for k in s.env()}
-    os.environ.update(s.env())  # the standard way: gockpt.load and the workers find it so
-    yield s
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    s.stop()
-
-
-@pytest.fixture
-def url(server):
-    """A fresh bucket for each test."""
-    bucket = f"t-{uuid.uuid4().hex[:12]}"
-    server.create_bucket(bucket)
-    server.warm(bucket)
-    return f"s3://{bucket}/runs/one"
 
 
 def fast(**more) -> dict:

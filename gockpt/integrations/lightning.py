@@ -309,7 +309,7 @@ def _load_through(callback: GockptCallback, strategy_load):
         if path is None or os.path.isfile(os.path.join(path, "meta.pt")):
             # (not gockpt's; "meta.pt": the strategy's own distributed checkpoint, a folder)
             return strategy_load(checkpoint_path, weights_only)
-        loaded = io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        loaded = io.load_checkpoint(path, weights_only=weights_only)
         if callback._resume is not None:
             callback._restore(callback._trainer, loaded)
         return loaded
@@ -362,11 +362,11 @@ class _GockptIO(CheckpointIO):
         return path if os.path.isdir(path) else None
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
-        if self.gockpt_path(path) is None:
+        ours = self.gockpt_path(path)
+        if ours is None:
             return self.inner.load_checkpoint(path, map_location=map_location,
                                               weights_only=weights_only)
-        path = self.gockpt_path(path)
-        top, rest = extra_state_of(path)
+        top, rest = extra_state_of(ours)
         if not isinstance(rest, dict) or "loops" not in rest:
             raise ConfigError(f"{top} holds no Lightning loop state (not written by "
                               "GockptCallback): load it with gockpt.load instead")

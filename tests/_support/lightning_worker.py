@@ -51,10 +51,8 @@ class Small(pl.LightningModule):
 
     def configure_model(self):
         if self.fsdp2:  # (ModelParallelStrategy calls it on each rank, its device mesh set)
-            from torch.distributed.fsdp import fully_shard
-            for layer in (self.net[0], self.net[2]):
-                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
-            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+            from tests._support.ranks_worker import fsdp2
+            fsdp2(self.net, mesh=self.device_mesh["data_parallel"])
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)

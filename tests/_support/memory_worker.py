@@ -37,14 +37,9 @@ def build():
 
 def build_fsdp2():
     """The same model sharded by FSDP2 over the ranks (each layer, then the whole)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from tests._support.ranks_worker import fsdp2
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp2(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
