@@ -59,7 +59,8 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
 
     The memory tier (``Config(memory=...)``; ``memory_dir`` as it was given there, default
     ``/dev/shm``): without ``tag`` or ``rank``, its copy of the checkpoint the disk's ``latest``
-    names (on several ranks: when every rank has it) is loaded instead, checked as a disk one is
+    names (on several ranks: when every rank has it; a part a rank's host lost is taken from
+    its peer's memory on another host) is loaded instead, checked as a disk one is
     (every chunk's checksum as it is read, then the digests of the live state at F); a
     damaged or incomplete copy is never what a load returns: a warning says why, and the
     disk's checkpoint is loaded over whatever it had put in place. ``Restored.path`` says
@@ -142,8 +143,10 @@ def _newest(path: str, tag: Optional[str], memory_dir: Optional[str], memory: bo
     except CheckpointNotFoundError:
         disk = None
     copy = memory_tier.usable_copy(path, disk, memory_dir)  # (of the disk's step: a fallback)
-    if several() and not everyone(copy is not None):
-        copy = None
+    if several():  # a host that lost its memory: the parts its peers keep
+        copy = memory_tier.from_peers(path, disk, copy, memory_dir)
+        if not everyone(copy is not None):
+            copy = None
     if copy is not None:
         return path, copy, disk
     disk = disk if disk is not None else checkpoint_of(path)  # (raises: what is there)

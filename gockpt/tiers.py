@@ -9,7 +9,6 @@ from the host copy it has just committed.)"""
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Callable, Optional
 
 from .core.config import Config
@@ -73,17 +72,15 @@ class Tiers:
 
 
 def _memory_tier(config: Config, ranks: Ranks, state_bytes: int) -> Optional[MemoryTier]:
-    """The memory tier of ``Config.memory``, agreed on by every rank (None: off)."""
-    if ranks.several and not ranks.same(memory_tier.host_id()):
-        warnings.warn("gockpt: the memory tier is off: the ranks run on several hosts (each "
-                      "host's copies would need a peer's; not built yet)", RuntimeWarning,
-                      stacklevel=6)
-        return None
+    """The memory tier of ``Config.memory``, agreed on by every rank (None: off). On several
+    hosts each rank's part is also kept by a rank on the next host (:mod:`.storage.peers`):
+    a host holds its own ranks' parts and those it keeps."""
+    hosts = ranks.hosts(memory_tier.host_id())
     error, limit = None, None
     try:
         limit = memory_tier.budget(config.memory, config.memory_dir,
-                                   ranks.agree_max(state_bytes), ranks.world_size,
-                                   config.memory_log or 0)
+                                   ranks.agree_max(state_bytes),
+                                   hosts.parts_on_host(ranks.rank), config.memory_log or 0)
     except ConfigError as exc:
         error = exc
     if not ranks.agree_all(error is None):  # (a rank raising alone: the others would hang)
@@ -91,4 +88,5 @@ def _memory_tier(config: Config, ranks: Ranks, state_bytes: int) -> Optional[Mem
                                    "says why)")
     if not ranks.agree_all(limit is not None):
         return None
-    return MemoryTier(config.directory, config.memory_dir, limit, owner=ranks.rank == 0)
+    return MemoryTier(config.directory, config.memory_dir, limit,
+                      owner=ranks.rank == hosts.leader_of(ranks.rank), hosts=hosts)

@@ -215,8 +215,9 @@ class Config:
     with a warning when ``memory_dir`` has less free; a number: at most that many bytes
     (ConfigError when two copies do not fit, checked when the Checkpointer is built).
     ``close()`` and ``gockpt clean`` remove the copies. Several ranks on one host keep one
-    whole copy together (each its part, rank 0 the top manifest); ranks on several hosts: the
-    tier is off, with a warning."""
+    whole copy together (each its part, its lowest rank the top manifest); on several hosts
+    each rank's part is also kept by a rank on the next host, from which a restart that lost
+    its host's memory takes it (:mod:`gockpt.storage.peers`)."""
 
     memory_log: Optional[int] = None
     """The memory tier's step log (off by default; needs ``memory``; not with FSDP2): at most

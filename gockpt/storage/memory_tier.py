@@ -27,9 +27,15 @@ import warnings
 import zlib
 from typing import Optional
 
+import torch
+
 from ..core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StorageError
-from .commit import apply_retention, list_checkpoints, replace_file, resolve, write_file
+from .commit import (apply_retention, list_checkpoints, publish, replace_file, resolve,
+                     write_file)
+from .format import MANIFEST_FILE, TMP_PREFIX
 from .manifest_file import read_manifest, read_small_file
+from . import peers
+from .schema import part_name
 from .writer import CheckpointWriter
 
 log = logging.getLogger("gockpt")
@@ -39,6 +45,10 @@ DEFAULT_DIR = "/dev/shm"
 
 RUN_FILE = "run"
 """The file beside the copies naming the run directory they belong to."""
+
+PEERS_DIR = "peers"
+"""Beside the copies: a part a rank received from its peer at a load (``peers/rank-N/<name>``),
+until its host's next copy."""
 
 _RUN_MAX_BYTES = 1 << 16
 
@@ -112,11 +122,14 @@ def _check_log_space(memory_dir: str, free: int, copies: int, log_bytes: int,
 class MemoryTier:
     """The copies of one run directory's checkpoints in host shared memory (persist thread:
     :meth:`publish`, or :meth:`publish_parts` on every rank; the training thread:
-    :meth:`remove` at ``close()``). Several ranks share one host's copies (``owner``: rank 0,
-    which names the run and removes them)."""
+    :meth:`remove` at ``close()``). Several ranks share one host's copies (``owner``: the
+    host's lowest rank, which names the run and removes them); on several hosts (``hosts``)
+    each host's copy also holds the parts of the ranks whose peer is on it (:mod:`.peers`)."""
 
-    def __init__(self, directory: str, memory_dir: str, limit: int, owner: bool = True):
+    def __init__(self, directory: str, memory_dir: str, limit: int, owner: bool = True,
+                 hosts: Optional[peers.Hosts] = None):
         self.directory, self.limit, self.owner = directory, limit, owner
+        self.hosts = hosts if hosts is not None and hosts.several else None
         self.root = root_of(directory, memory_dir)
         os.makedirs(self.root, exist_ok=True)
         run = os.path.join(self.root, RUN_FILE)
@@ -143,33 +156,55 @@ class MemoryTier:
         return path
 
     def publish_parts(self, ranks, name: str, tensors: dict, manifest: dict, top) -> Optional[str]:
-        """:meth:`publish` of a checkpoint of several ranks on one host, called on every rank
-        (persist thread) after the disk's commit: each rank's part (``tensors``, its part's
-        ``manifest``) and rank 0's top manifest ``top`` committed together as on disk
-        (:meth:`Ranks.commit`), so that the loader reads it as it reads the disk's; None, with
-        a warning on every rank, when some rank's part could not be written."""
+        """:meth:`publish` of a checkpoint of several ranks, called on every rank (persist
+        thread) after the disk's commit: each rank's part (``tensors``, its part's
+        ``manifest``) and the top manifest ``top`` committed together as on disk
+        (:meth:`Ranks.commit`), so that the loader reads it as it reads the disk's -- one copy
+        per host, with the parts it keeps for its peers; None, with a warning on every rank,
+        when some rank's part could not be written."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        fits = 2 * nbytes * ranks.world_size <= self.limit
+        parts = ranks.world_size if self.hosts is None else \
+            self.hosts.parts_on_host(ranks.rank)
+        fits = 2 * nbytes * parts <= self.limit
 
         def write_part(shared: str) -> None:
             if not fits:
-                raise StorageError(f"two copies of every rank's part take more than the memory "
-                                   f"tier's {self.limit} bytes")
+                raise StorageError(f"two copies of the parts this host holds take more than the "
+                                   f"memory tier's {self.limit} bytes")
             write_in_memory(shared, ranks.part_name(), tensors, manifest, update_latest=False)
+
+        def exchange(shared: Optional[str], written: bool) -> bool:
+            """This rank's part to its peer; the parts it keeps for others into ``shared``."""
+            me = ranks.rank
+            mine = peers.pack(name, peers.part_files(os.path.join(shared, ranks.part_name()))) \
+                if written else None
+            got = ranks.swap({self.hosts.peer_of(me): mine}, self.hosts.kept_by(me))
+            ok = shared is not None
+            for src, data in got.items():
+                try:
+                    _, files = peers.unpack(data)
+                    peers.write_files(os.path.join(shared, part_name(src)), files)
+                except (TypeError, ValueError, OSError, AttributeError):
+                    ok = False  # (None: the peer had no part to give)
+            return ok
 
         try:
             path = ranks.commit(self.root, name, write_part, top,
-                                lambda root, n: CheckpointWriter(root, n, direct=False))
+                                lambda root, n: CheckpointWriter(root, n, direct=False),
+                                hosts=self.hosts,
+                                exchange=exchange if self.hosts is not None else None)
         except Exception as exc:  # (on every rank: the vote failed)
             warnings.warn(f"gockpt: checkpoint {name} not kept in memory ({self.root}): {exc}",
                           RuntimeWarning, stacklevel=2)
             return None
         if self.owner:
             apply_retention(self.root, 1)
+            shutil.rmtree(os.path.join(self.root, PEERS_DIR), ignore_errors=True)
         return path
 
     def remove(self) -> None:
-        """Remove every copy (the end of training: the disk holds them; rank 0's to do)."""
+        """Remove every copy (the end of training: the disk holds them; each host's lowest
+        rank removes its host's)."""
         if self.owner:
             remove(self.directory, os.path.dirname(self.root))
 
@@ -218,6 +253,97 @@ def usable_copy(directory: str, disk: Optional[str],
                       RuntimeWarning, stacklevel=3)
         return None
     return path
+
+
+def from_peers(directory: str, disk: Optional[str], copy: Optional[str],
+               memory_dir: Optional[str] = None) -> Optional[str]:
+    """``copy`` (this rank's :func:`usable_copy`), or where this rank's host lacks a part it
+    reads -- the host's memory lost -- a copy of the checkpoint ``disk`` made here from what
+    the rank keeping its part on another host sent (``peers/rank-N/<name>`` beside the
+    copies); None when neither. A collective on several ranks (one gather; point to point only
+    where a part is missing); on one host, ``copy`` as it is. The copy made here is checked by
+    the load as any copy is."""
+    dist = torch.distributed
+    rank = dist.get_rank()
+    have = copy is not None and all(os.path.isfile(os.path.join(copy, p, MANIFEST_FILE))
+                                    for p in _parts_read(copy, rank))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (host_id(), have))
+    hosts = peers.Hosts.of([host for host, _ in every], rank)
+    lacking = [r for r, (_, ok) in enumerate(every) if not ok]
+    if not hosts.several or not lacking or disk is None:
+        return copy
+    sends = {r: _bundle(copy, r) for r in lacking if hosts.peer_of(r) == rank}
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    try:
+        got = peers.swap(sends, [hosts.peer_of(rank)] if not have else [], len(every),
+                         lambda collective, *tensors, **options: collective(
+                             *tensors, group=group, **options))
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
+    if have:
+        return copy
+    data = got[hosts.peer_of(rank)]
+    if data is None:
+        log.warning("gockpt: rank %d's memory copy is missing and its peer (rank %d) keeps "
+                    "none of %s", rank, hosts.peer_of(rank), os.path.basename(disk))
+        return None
+    try:
+        name, files = peers.unpack(data)
+        path = _write_received(directory, memory_dir, rank, name, files)
+    except (ValueError, OSError) as exc:
+        warnings.warn(f"gockpt: what rank {hosts.peer_of(rank)} sent of this rank's memory copy "
+                      f"could not be kept ({exc}); loading from disk", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    log.info("gockpt: rank %d's part of %s came from the memory of rank %d (another host)",
+             rank, name, hosts.peer_of(rank))
+    return path
+
+
+def _parts_read(copy: str, rank: int) -> list:
+    """The parts of the copy ``copy`` that ``rank`` reads at a load: its own, or every rank's
+    where the ranks wrote replicated state in shares."""
+    try:
+        top = read_manifest(copy)
+    except (CorruptCheckpointError, OSError):
+        return [part_name(rank)]
+    return list(top.get("ranks", [])) if top.get("shares") else [part_name(rank)]
+
+
+def _bundle(copy: Optional[str], rank: int):
+    """The files of the copy ``copy`` that ``rank`` reads (its top-level files and the parts of
+    :func:`_parts_read`) as one tensor to send; None when this host's copy lacks one."""
+    if copy is None:
+        return None
+    needed = _parts_read(copy, rank)
+    if not all(os.path.isfile(os.path.join(copy, p, MANIFEST_FILE)) for p in needed):
+        return None
+    files = {rel: path for rel, path in peers.part_files(copy).items()
+             if "/" not in rel or rel.split("/", 1)[0] in needed}
+    return peers.pack(os.path.basename(copy), files)
+
+
+def _write_received(directory: str, memory_dir: Optional[str], rank: int, name: str,
+                    files: dict) -> str:
+    """Keep what a peer sent of checkpoint ``name`` in this host's memory, as a committed copy
+    of this run (a temporary directory renamed into place); its path."""
+    root = root_of(directory, memory_dir)
+    os.makedirs(root, exist_ok=True)
+    run = _run_of(root)
+    if run is None:  # (the host's copies were lost: named again)
+        replace_file(os.path.join(root, RUN_FILE),
+                     lambda tmp: write_file(tmp, os.fsencode(directory)))
+    elif run != directory:
+        raise OSError(f"{root} holds another run's copies")
+    mine = os.path.join(root, PEERS_DIR, part_name(rank))
+    shutil.rmtree(mine, ignore_errors=True)
+    os.makedirs(mine)
+    tmp = os.path.join(mine, f"{TMP_PREFIX}{name}-{os.getpid()}")
+    peers.write_files(tmp, files)
+    publish(mine, tmp, name)
+    return os.path.join(mine, name)
 
 
 def owned_root(directory: str, memory_dir: Optional[str] = None) -> Optional[str]:

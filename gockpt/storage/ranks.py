@@ -34,6 +34,7 @@ import torch
 from ..core.errors import CheckpointFailedError, ConfigError, StorageError
 from ..core.plan import Plan
 from ..core.planning import mark_parallel
+from . import peers
 from .format import TMP_PREFIX
 from .schema import PartsManifest, part_name
 
@@ -95,6 +96,15 @@ class Ranks:
     def same(self, value: int) -> bool:
         """Whether ``value`` is the same on every rank (training thread)."""
         return self.agree_max(value) == -self.agree_max(-value)
+
+    def hosts(self, host_id: int) -> peers.Hosts:
+        """The ranks by host, from every rank's ``host_id`` (training thread)."""
+        if not self.several:
+            return peers.Hosts(((0,),), 0)
+        every = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._run(torch.distributed.all_gather, self._train_group, every,
+                  torch.tensor([host_id], dtype=torch.int64))
+        return peers.Hosts.of([int(t.item()) for t in every], self.rank)
 
     def share(self, plan: Plan, replicated, global_slices=None) -> Plan:
         """``plan`` with its slots marked (:func:`~gockpt.core.planning.mark_parallel`:
@@ -186,6 +196,10 @@ class Ranks:
         if self._abandoned.is_set():
             raise self._abandoned_error()
         work = collective(*tensors, group=group, async_op=True, **options)
+        return self._wait(work, group, *tensors, timeout=timeout)
+
+    def _wait(self, work, group, *tensors, timeout: Optional[float] = None) -> bool:
+        """Wait for ``work`` as :meth:`_run` does (its tensors kept with it if given up)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1e-4
         while not work.is_completed():
@@ -199,6 +213,12 @@ class Ranks:
             delay = min(2 * delay, 0.02)  # prompt for quick agreements, cheap for slow ones
         work.wait()
         return True
+
+    def swap(self, sends: dict, sources) -> dict:
+        """:func:`peers.swap` on the persist group (persist thread, every rank)."""
+        return peers.swap(sends, sources, self.world_size,
+                          lambda collective, *tensors, **options: self._run(
+                              collective, self._persist_group, *tensors, **options))
 
     @staticmethod
     def _abandoned_error() -> Abandoned:
@@ -224,50 +244,67 @@ class Ranks:
                 pass
 
     def commit(self, root: str, name: str, write_part: Optional[Callable[[str], None]],
-               top_manifest: PartsManifest, new_writer: Callable) -> str:
+               top_manifest: PartsManifest, new_writer: Callable,
+               hosts: Optional[peers.Hosts] = None,
+               exchange: Optional[Callable[[Optional[str], bool], bool]] = None) -> str:
         """Commit one checkpoint of every rank (persist thread, called on every rank).
 
         ``new_writer(root, name)`` makes the storage writer of the top-level directory;
         ``write_part(dir)`` writes and commits this rank's part inside ``dir``; ``None`` means
         this rank's checkpoint already failed (it still votes, so that nobody waits forever).
-        Returns the final path; raises StorageError on every rank if any rank failed.
+        ``root`` is one directory that every rank sees, or, with ``hosts``, one per host (the
+        memory tier's): each host's lowest rank makes and commits that host's, and
+        ``exchange(dir or None, whether this rank's part was written)`` -- called on every
+        rank, whatever happened -- adds the parts the host keeps for others (False: it could
+        not). Returns the final path; raises StorageError on every rank if any rank failed.
         """
-        top = None
-        if self.rank == 0:
+        leader = 0 if hosts is None else hosts.leader_of(self.rank)
+        top, header = None, [0, 0, 0]
+        if self.rank == leader:
             try:
                 top = new_writer(root, name)
                 pid, token = top.tmp_path.rsplit("-", 2)[-2:]
                 header = [1, int(pid), int(token, 16)]
             except Exception:
                 header = [0, 0, 0]
-        else:
-            header = [0, 0, 0]
-        ok, pid, token = self._broadcast(header)
-        mine = 0
-        if ok and write_part is not None:
-            shared = os.path.join(os.path.abspath(root),
-                                  f"{TMP_PREFIX}{name}-{pid}-{token:08x}")
+        ok, pid, token = self._broadcast(header) if hosts is None else \
+            self._all_gather(header)[leader]
+        mine, err = 0, None
+        shared = os.path.join(os.path.abspath(root), f"{TMP_PREFIX}{name}-{pid}-{token:08x}") \
+            if ok else None
+        if shared is not None and write_part is not None:
             try:
                 write_part(shared)
                 mine = 1
             except Exception as exc:  # voted below; the caller reports its own error
                 err = exc
+        if exchange is not None and not exchange(shared, bool(mine)) and mine:
+            mine, err = 0, StorageError(f"checkpoint {name}: the parts this host keeps for "
+                                        "other hosts' ranks were not all received")
         everyone = self._all_min(mine)
-        committed = 0
-        if self.rank == 0 and top is not None:
-            if everyone:
+        committed = 1
+        if self.rank == leader:
+            committed = 0
+            if top is not None and everyone:
                 try:
                     top.commit(top_manifest.to_json())
                     committed = 1
                 except Exception:
                     committed = 0
-            else:
+            elif top is not None:
                 top.abort()
-        committed = self._broadcast([committed])[0]
-        if committed:
+        if self._all_min(committed):
             return os.path.join(os.path.abspath(root), name)
-        if write_part is not None and mine == 0 and ok:
+        if write_part is not None and mine == 0 and ok and err is not None:
             raise err
         raise StorageError(f"checkpoint {name} was not committed: "
                            + ("another rank failed to write its part" if mine or not ok
                               else "this rank's part failed"))
+
+    def _all_gather(self, values: List[int]) -> List[List[int]]:
+        """``values`` (ints, as many on every rank) of every rank, in rank order (persist
+        thread)."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        self._run(torch.distributed.all_gather, self._persist_group, every, mine)
+        return [[int(v) for v in t.tolist()] for t in every]

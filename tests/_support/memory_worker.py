@@ -5,9 +5,10 @@ mismatch.
 
 Scenarios: ``load`` -- the memory copy is a whole checkpoint of every rank, loaded bitwise on
 every rank; one byte of rank 1's part damaged in memory makes every rank load the disk's (a
-warning on each); close() removes the copies. ``hosts`` -- ranks declared on two hosts: the tier is
-off, with a warning, on every rank. ``log`` -- :func:`log_scenario`; ``fsdp2log`` -- the
-same with the model sharded by FSDP2 (each rank logs and replays its shards)."""
+warning on each); close() removes the copies. ``hosts`` -- ranks declared on two hosts, each
+host's copy holding its peers' parts: :func:`hosts_scenario`. ``log`` -- :func:`log_scenario`;
+``fsdp2log`` -- the same with the model sharded by FSDP2 (each rank logs and replays its
+shards)."""
 
 import os
 import shutil
@@ -65,19 +66,9 @@ def main():
     if scenario in ("log", "fsdp2log"):
         return log_scenario(directory, shm, rank, build if scenario == "log" else build_fsdp2)
     if scenario == "hosts":
-        ddp, opt = build()
-        os.environ["GOCKPT_HOST"] = f"host-{rank}"
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ck = gockpt.Checkpointer(ddp, opt, directory, mode="gockpt-o", overlap_steps=2,
-                                     interval=3, memory="auto", memory_dir=shm)
-        assert ck.tiers.memory is None
-        assert any("the memory tier is off: the ranks run on several hosts" in str(w.message)
-                   for w in caught), [str(w.message) for w in caught]
-        train(ddp, opt, ck, 3, rank)
-        ck.close()
-        print(f"rank {rank}: ok", flush=True)
-        return
+        return hosts_scenario(directory, rank)
+    if scenario == "hosts-restart":
+        return hosts_restart_scenario(directory, rank)
     ddp, opt = build()
     ck = gockpt.Checkpointer(ddp, opt, directory, mode="gockpt-o", overlap_steps=2,
                              interval=3, memory="auto", memory_dir=shm)
@@ -103,6 +94,115 @@ def main():
     ck.close()
     dist.barrier()
     assert not os.path.exists(root), "close() removes the copies"
+    print(f"rank {rank}: ok", flush=True)
+
+
+def on_host(rank):
+    """Rank ``rank`` declared on host ``rank // 2``, its memory in a directory of that host's:
+    (host, memory_dir)."""
+    host = rank // 2
+    os.environ["GOCKPT_HOST"] = f"host-{host}"
+    mine = os.path.join(os.environ["GOCKPT_TEST_SHM"], f"host-{host}")
+    os.makedirs(mine, exist_ok=True)
+    return host, mine
+
+
+def lose_host_1(directory, rank, damage=None):
+    """Host 1's memory lost (rank 2 deletes it for both of its ranks); ``damage``: a part on
+    host 0 whose largest tensor rank 0 damages meanwhile."""
+    dist.barrier()
+    if rank == 2:
+        shutil.rmtree(memory_tier.root_of(directory, os.path.join(os.environ["GOCKPT_TEST_SHM"],
+                                                                   "host-1")))
+    if rank == 0 and damage:
+        held = storage.read_manifest(damage)["tensors"]
+        flip_byte(damage, max(held, key=lambda name: held[name]["nbytes"]))
+    dist.barrier()
+
+
+PARTS = ["data.safetensors", "manifest.json"] + [f"rank-{r:05d}" for r in range(4)]
+
+
+def hosts_scenario(directory, rank):
+    """4 ranks declared on 2 hosts (2 each), each host's memory in a directory of its own:
+    each host's copy holds its own ranks' parts and those it keeps for the other host's
+    (here: every part). The memory of host 1 lost: its ranks take their parts from their
+    peers on host 0 and load bitwise, and the next checkpoint is kept on both hosts again.
+    Host 1's memory lost again and the part host 0 keeps for rank 2 damaged: every rank loads
+    the disk's. Then a checkpoint of step 12, and every rank dies (no close(): the copies
+    stay) -- :func:`hosts_restart_scenario` goes on."""
+    host, mine = on_host(rank)
+    ddp, opt = build()
+    ck = gockpt.Checkpointer(ddp, opt, directory, mode="gockpt-o", overlap_steps=2,
+                             interval=3, memory="auto", memory_dir=mine)
+    assert ck.tiers.memory is not None
+    directory = ck.config.directory
+    train(ddp, opt, ck, 6, rank)
+    at_6 = snapshot(ddp, opt)
+    root = memory_tier.root_of(directory, mine)
+    copy = os.path.join(root, "step-000000006")
+    assert sorted(os.listdir(copy)) == PARTS, os.listdir(copy)
+    restored, got, said = load(directory, mine)
+    assert restored.path == copy and not said, (restored.path, said)
+    assert_same(got, at_6)
+
+    lose_host_1(directory, rank)
+    restored, got, said = load(directory, mine)
+    received = os.path.join(root, "peers", f"rank-{rank:05d}", "step-000000006")
+    assert restored.path == (received if host == 1 else copy) and not said, (restored.path, said)
+    assert sorted(os.listdir(received if host == 1 else copy)) == PARTS
+    assert_same(got, at_6)
+    for s in range(6, 9):  # the next checkpoint: on both hosts, the received parts dropped
+        step(ddp, opt, ck, s, rank)
+    ck.wait()
+    at_9 = snapshot(ddp, opt)
+    copy = os.path.join(root, "step-000000009")
+    assert sorted(os.listdir(root)) == ["latest", "run", "step-000000009"], os.listdir(root)
+    assert sorted(os.listdir(copy)) == PARTS, os.listdir(copy)
+
+    lose_host_1(directory, rank, damage=os.path.join(copy, "rank-00002"))
+    restored, got, said = load(directory, mine)
+    assert restored.path == os.path.join(directory, "step-000000009"), restored.path
+    assert any("does not verify" in w and "from disk" in w for w in said), said
+    assert_same(got, at_9)
+    for s in range(9, 12):
+        step(ddp, opt, ck, s, rank)
+    ck.wait()
+    assert sorted(os.listdir(os.path.join(root, "step-000000012"))) == PARTS
+    dist.barrier()
+    print(f"rank {rank}: ok", flush=True)
+    os._exit(0)  # a crash of every rank: nothing closed, the copies stay
+
+
+def hosts_restart_scenario(directory, rank):
+    """Fresh processes after :func:`hosts_scenario`, host 1's memory lost before they start:
+    its ranks load step 12 from their peers' memory, the others from their host's, every
+    rank bitwise the disk's checkpoint; the training goes on and its next checkpoint is kept
+    on both hosts; close() removes each host's copies."""
+    host, mine = on_host(rank)
+    directory = os.path.realpath(directory)
+    lose_host_1(directory, rank)
+    ddp, opt = build()
+    gockpt.load(directory, ddp, opt, tag="step-000000012")
+    from_disk = snapshot(ddp, opt)
+    restored, got, said = load(directory, mine)
+    root = memory_tier.root_of(directory, mine)
+    assert restored.path == os.path.join(root, *(("peers", f"rank-{rank:05d}") if host == 1
+                                                 else ()), "step-000000012"), restored.path
+    assert restored.step == 12 and not said, said
+    assert_same(got, from_disk)
+    ddp, opt = build()
+    gockpt.load(directory, ddp, opt, memory_dir=mine)
+    ck = gockpt.Checkpointer(ddp, opt, directory, mode="gockpt-o", overlap_steps=2,
+                             interval=3, memory="auto", memory_dir=mine)
+    for s in range(12, 15):
+        step(ddp, opt, ck, s, rank)
+    ck.wait()
+    assert sorted(os.listdir(root)) == ["latest", "run", "step-000000015"], os.listdir(root)
+    assert sorted(os.listdir(os.path.join(root, "step-000000015"))) == PARTS
+    ck.close()
+    dist.barrier()
+    assert not os.path.exists(root), "close() removes each host's copies"
     print(f"rank {rank}: ok", flush=True)
 
 

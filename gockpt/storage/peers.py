@@ -1,0 +1,157 @@
+"""The memory tier across hosts: each rank's part of a checkpoint also kept in the memory of a
+rank on another host (its peer), so that a restart on a host whose memory was lost (the host
+replaced, its ``/dev/shm`` cleared) takes its part from the peer's host, not from the disk.
+
+Whose peer is whom (:class:`Hosts`): the hosts ordered by their lowest rank, each rank's peer
+the rank at the same place on the next host (the last host's: the first's). A host's copy of
+a checkpoint therefore holds its own ranks' parts and those it keeps for the previous host's
+ranks (written by :meth:`MemoryTier.publish_parts`, one committed directory per host).
+
+What crosses between ranks: a checkpoint's files as one byte tensor each way (:func:`pack`,
+:func:`unpack`: a JSON list of the files' relative paths and sizes, then their bytes), sent
+point to point on a gloo group (:func:`swap`). Nothing sent is trusted: the receiver writes
+the files as they came, and the load checks every byte of them against the part's own
+manifest (crc32c per chunk) and the digests of the live state at F, as for any copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+_LENGTH = 8  # the header's length, before it: little-endian uint64
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """The ranks of a job by host (``hosts``: each host's ranks in order, the hosts ordered by
+    their lowest rank) and where ``rank`` lies among them."""
+
+    hosts: Tuple[Tuple[int, ...], ...]
+    rank: int
+
+    @classmethod
+    def of(cls, host_ids: Sequence[int], rank: int) -> "Hosts":
+        """From every rank's host id (:func:`memory_tier.host_id`), in rank order."""
+        by_host: Dict[int, List[int]] = {}
+        for r, host in enumerate(host_ids):
+            by_host.setdefault(host, []).append(r)
+        return cls(tuple(tuple(ranks) for ranks in sorted(by_host.values())), rank)
+
+    @property
+    def several(self) -> bool:
+        return len(self.hosts) > 1
+
+    def _host(self, r: int) -> int:
+        return next(i for i, ranks in enumerate(self.hosts) if r in ranks)
+
+    def leader_of(self, r: int) -> int:
+        """The lowest rank on ``r``'s host: it makes, commits and removes that host's copies."""
+        return self.hosts[self._host(r)][0]
+
+    def peer_of(self, r: int) -> Optional[int]:
+        """The rank on the next host that keeps ``r``'s part (None: one host)."""
+        if not self.several:
+            return None
+        h = self._host(r)
+        here, there = self.hosts[h], self.hosts[(h + 1) % len(self.hosts)]
+        return there[here.index(r) % len(there)]
+
+    def kept_by(self, r: int) -> List[int]:
+        """The ranks whose parts ``r`` keeps (those whose peer it is)."""
+        return [s for ranks in self.hosts for s in ranks if self.peer_of(s) == r]
+
+    def parts_on_host(self, r: int) -> int:
+        """How many ranks' parts ``r``'s host holds: its own ranks' and those its ranks keep."""
+        here = self.hosts[self._host(r)]
+        return len(here) + sum(len(self.kept_by(s)) for s in here)
+
+
+def part_files(root: str, rel: str = "") -> Dict[str, str]:
+    """The regular files under ``root`` (or its subdirectory ``rel``): relative path -> path."""
+    out = {}
+    base = os.path.join(root, rel) if rel else root
+    for name in sorted(os.listdir(base)):
+        path = os.path.join(base, name)
+        key = f"{rel}/{name}" if rel else name
+        if os.path.isdir(path):
+            out.update(part_files(root, key))
+        elif os.path.isfile(path):
+            out[key] = path
+    return out
+
+
+def pack(name: str, files: Dict[str, str]) -> torch.Tensor:
+    """``files`` (relative path -> path) of checkpoint ``name`` as one uint8 tensor."""
+    sizes = [[rel, os.path.getsize(path)] for rel, path in files.items()]
+    header = json.dumps({"name": name, "files": sizes}).encode()
+    out = torch.empty(_LENGTH + len(header) + sum(n for _, n in sizes), dtype=torch.uint8)
+    buf = out.numpy()
+    buf[:_LENGTH] = np.frombuffer(len(header).to_bytes(_LENGTH, "little"), dtype=np.uint8)
+    buf[_LENGTH:_LENGTH + len(header)] = np.frombuffer(header, dtype=np.uint8)
+    at = _LENGTH + len(header)
+    for (rel, n), path in zip(sizes, files.values()):
+        with open(path, "rb") as f:
+            if f.readinto(memoryview(buf[at:at + n])) != n:
+                raise OSError(f"{path} changed while it was read")
+        at += n
+    return out
+
+
+def unpack(data: torch.Tensor) -> Tuple[str, Dict[str, memoryview]]:
+    """(checkpoint name, relative path -> bytes) of a :func:`pack`; ValueError when it is not
+    one (a path leaving the directory included)."""
+    buf = data.numpy()
+    if len(buf) < _LENGTH:
+        raise ValueError("a bundle shorter than its header's length")
+    length = int.from_bytes(buf[:_LENGTH].tobytes(), "little")
+    header = json.loads(buf[_LENGTH:_LENGTH + length].tobytes())
+    at, files = _LENGTH + length, {}
+    for rel, n in header["files"]:
+        parts = rel.split("/")
+        if not parts or any(p in ("", ".", "..") for p in parts) or n < 0 \
+                or at + n > len(buf):
+            raise ValueError(f"a bundle with a bad entry {rel!r}")
+        files[rel] = memoryview(buf[at:at + n])
+        at += n
+    return header["name"], files
+
+
+def write_files(into: str, files: Dict[str, memoryview]) -> None:
+    """Create ``into`` (it must not exist) holding ``files`` (relative path -> bytes)."""
+    os.makedirs(into)
+    for rel, data in files.items():
+        path = os.path.join(into, *rel.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "xb") as f:
+            f.write(data)
+
+
+def swap(sends: Dict[int, Optional[torch.Tensor]], sources: Sequence[int], world: int,
+         run: Callable) -> Dict[int, Optional[torch.Tensor]]:
+    """Each tensor of ``sends`` (rank -> uint8 tensor, None: nothing to give) to its rank, and
+    what each of ``sources`` sends here (None where it had nothing), among ``world`` ranks that
+    all call it: two all-to-alls (the sizes, then the bytes), each run by
+    ``run(collective, *tensors, **options)`` on a gloo group of every rank (the persist
+    thread's gives up when the process abandons its checkpoints). Collectives, not point to
+    point: a gloo send's completion shows only to a blocking wait."""
+    dist = torch.distributed
+    sizes = torch.full((world,), -1, dtype=torch.int64)  # -1: nothing to give
+    for dst, data in sends.items():
+        if data is not None:
+            sizes[dst] = data.numel()
+    came = torch.empty(world, dtype=torch.int64)
+    run(dist.all_to_all_single, came, sizes)
+    send_n = [max(n, 0) for n in sizes.tolist()]
+    recv_n = [max(n, 0) for n in came.tolist()]
+    empty = torch.empty(0, dtype=torch.uint8)
+    data = torch.cat([sends[r] if send_n[r] else empty for r in range(world)])
+    out = torch.empty(sum(recv_n), dtype=torch.uint8)
+    run(dist.all_to_all_single, out, data, output_split_sizes=recv_n, input_split_sizes=send_n)
+    pieces = out.split(recv_n)
+    return {src: None if came[src] < 0 else pieces[src] for src in sources}
