@@ -18,3 +18,17 @@ def test_importing_gockpt_and_its_deepspeed_patch_leaves_dtensor_and_dcp_unimpor
                          env=worker_env(), timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_a_cli_command_imports_only_what_it_uses(tmp_path):
+    """``gockpt list`` (every command but ``export``) runs without DCP; ``export`` imports it
+    with its own module (at its top: the command table names each command's module)."""
+    code = ("import sys\nfrom gockpt.cli import main\n"
+            f"main(['list', {str(tmp_path)!r}])\n"
+            "print('torch.distributed.checkpoint' in sys.modules)\n"
+            "import gockpt.cli.export\n"
+            "print('torch.distributed.checkpoint' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=worker_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-2:] == ["False", "True"], out.stdout

@@ -36,18 +36,14 @@ that minimises wasted time; also ``python -m gockpt.cli.interval``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional, Sequence
 
 from ..core.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                            GockptError)
 from .common import PROG, BadCheckpoint, UsageError, one_line
-from .export import cmd_export
-from .goodput import cmd_goodput
-from .inspect import cmd_inspect
-from .listing import cmd_clean, cmd_list
 from .pipe import quiet_on_broken_pipe
-from .verify import cmd_verify
 
 __all__ = ["main"]
 
@@ -67,14 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--rank", type=int, metavar="R",
                    help="checkpoint written by several ranks: show rank R's part in full "
                         "(tensor table, timings, model)")
-    s.set_defaults(func=cmd_inspect)
+    s.set_defaults(func="inspect:cmd_inspect")
 
     s = sub.add_parser("verify", help="check every checksum; exit 1 naming each bad tensor")
     s.add_argument("path", metavar="PATH")
     s.add_argument("--all", action="store_true",
                    help="PATH is a run directory: verify every committed checkpoint in it")
     s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.set_defaults(func=cmd_verify)
+    s.set_defaults(func="verify:cmd_verify")
 
     s = sub.add_parser("export", help="write consolidated weights other tools load without gockpt")
     s.add_argument("path", metavar="PATH")
@@ -106,12 +102,12 @@ def _parser() -> argparse.ArgumentParser:
                         "the config the run trained with")
     s.add_argument("--rank", type=int, metavar="R",
                    help="checkpoint written by several ranks: export rank R's part (default 0)")
-    s.set_defaults(func=cmd_export)
+    s.set_defaults(func="export:cmd_export")
 
     s = sub.add_parser("list", help="checkpoints of a run directory, latest and leftovers")
     s.add_argument("dir", metavar="DIR")
     s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.set_defaults(func=cmd_list)
+    s.set_defaults(func="listing:cmd_list")
 
     s = sub.add_parser("clean", help="remove .tmp-* leftovers of writers that died")
     s.add_argument("dir", metavar="DIR")
@@ -119,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="also remove the memory tier's copies of DIR's checkpoints")
     s.add_argument("--memory-dir", default=None, metavar="D",
                    help="the memory tier's directory (Config.memory_dir; default /dev/shm)")
-    s.set_defaults(func=cmd_clean)
+    s.set_defaults(func="listing:cmd_clean")
 
     s = sub.add_parser("goodput", help="a run's goodput: its wall time by category (productive, "
                                        "checkpoint, restore, wasted, other) across restarts")
@@ -127,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--plot", metavar="FILE",
                    help="also draw progress against wall time and the categories (PNG or SVG)")
-    s.set_defaults(func=cmd_goodput)
+    s.set_defaults(func="goodput:cmd_goodput")
     return p
 
 
@@ -141,9 +137,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _command(args) -> int:
-    """Run the parsed command: its exit status, or a one-line error and its status."""
+    """Run the parsed command (``module:function`` of this package, imported now: a command
+    costs only its own imports -- ``export`` brings DCP, half a second): its exit status, or
+    a one-line error and its status."""
+    module, function = args.func.split(":")
     try:
-        return args.func(args)
+        return getattr(importlib.import_module(f".{module}", __package__), function)(args)
     except BrokenPipeError:  # the reader went away: quiet_on_broken_pipe
         raise
     except (UsageError, BadCheckpoint, GockptError, OSError) as exc:

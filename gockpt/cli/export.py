@@ -18,7 +18,7 @@ except ImportError:
 from .. import storage
 from ..core.paths import shown
 from ..loading import check_digests
-from ..storage import shares
+from ..storage import dcp, shares
 from ..storage.commit import replace_file
 from ..storage.manifest import parse as parse_manifest, read as read_part
 from ..storage.schema import Manifest
@@ -95,7 +95,6 @@ def _export_whole(out: str, top: str, shard_size) -> int:
     """A checkpoint whose parameters are slices of global tensors (FSDP2's shards, HSDP's
     shares of them), every tensor put together through the DCP reader: each stored slice read
     once, every chunk's checksum checked."""
-    from ..storage import dcp  # (here: DCP costs every other command half a second to import)
     _, m = read_part(top, 0)
     reader = dcp.GockptReader(top)
     md = reader.read_metadata().state_dict_metadata
