@@ -32,6 +32,7 @@ import torch
 
 from .agree import common_prefix, everyone, several
 from .capture import smallstate
+from .capture.transport import Bf16Transport
 from .core.digest import LiveDigests, as_pairs, digests, to_hex
 from .core.errors import ConfigError, CorruptCheckpointError
 from .core.memory import is_dtensor, like, local
@@ -103,6 +104,8 @@ class StepLog:
         self._written: Optional[threading.Event] = None  # set once the last entry is done
         self._live: Optional[list] = None  # live_tensors, read again when the state grows
         self._live_for = -1
+        self._bf16 = Bf16Transport(says_fallback=False)  # the gradients' images, when exact
+        self._steps = 0
 
     def before_update(self) -> None:
         """``update_begin``: the last step's digests must have read the state first."""
@@ -111,13 +114,31 @@ class StepLog:
 
     def consumed(self) -> None:
         """The optimizer's step pre-hook: the gradients this update consumes, and the groups'
-        settings it uses, copied."""
-        tensors = {}
+        settings it uses, copied -- float32 ones as bfloat16 where every one of them is a
+        bfloat16 value (bf16 autocast's: half the log's bytes, and made float32 again at the
+        replay, exactly)."""
+        grads = {}
         stepped = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         for key, p in self._params:
             if id(p) in stepped and p.grad is not None:
-                tensors[key] = local(p.grad.detach()).to("cpu", copy=True)
+                grads[key] = local(p.grad.detach())
+        grads.update(self._bf16_images(grads))
+        tensors = {key: g.to("cpu", copy=True) for key, g in grads.items()}
         self._pending = (tensors, tree.encode(_groups(self.optimizer), tensors, "used/"))
+
+    def _bf16_images(self, grads: dict) -> dict:
+        """The float32 gradients of ``grads`` as their exact bfloat16 images (one check pass,
+        at memory speed), or {} when one is not a bfloat16 value. Tried at every step while
+        they are; after a step whose were not, at every 16th (a float32 model's never are)."""
+        self._steps += 1
+        fp32 = [key for key, g in grads.items() if g.dtype == torch.float32]
+        if not fp32 or (self._bf16.fallbacks and self._steps % 16):
+            return {}
+        encoded = self._bf16.encode(dict(enumerate(grads[key] for key in fp32)))
+        if encoded is None:
+            return {}
+        self._bf16.fallbacks = 0  # (they hold: tried at every step again)
+        return {key: encoded[0][i] for i, key in enumerate(fp32)}
 
     def boundary(self, step: int, extra_state) -> None:
         """``save_checkpoint(step)``: the entry of this step (its update, if it ran: GradScaler

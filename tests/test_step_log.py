@@ -241,3 +241,46 @@ def test_a_checkpoint_comes_before_the_log_is_full(tmp_path, shm):
     log = log_root(memory_tier.root_of(os.path.realpath(run), shm))
     assert sorted(os.listdir(log)) == [f"step-{s:09d}" for s in (9, 10, 11)]
     ck.close()
+
+
+def test_bf16_gradients_are_logged_in_bf16_and_replayed_bitwise(tmp_path, shm):
+    """Under bf16 autocast every float32 gradient is a bf16 value: the log holds them in bf16
+    (half the bytes); a step whose gradients were clipped (no longer bf16 values) is logged in
+    fp32. A restart replays both kinds to the uninterrupted run's state, bit for bit."""
+    def run_steps(model, opt, sched, ck, first, last, snaps):
+        for step in range(first, last + 1):
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            if ck is not None:
+                ck.backward_begin()
+            loss.backward()
+            if step == 7:  # a clipping coefficient: the gradients are no bf16 values now
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            if ck is not None:
+                ck.update_begin()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            if ck is not None:
+                ck.save_checkpoint(step, extra_state={"seen": step})
+            snaps[step] = _state(model, opt, sched)
+
+    reference = {}
+    run_steps(*_objects(), None, 1, 8, reference)
+    run, got = str(tmp_path / "run"), {}
+    model, opt, sched = _objects()
+    ck = _checkpointer(run, shm, model, opt, sched)
+    run_steps(model, opt, sched, ck, 1, 8, got)
+    ck.wait()
+    ck.steplog._written.wait()  # (the entry of step 8 written: a crash after it)
+    logs = log_root(memory_tier.root_of(os.path.realpath(run), shm))
+    dtypes = {}
+    for step in (6, 7, 8):
+        held = gockpt.storage.read_manifest(os.path.join(logs, f"step-{step:09d}"))["tensors"]
+        dtypes[step] = {v["dtype"] for k, v in held.items() if k.startswith("grad/")}
+    assert dtypes == {6: {"BF16"}, 7: {"F32"}, 8: {"F32"}}, dtypes
+    restored, state = _restart(run, shm)
+    assert restored.step == 8, restored.step
+    assert_same(state, reference[8])
+    ck.close()

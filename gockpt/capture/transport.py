@@ -26,9 +26,11 @@ class Bf16Transport:
 
     name = "bf16"
 
-    def __init__(self, multiplier: Optional[Callable[[], Optional[torch.Tensor]]] = None):
+    def __init__(self, multiplier: Optional[Callable[[], Optional[torch.Tensor]]] = None,
+                 says_fallback: bool = True):
         self.multiplier = multiplier
         self.fallbacks = 0  # steps carried in fp32 because the images were not exact
+        self.says_fallback = says_fallback  # (the first fallback, at the info level)
 
     def encode(self, grads: Dict[int, torch.Tensor],
                ranges: Optional[Dict[int, Tuple[int, int]]] = None
@@ -87,7 +89,7 @@ class Bf16Transport:
     def _fall_back(self) -> None:
         """This step's images are not exact: it goes in fp32 (said once)."""
         self.fallbacks += 1
-        if self.fallbacks == 1:
+        if self.fallbacks == 1 and self.says_fallback:
             log.info("gockpt: a step's gradients are not bf16 values times one scale; "
                      "carried in fp32 (grad_transport='bf16' falls back per step)")
 

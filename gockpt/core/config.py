@@ -220,15 +220,16 @@ class Config:
     its host's memory takes it (:mod:`gockpt.storage.peers`)."""
 
     memory_log: Optional[int] = None
-    """The memory tier's step log (off by default; needs ``memory``; not with FSDP2): at most
-    this many bytes of host shared memory for an entry per training step after the newest
-    checkpoint -- the gradients its update consumed (4 bytes a parameter), its small state and
+    """The memory tier's step log (off by default; needs ``memory``; not through DeepSpeed): at
+    most this many bytes of host shared memory for an entry per training step after the newest
+    checkpoint -- the gradients its update consumed (4 bytes a parameter; 2 in a step whose
+    float32 gradients are all bfloat16 values, as bf16 autocast's are), its small state and
     the digests of the state after it (:mod:`gockpt.steplog`). ``gockpt.load`` then replays
     the logged steps after the newest checkpoint through the optimizer, checked against the
     last one's digests: a crash costs the step in progress, not the steps since the
     checkpoint. A checkpoint is taken at least every half of the entries the log holds
-    (whatever ``interval`` says); fewer than 4 entries is a ConfigError. Per rank: on DDP each
-    rank keeps its own, world size times this in ``memory_dir`` (ConfigError when the
+    (whatever ``interval`` says); fewer than 4 entries is a ConfigError. Per rank: on DDP and
+    FSDP2 each rank keeps its own, world size times this in ``memory_dir`` (ConfigError when the
     Checkpointer is built if it does not fit there beside the copies)."""
 
     memory_dir: str = "/dev/shm"
