@@ -14,10 +14,7 @@ def test_importing_gockpt_and_its_deepspeed_patch_leaves_dtensor_and_dcp_unimpor
             "heavy = [m for m in ('torch.distributed.tensor', 'torch.distributed.checkpoint')"
             " if m in sys.modules]\n"
             "print(heavy)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=worker_env(), timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    assert _printed(code)[-1] == "[]"
 
 
 def test_a_cli_command_imports_only_what_it_uses(tmp_path):
@@ -28,7 +25,12 @@ def test_a_cli_command_imports_only_what_it_uses(tmp_path):
             "print('torch.distributed.checkpoint' in sys.modules)\n"
             "import gockpt.cli.export\n"
             "print('torch.distributed.checkpoint' in sys.modules)\n")
+    assert _printed(code)[-2:] == ["False", "True"]
+
+
+def _printed(code: str) -> list:
+    """The lines ``code`` prints in a fresh interpreter."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=worker_env(), timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-2:] == ["False", "True"], out.stdout
+    return out.stdout.strip().splitlines()

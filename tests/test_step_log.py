@@ -43,14 +43,18 @@ def _objects(optim=torch.optim.AdamW):
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
 
 
-def _steps(model, opt, sched, ck, first, last, snaps=None):
-    """Train steps ``first``..``last`` (the data depends on the step only)."""
+def _steps(model, opt, sched, ck, first, last, snaps=None, bf16=False, clip_at=None):
+    """Train steps ``first``..``last`` (the data depends on the step only); ``bf16``: under
+    bf16 autocast; ``clip_at``: that step's gradients clipped."""
     for step in range(first, last + 1):
         x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
-        loss = model(x).square().mean()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x).float().square().mean()
         if ck is not None:
             ck.backward_begin()
         loss.backward()
+        if step == clip_at:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         if ck is not None:
             ck.update_begin()
         opt.step()
@@ -247,31 +251,12 @@ def test_bf16_gradients_are_logged_in_bf16_and_replayed_bitwise(tmp_path, shm):
     """Under bf16 autocast every float32 gradient is a bf16 value: the log holds them in bf16
     (half the bytes); a step whose gradients were clipped (no longer bf16 values) is logged in
     fp32. A restart replays both kinds to the uninterrupted run's state, bit for bit."""
-    def run_steps(model, opt, sched, ck, first, last, snaps):
-        for step in range(first, last + 1):
-            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x).float().square().mean()
-            if ck is not None:
-                ck.backward_begin()
-            loss.backward()
-            if step == 7:  # a clipping coefficient: the gradients are no bf16 values now
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-            if ck is not None:
-                ck.update_begin()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            if ck is not None:
-                ck.save_checkpoint(step, extra_state={"seen": step})
-            snaps[step] = _state(model, opt, sched)
-
-    reference = {}
-    run_steps(*_objects(), None, 1, 8, reference)
-    run, got = str(tmp_path / "run"), {}
+    reference = {}  # (step 7 clipped: its gradients are no bf16 values)
+    _steps(*_objects(), None, 1, 8, reference, bf16=True, clip_at=7)
+    run = str(tmp_path / "run")
     model, opt, sched = _objects()
     ck = _checkpointer(run, shm, model, opt, sched)
-    run_steps(model, opt, sched, ck, 1, 8, got)
+    _steps(model, opt, sched, ck, 1, 8, bf16=True, clip_at=7)
     ck.wait()
     ck.steplog._written.wait()  # (the entry of step 8 written: a crash after it)
     logs = log_root(memory_tier.root_of(os.path.realpath(run), shm))
