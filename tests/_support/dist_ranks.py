@@ -5,19 +5,18 @@ by the storage, CLI, DeepSpeed and many-ranks tests."""
 
 import json
 import os
-import socket
 import time
 
 from tests._support import worker_env
 from tests._support.forked import Forked
+from tests._support.ports import free_ports
 
 WORKER = "dist_worker"  # a module of tests._support
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a job's rendezvous (:mod:`tests._support.ports`)."""
+    return free_ports(1)
 
 
 CPU_INFO_VAR = "GOCKPT_TEST_CPUINFO"

@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
+
+from tests._support.ports import free_ports
 
 ACCESS_KEY = "gockpt-test"
 SECRET_KEY = "gockpt-test-secret"
@@ -34,26 +35,8 @@ def weed_binary() -> str | None:
 
 def _free_base_port(span: int = 14) -> int:
     """A port B such that B .. B+span are free on 127.0.0.1 right now (SeaweedFS takes B+0..3
-    for HTTP and B+10..13 for gRPC)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + span >= 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + span):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free run of ports on 127.0.0.1")
+    for HTTP and B+10..13 for gRPC; :mod:`tests._support.ports`)."""
+    return free_ports(span)
 
 
 class S3Server:
