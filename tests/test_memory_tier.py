@@ -225,18 +225,20 @@ def test_gockpt_clean_removes_the_copies_of_a_run_that_no_longer_runs(tmp_path, 
     assert "no memory copies of this directory" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("scenario", ["load", "hosts", "log", "fsdp2log"])
+@pytest.mark.parametrize("scenario", ["load", "hosts", "ring", "log", "fsdp2log"])
 def test_several_ranks_keep_their_copy_in_memory_and_load_it_together(
         tmp_path, shm, monkeypatch, scenario):
     """DDP on 2 gloo ranks: the copy in memory is the whole checkpoint (both parts and the
     top manifest), loaded on every rank bitwise; a damaged byte in one rank's part makes
     every rank load the disk's. Ranks declared on two hosts (4 ranks): a host whose memory was
     lost takes its ranks' parts from their peers on the other host, bitwise, and so does a
-    restart in fresh processes. The step log, DDP and FSDP2 (each rank its shards): every
+    restart in fresh processes; FSDP2 on 3 ranks on 3 hosts, each host holding its own part
+    and the previous rank's: the rank whose host lost its memory takes its part from the
+    next one. The step log, DDP and FSDP2 (each rank its shards): every
     rank resumes at the last step every rank logged whole, bitwise."""
     from tests._support.dist_ranks import run_ranks
     monkeypatch.setenv("GOCKPT_TEST_SHM", shm)
-    run_ranks(tmp_path / "run", scenario, world=4 if scenario == "hosts" else 2,
+    run_ranks(tmp_path / "run", scenario, world={"hosts": 4, "ring": 3}.get(scenario, 2),
               worker="memory_worker")
     if scenario == "hosts":  # every rank died; restarted with host 1's memory lost
         run_ranks(tmp_path / "run", "hosts-restart", world=4, worker="memory_worker")

@@ -6,7 +6,8 @@ mismatch.
 Scenarios: ``load`` -- the memory copy is a whole checkpoint of every rank, loaded bitwise on
 every rank; one byte of rank 1's part damaged in memory makes every rank load the disk's (a
 warning on each); close() removes the copies. ``hosts`` -- ranks declared on two hosts, each
-host's copy holding its peers' parts: :func:`hosts_scenario`. ``log`` -- :func:`log_scenario`;
+host's copy holding its peers' parts: :func:`hosts_scenario`; ``ring`` -- FSDP2 on 3 hosts:
+:func:`ring_scenario`. ``log`` -- :func:`log_scenario`;
 ``fsdp2log`` -- the same with the model sharded by FSDP2 (each rank logs and replays its
 shards)."""
 
@@ -64,11 +65,30 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if scenario in ("log", "fsdp2log"):
-        return log_scenario(directory, shm, rank, build if scenario == "log" else build_fsdp2)
-    if scenario == "hosts":
-        return hosts_scenario(directory, rank)
-    if scenario == "hosts-restart":
-        return hosts_restart_scenario(directory, rank)
+        log_scenario(directory, shm, rank, build if scenario == "log" else build_fsdp2)
+    elif scenario == "hosts":
+        hosts_scenario(directory, rank)
+    elif scenario == "hosts-restart":
+        hosts_restart_scenario(directory, rank)
+    elif scenario == "ring":
+        ring_scenario(directory, rank)
+    else:
+        load_scenario(directory, shm, rank)
+    leave()
+
+
+def leave(crash=False):
+    """Every rank done with the default group before any process ends (a rank leaving while
+    another still completes the last collective fails it: "Connection closed by peer");
+    ``crash``: end at once, nothing closed (the memory copies stay)."""
+    dist.barrier()
+    dist.destroy_process_group()
+    if crash:
+        os._exit(0)
+
+
+def load_scenario(directory, shm, rank):
+    """``load``: the module docstring."""
     ddp, opt = build()
     ck = gockpt.Checkpointer(ddp, opt, directory, mode="gockpt-o", overlap_steps=2,
                              interval=3, memory="auto", memory_dir=shm)
@@ -97,21 +117,21 @@ def main():
     print(f"rank {rank}: ok", flush=True)
 
 
-def on_host(rank):
-    """Rank ``rank`` declared on host ``rank // 2``, its memory in a directory of that host's:
-    (host, memory_dir)."""
-    host = rank // 2
+def on_host(rank, per_host=2):
+    """Rank ``rank`` declared on host ``rank // per_host``, its memory in a directory of that
+    host's: (host, memory_dir)."""
+    host = rank // per_host
     os.environ["GOCKPT_HOST"] = f"host-{host}"
     mine = os.path.join(os.environ["GOCKPT_TEST_SHM"], f"host-{host}")
     os.makedirs(mine, exist_ok=True)
     return host, mine
 
 
-def lose_host_1(directory, rank, damage=None):
-    """Host 1's memory lost (rank 2 deletes it for both of its ranks); ``damage``: a part on
-    host 0 whose largest tensor rank 0 damages meanwhile."""
+def lose_host_1(directory, rank, damage=None, deleter=2):
+    """Host 1's memory lost (rank ``deleter``, one of its ranks, deletes it for all of them);
+    ``damage``: a part on host 0 whose largest tensor rank 0 damages meanwhile."""
     dist.barrier()
-    if rank == 2:
+    if rank == deleter:
         shutil.rmtree(memory_tier.root_of(directory, os.path.join(os.environ["GOCKPT_TEST_SHM"],
                                                                    "host-1")))
     if rank == 0 and damage:
@@ -155,6 +175,7 @@ def hosts_scenario(directory, rank):
     for s in range(6, 9):  # the next checkpoint: on both hosts, the received parts dropped
         step(ddp, opt, ck, s, rank)
     ck.wait()
+    dist.barrier()  # (each host's lowest rank has dropped what it holds no more)
     at_9 = snapshot(ddp, opt)
     copy = os.path.join(root, "step-000000009")
     assert sorted(os.listdir(root)) == ["latest", "run", "step-000000009"], os.listdir(root)
@@ -169,9 +190,35 @@ def hosts_scenario(directory, rank):
         step(ddp, opt, ck, s, rank)
     ck.wait()
     assert sorted(os.listdir(os.path.join(root, "step-000000012"))) == PARTS
-    dist.barrier()
     print(f"rank {rank}: ok", flush=True)
-    os._exit(0)  # a crash of every rank: nothing closed, the copies stay
+    leave(crash=True)  # every rank dies: nothing closed, the copies stay
+
+
+def ring_scenario(directory, rank):
+    """FSDP2 on 3 ranks, each on a host of its own: each rank's part is kept by the next
+    rank (the last's by rank 0), so each host holds its own part and the previous rank's, and
+    a rank reads only its own. Host 1's memory lost: rank 1 takes its part from rank 2 and
+    every rank loads bitwise (rank 0 and 2 from their own host's copy)."""
+    _, mine = on_host(rank, per_host=1)
+    model, opt = build_fsdp2()
+    ck = gockpt.Checkpointer(model, opt, directory, mode="gockpt-o", overlap_steps=2,
+                             interval=3, memory="auto", memory_dir=mine)
+    directory = ck.config.directory
+    train(model, opt, ck, 6, rank)
+    at_6 = snapshot(model, opt)
+    root = memory_tier.root_of(directory, mine)
+    copy = os.path.join(root, "step-000000006")
+    held = sorted(p for p in os.listdir(copy) if p.startswith("rank-"))
+    assert held == sorted({f"rank-{rank:05d}", f"rank-{(rank - 1) % 3:05d}"}), held
+    lose_host_1(directory, rank, deleter=1)
+    restored, got, said = load(directory, mine, build_fsdp2)
+    received = os.path.join(root, "peers", f"rank-{rank:05d}", "step-000000006")
+    assert restored.path == (received if rank == 1 else copy) and not said, (restored.path, said)
+    assert_same(got, at_6)
+    ck.close()
+    dist.barrier()
+    assert not os.path.exists(root), "close() removes each host's copies"
+    print(f"rank {rank}: ok", flush=True)
 
 
 def hosts_restart_scenario(directory, rank):
@@ -198,8 +245,10 @@ def hosts_restart_scenario(directory, rank):
     for s in range(12, 15):
         step(ddp, opt, ck, s, rank)
     ck.wait()
+    dist.barrier()  # (each host's lowest rank has dropped what it holds no more)
     assert sorted(os.listdir(root)) == ["latest", "run", "step-000000015"], os.listdir(root)
     assert sorted(os.listdir(os.path.join(root, "step-000000015"))) == PARTS
+    dist.barrier()  # (every rank has looked before the host's lowest rank removes them)
     ck.close()
     dist.barrier()
     assert not os.path.exists(root), "close() removes each host's copies"
