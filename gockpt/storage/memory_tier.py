@@ -175,17 +175,23 @@ class MemoryTier:
 
         def exchange(shared: Optional[str], written: bool) -> bool:
             """This rank's part to its peer; the parts it keeps for others into ``shared``."""
-            me = ranks.rank
-            mine = peers.pack(name, peers.part_files(os.path.join(shared, ranks.part_name()))) \
-                if written else None
+            me, mine = ranks.rank, None
+            if written:
+                try:  # (a rank raising here alone would leave the others in the swap)
+                    mine = peers.pack(name, peers.part_files(
+                        os.path.join(shared, ranks.part_name())))
+                except OSError:
+                    written = False
             got = ranks.swap({self.hosts.peer_of(me): mine}, self.hosts.kept_by(me))
-            ok = shared is not None
+            ok = shared is not None and written
             for src, data in got.items():
+                if data is None or shared is None:  # (its part failed: the vote fails)
+                    ok = False
+                    continue
                 try:
-                    _, files = peers.unpack(data)
-                    peers.write_files(os.path.join(shared, part_name(src)), files)
-                except (TypeError, ValueError, OSError, AttributeError):
-                    ok = False  # (None: the peer had no part to give)
+                    peers.write_files(os.path.join(shared, part_name(src)), peers.unpack(data)[1])
+                except (ValueError, OSError):
+                    ok = False
             return ok
 
         try:
@@ -320,9 +326,13 @@ def _bundle(copy: Optional[str], rank: int):
     needed = _parts_read(copy, rank)
     if not all(os.path.isfile(os.path.join(copy, p, MANIFEST_FILE)) for p in needed):
         return None
-    files = {rel: path for rel, path in peers.part_files(copy).items()
-             if "/" not in rel or rel.split("/", 1)[0] in needed}
-    return peers.pack(os.path.basename(copy), files)
+    try:  # (a rank raising here alone would leave the others in the swap)
+        files = {rel: path for rel, path in peers.part_files(copy).items()
+                 if "/" not in rel or rel.split("/", 1)[0] in needed}
+        return peers.pack(os.path.basename(copy), files)
+    except OSError as exc:
+        log.warning("gockpt: %s could not be read for rank %d: %s", copy, rank, exc)
+        return None
 
 
 def _write_received(directory: str, memory_dir: Optional[str], rank: int, name: str,

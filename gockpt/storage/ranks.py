@@ -279,8 +279,8 @@ class Ranks:
             except Exception as exc:  # voted below; the caller reports its own error
                 err = exc
         if exchange is not None and not exchange(shared, bool(mine)) and mine:
-            mine, err = 0, StorageError(f"checkpoint {name}: the parts this host keeps for "
-                                        "other hosts' ranks were not all received")
+            mine, err = 0, StorageError(f"checkpoint {name}: this rank's part did not reach "
+                                        "its peer, or the parts kept here did not all arrive")
         everyone = self._all_min(mine)
         committed = 1
         if self.rank == leader:

@@ -23,7 +23,7 @@ from torch import nn
 
 import gockpt
 from gockpt import storage
-from gockpt.storage import memory_tier
+from gockpt.storage import memory_tier, peers
 from gockpt.storage.steplog import log_root
 from gockpt.testing import assert_same, snapshot
 from tests._support.cli_helpers import flip_byte
@@ -198,7 +198,9 @@ def ring_scenario(directory, rank):
     """FSDP2 on 3 ranks, each on a host of its own: each rank's part is kept by the next
     rank (the last's by rank 0), so each host holds its own part and the previous rank's, and
     a rank reads only its own. Host 1's memory lost: rank 1 takes its part from rank 2 and
-    every rank loads bitwise (rank 0 and 2 from their own host's copy)."""
+    every rank loads bitwise (rank 0 and 2 from their own host's copy). Then the part rank 0
+    keeps for rank 2 cannot be written: no host keeps that checkpoint (a warning on every
+    rank), and a load takes the disk's, bitwise."""
     _, mine = on_host(rank, per_host=1)
     model, opt = build_fsdp2()
     ck = gockpt.Checkpointer(model, opt, directory, mode="gockpt-o", overlap_steps=2,
@@ -215,6 +217,23 @@ def ring_scenario(directory, rank):
     received = os.path.join(root, "peers", f"rank-{rank:05d}", "step-000000006")
     assert restored.path == (received if rank == 1 else copy) and not said, (restored.path, said)
     assert_same(got, at_6)
+    if rank == 0:  # the part it keeps for rank 2 cannot be written: no host keeps step 9
+        def refuse(*args):
+            raise OSError(28, "No space left on device")
+        peers.write_files = refuse
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(6, 9):
+            step(model, opt, ck, s, rank)
+        ck.wait()
+    said = [str(w.message) for w in caught]
+    assert any("checkpoint step-000000009 not kept in memory" in w for w in said), said
+    at_9 = snapshot(model, opt)
+    dist.barrier()
+    assert not os.path.exists(os.path.join(root, "step-000000009")), os.listdir(root)
+    restored, got, said = load(directory, mine, build_fsdp2)
+    assert restored.path == os.path.join(directory, "step-000000009") and not said, said
+    assert_same(got, at_9)
     ck.close()
     dist.barrier()
     assert not os.path.exists(root), "close() removes each host's copies"
