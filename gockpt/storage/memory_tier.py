@@ -266,9 +266,9 @@ def from_peers(directory: str, disk: Optional[str], copy: Optional[str],
     """``copy`` (this rank's :func:`usable_copy`), or where this rank's host lacks a part it
     reads -- the host's memory lost -- a copy of the checkpoint ``disk`` made here from what
     the rank keeping its part on another host sent (``peers/rank-N/<name>`` beside the
-    copies); None when neither. A collective on several ranks (one gather; point to point only
-    where a part is missing); on one host, ``copy`` as it is. The copy made here is checked by
-    the load as any copy is."""
+    copies); None when neither. A collective on several ranks (one gather; two all-to-alls
+    only where a part is missing); on one host, ``copy`` as it is. The copy made here is
+    checked by the load as any copy is."""
     dist = torch.distributed
     rank = dist.get_rank()
     have = copy is not None and all(os.path.isfile(os.path.join(copy, p, MANIFEST_FILE))
