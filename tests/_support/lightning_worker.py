@@ -12,7 +12,8 @@ after each epoch (Lightning steps it after the epoch's end). Several ranks (RANK
 torchrun's environment; ``fsdp2``: FSDP2 instead (ModelParallelStrategy, the layers sharded
 in ``configure_model``), the final state gathered; ``lightning_save``: Lightning's own
 checkpoint written after the fit to RUN_DIR-lightning, and ``resume_lightning`` resumes from it
-(the callback present: it stays Lightning's to load)."""
+(the callback present: it stays Lightning's to load); ``tp``: ModelParallelStrategy's tensor
+parallelism, which the callback refuses (rank 0 writes the error to OUT)."""
 
 import json
 import os
@@ -22,6 +23,7 @@ import sys
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from gockpt.core.errors import ConfigError
 from gockpt.integrations.lightning import GockptCallback, pl
 
 ModelCheckpoint = pl.callbacks.ModelCheckpoint
@@ -73,10 +75,12 @@ def kept_files(run, saves) -> dict:
 
 
 def strategy(flags):
-    """DDP on several ranks; with ``fsdp2``, FSDP2 (ModelParallelStrategy, data parallel)."""
-    if "fsdp2" in flags:
+    """DDP on several ranks; with ``fsdp2``, FSDP2 (ModelParallelStrategy, data parallel);
+    with ``tp``, ModelParallelStrategy's tensor parallelism over every rank."""
+    if "fsdp2" in flags or "tp" in flags:
         from pytorch_lightning.strategies import ModelParallelStrategy
-        return ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+        tp = WORLD if "tp" in flags else 1
+        return ModelParallelStrategy(data_parallel_size=WORLD // tp, tensor_parallel_size=tp)
     return "ddp" if WORLD > 1 else "auto"
 
 
@@ -104,6 +108,15 @@ def main():
     resume = ("last" if files else run) if "resume" in flags else None
     if "resume_lightning" in flags:
         resume = f"{run}-lightning"
+    if "tp" in flags:  # refused when the fit starts, on every rank alike
+        try:
+            trainer.fit(model, DataLoader(data, batch_size=8))
+        except ConfigError as exc:
+            if trainer.global_rank == 0:
+                torch.save({"refused": str(exc), "step": trainer.global_step}, out)
+            print(f"rank {trainer.global_rank}: refused", flush=True)
+            return
+        raise AssertionError("tensor parallelism was not refused")
     trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=resume)
     if "lightning_save" in flags:  # after fit: Lightning's own save (FSDP2: a folder, meta.pt)
         trainer.save_checkpoint(f"{run}-lightning")

@@ -195,6 +195,15 @@ def test_what_the_callback_cannot_follow_is_refused(tmp_path):
         GockptCallback(tmp_path / "r", every_n_train_steps=0)
 
 
+@pytest.mark.slow
+def test_tensor_parallelism_is_refused_on_every_rank_before_a_step(tmp_path):
+    """ModelParallelStrategy with tensor parallelism over 2 ranks: the callback refuses it
+    when the fit starts, on both ranks (neither waits for the other), no step trained."""
+    got = _run(tmp_path, "tp", "32-true", 2, "tp")
+    assert "strategy ModelParallelStrategy is not supported" in got["refused"], got
+    assert got["step"] == 0
+
+
 def test_a_training_step_that_returns_none_steps_without_a_backward(tmp_path):
     """Lightning steps the optimizer even when training_step returns None (no backward ran):
     gockpt's hooks follow it (was: HookOrderError from update_begin)."""
