@@ -271,8 +271,7 @@ def from_peers(directory: str, disk: Optional[str], copy: Optional[str],
     checked by the load as any copy is."""
     dist = torch.distributed
     rank = dist.get_rank()
-    have = copy is not None and all(os.path.isfile(os.path.join(copy, p, MANIFEST_FILE))
-                                    for p in _parts_read(copy, rank))
+    have = copy is not None and _holds(copy, _parts_read(copy, rank))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, (host_id(), have))
     hosts = peers.Hosts.of([host for host, _ in every], rank)
@@ -318,13 +317,18 @@ def _parts_read(copy: str, rank: int) -> list:
     return list(top.get("ranks", [])) if top.get("shares") else [part_name(rank)]
 
 
+def _holds(copy: str, parts: list) -> bool:
+    """Whether the copy ``copy`` has each of ``parts`` (its manifest: written last)."""
+    return all(os.path.isfile(os.path.join(copy, p, MANIFEST_FILE)) for p in parts)
+
+
 def _bundle(copy: Optional[str], rank: int):
     """The files of the copy ``copy`` that ``rank`` reads (its top-level files and the parts of
     :func:`_parts_read`) as one tensor to send; None when this host's copy lacks one."""
     if copy is None:
         return None
     needed = _parts_read(copy, rank)
-    if not all(os.path.isfile(os.path.join(copy, p, MANIFEST_FILE)) for p in needed):
+    if not _holds(copy, needed):
         return None
     try:  # (a rank raising here alone would leave the others in the swap)
         files = {rel: path for rel, path in peers.part_files(copy).items()

@@ -8,8 +8,8 @@ a checkpoint therefore holds its own ranks' parts and those it keeps for the pre
 ranks (written by :meth:`MemoryTier.publish_parts`, one committed directory per host).
 
 What crosses between ranks: a checkpoint's files as one byte tensor each way (:func:`pack`,
-:func:`unpack`: a JSON list of the files' relative paths and sizes, then their bytes), sent
-point to point on a gloo group (:func:`swap`). Nothing sent is trusted: the receiver writes
+:func:`unpack`: a JSON list of the files' relative paths and sizes, then their bytes), moved
+by two all-to-alls on a gloo group (:func:`swap`). Nothing sent is trusted: the receiver writes
 the files as they came, and the load checks every byte of them against the part's own
 manifest (crc32c per chunk) and the digests of the live state at F, as for any copy.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -47,29 +48,44 @@ class Hosts:
     def several(self) -> bool:
         return len(self.hosts) > 1
 
-    def _host(self, r: int) -> int:
-        return next(i for i, ranks in enumerate(self.hosts) if r in ranks)
+    @cached_property
+    def _host(self) -> Dict[int, int]:
+        """rank -> the index of its host (worked out once: asked at every checkpoint)."""
+        return {r: h for h, ranks in enumerate(self.hosts) for r in ranks}
+
+    @cached_property
+    def _peer(self) -> Dict[int, int]:
+        """rank -> its peer: the rank at its place on the next host (none on one host)."""
+        if not self.several:
+            return {}
+        return {r: there[i % len(there)]
+                for here, there in zip(self.hosts, self.hosts[1:] + self.hosts[:1])
+                for i, r in enumerate(here)}
+
+    @cached_property
+    def _kept(self) -> Dict[int, List[int]]:
+        """rank -> the ranks whose parts it keeps, in rank order."""
+        kept: Dict[int, List[int]] = {}
+        for r, peer in sorted(self._peer.items()):
+            kept.setdefault(peer, []).append(r)
+        return kept
 
     def leader_of(self, r: int) -> int:
         """The lowest rank on ``r``'s host: it makes, commits and removes that host's copies."""
-        return self.hosts[self._host(r)][0]
+        return self.hosts[self._host[r]][0]
 
     def peer_of(self, r: int) -> Optional[int]:
         """The rank on the next host that keeps ``r``'s part (None: one host)."""
-        if not self.several:
-            return None
-        h = self._host(r)
-        here, there = self.hosts[h], self.hosts[(h + 1) % len(self.hosts)]
-        return there[here.index(r) % len(there)]
+        return self._peer.get(r)
 
     def kept_by(self, r: int) -> List[int]:
         """The ranks whose parts ``r`` keeps (those whose peer it is)."""
-        return [s for ranks in self.hosts for s in ranks if self.peer_of(s) == r]
+        return list(self._kept.get(r, []))
 
     def parts_on_host(self, r: int) -> int:
         """How many ranks' parts ``r``'s host holds: its own ranks' and those its ranks keep."""
-        here = self.hosts[self._host(r)]
-        return len(here) + sum(len(self.kept_by(s)) for s in here)
+        here = self.hosts[self._host[r]]
+        return len(here) + sum(len(self._kept.get(s, [])) for s in here)
 
 
 def part_files(root: str, rel: str = "") -> Dict[str, str]:
@@ -110,16 +126,21 @@ def unpack(data: torch.Tensor) -> Tuple[str, Dict[str, memoryview]]:
     if len(buf) < _LENGTH:
         raise ValueError("a bundle shorter than its header's length")
     length = int.from_bytes(buf[:_LENGTH].tobytes(), "little")
-    header = json.loads(buf[_LENGTH:_LENGTH + length].tobytes())
+    try:  # (a header of another shape: ValueError, as a bad entry is -- never a KeyError
+        # on one rank alone, which would leave the others in a collective)
+        header = json.loads(buf[_LENGTH:_LENGTH + length].tobytes())
+        name, entries = str(header["name"]), [(str(rel), int(n)) for rel, n in header["files"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"a bundle whose header is not one ({exc})") from exc
     at, files = _LENGTH + length, {}
-    for rel, n in header["files"]:
+    for rel, n in entries:
         parts = rel.split("/")
         if not parts or any(p in ("", ".", "..") for p in parts) or n < 0 \
                 or at + n > len(buf):
             raise ValueError(f"a bundle with a bad entry {rel!r}")
         files[rel] = memoryview(buf[at:at + n])
         at += n
-    return header["name"], files
+    return name, files
 
 
 def write_files(into: str, files: Dict[str, memoryview]) -> None:

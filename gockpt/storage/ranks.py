@@ -93,18 +93,10 @@ class Ranks:
             return None
         return bool(t.item())
 
-    def same(self, value: int) -> bool:
-        """Whether ``value`` is the same on every rank (training thread)."""
-        return self.agree_max(value) == -self.agree_max(-value)
-
     def hosts(self, host_id: int) -> peers.Hosts:
         """The ranks by host, from every rank's ``host_id`` (training thread)."""
-        if not self.several:
-            return peers.Hosts(((0,),), 0)
-        every = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._run(torch.distributed.all_gather, self._train_group, every,
-                  torch.tensor([host_id], dtype=torch.int64))
-        return peers.Hosts.of([int(t.item()) for t in every], self.rank)
+        every = self._all_gather([host_id], self._train_group)
+        return peers.Hosts.of([host for host, in every], self.rank)
 
     def share(self, plan: Plan, replicated, global_slices=None) -> Plan:
         """``plan`` with its slots marked (:func:`~gockpt.core.planning.mark_parallel`:
@@ -164,11 +156,6 @@ class Ranks:
                   op=torch.distributed.ReduceOp.MIN)
         return int(t.item())
 
-    def _broadcast(self, values):
-        t = torch.tensor(values, dtype=torch.int64)
-        self._run(torch.distributed.broadcast, self._persist_group, t, src=0)
-        return [int(v) for v in t.tolist()]
-
     def _gather_bytes(self, data: bytes) -> Optional[List[bytes]]:
         """``data`` of every rank, in rank order, on rank 0 (None elsewhere): the sizes to
         every rank, then the bytes, padded alike, to rank 0 (persist thread)."""
@@ -196,10 +183,6 @@ class Ranks:
         if self._abandoned.is_set():
             raise self._abandoned_error()
         work = collective(*tensors, group=group, async_op=True, **options)
-        return self._wait(work, group, *tensors, timeout=timeout)
-
-    def _wait(self, work, group, *tensors, timeout: Optional[float] = None) -> bool:
-        """Wait for ``work`` as :meth:`_run` does (its tensors kept with it if given up)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1e-4
         while not work.is_completed():
@@ -267,8 +250,7 @@ class Ranks:
                 header = [1, int(pid), int(token, 16)]
             except Exception:
                 header = [0, 0, 0]
-        ok, pid, token = self._broadcast(header) if hosts is None else \
-            self._all_gather(header)[leader]
+        ok, pid, token = self._all_gather(header)[leader]
         mine, err = 0, None
         shared = os.path.join(os.path.abspath(root), f"{TMP_PREFIX}{name}-{pid}-{token:08x}") \
             if ok else None
@@ -301,10 +283,12 @@ class Ranks:
                            + ("another rank failed to write its part" if mine or not ok
                               else "this rank's part failed"))
 
-    def _all_gather(self, values: List[int]) -> List[List[int]]:
-        """``values`` (ints, as many on every rank) of every rank, in rank order (persist
-        thread)."""
+    def _all_gather(self, values: List[int], group=None) -> List[List[int]]:
+        """``values`` (ints, as many on every rank) of every rank, in rank order, on
+        ``group`` (default: the persist thread's)."""
+        if not self.several:
+            return [list(values)]
         mine = torch.tensor(values, dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        self._run(torch.distributed.all_gather, self._persist_group, every, mine)
+        self._run(torch.distributed.all_gather, group or self._persist_group, every, mine)
         return [[int(v) for v in t.tolist()] for t in every]

@@ -53,3 +53,7 @@ def test_a_bundle_carries_a_part_s_files_and_refuses_paths_leaving_it(tmp_path):
         peers.unpack(peers.pack("step-1", files)[:-10])
     with pytest.raises(ValueError):
         peers.unpack(torch.zeros(3, dtype=torch.uint8))
+    header = b'{"name": "step-1"}'  # (no file list: a header of another shape)
+    other = torch.tensor(list(len(header).to_bytes(8, "little") + header), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="header is not one"):
+        peers.unpack(other)
