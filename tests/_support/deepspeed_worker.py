@@ -137,7 +137,9 @@ class NoGockpt:
 
 def main():
     out_dir, sc = sys.argv[1], json.loads(sys.argv[2])
-    if sc["run"] == "plain-load":
+    if sc["run"] == "plain-load":  # as if gockpt were not installed (the fork server has it)
+        for name in [m for m in sys.modules if m.split(".")[0] == "gockpt"]:
+            del sys.modules[name]
         sys.meta_path.insert(0, NoGockpt())
     else:
         from gockpt.integrations import deepspeed as gockpt_ds

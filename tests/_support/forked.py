@@ -1,6 +1,7 @@
 """Rank processes forked from one server that imported torch (with torch._dynamo, which the
-first optimizer imports) and DeepSpeed once per test session: a rank's process then starts in
-a tenth of a second instead of 4-6 s of imports, which were most of the multi-rank tests' time.
+first optimizer imports), DeepSpeed and gockpt once per test session (:data:`PRELOAD`): a rank's
+process then starts in a tenth of a second instead of 4-6 s of imports, which were most of the
+multi-rank tests' time.
 
 Each is still its own process -- fresh memory, its own torch.distributed state, DeepSpeed's
 per-process CPU Adam state made anew (the resumes across processes stay real resumes) -- run as
@@ -14,6 +15,7 @@ is the interpreter's own finalization after those: the tests of what a process d
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing
 import os
 import runpy
@@ -26,8 +28,16 @@ import time
 import traceback
 from typing import Optional
 
+# What the workers import, once here: DeepSpeed's ZeRO optimizer check imports its Muon
+# optimizer in every engine's construction, which imports torch's inductor (2.3 s of each
+# DeepSpeed rank's start); gockpt itself with DCP, DTensor and FSDP2 (about a second of each
+# rank's start: a fifth of the test suite's CPU time). A worker that must run without gockpt
+# drops it from ``sys.modules`` first (tests/_support/deepspeed_worker.py's plain-load).
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "numpy", "deepspeed",
-           "pytorch_lightning"]
+           "deepspeed.runtime.zero.muon.muon_optimizer", "pytorch_lightning",
+           "torch.distributed.checkpoint", "torch.distributed.tensor",
+           "torch.distributed.fsdp", "gockpt", "gockpt.storage",
+           "gockpt.integrations.deepspeed", "gockpt.integrations.lightning"]
 
 _context = None
 _outputs = None  # the folder of the workers' outputs, removed when this process ends
@@ -53,6 +63,10 @@ def _child(module: str, args: list, env: dict, out_path: str, err_path: str,
            cwd: Optional[str] = None) -> None:
     """In the forked process: the worker as ``python -m`` would run it (a path ending in
     ``.py``: the script, as ``python PATH`` would), in ``cwd`` when given."""
+    # The half million objects of the preloaded modules out of the collector's sight: a full
+    # collection (DeepSpeed's BF16 optimizer forces four in its construction) then walks only
+    # the worker's own, as in a process that imported them itself it would walk them all.
+    gc.freeze()
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
