@@ -232,7 +232,8 @@ def test_several_ranks_keep_their_copy_in_memory_and_load_it_together(
     top manifest), loaded on every rank bitwise; a damaged byte in one rank's part makes
     every rank load the disk's. Ranks declared on two hosts (4 ranks): a host whose memory was
     lost takes its ranks' parts from their peers on the other host, bitwise, and so does a
-    restart in fresh processes; FSDP2 on 3 ranks on 3 hosts, each host holding its own part
+    restart in fresh processes; a part that neither its host nor its peer holds (or whose
+    peer's copy is damaged): every rank loads the disk's; FSDP2 on 3 ranks on 3 hosts, each host holding its own part
     and the previous rank's: the rank whose host lost its memory takes its part from the
     next one. The step log, DDP and FSDP2 (each rank its shards): every
     rank resumes at the last step every rank logged whole, bitwise."""

@@ -149,7 +149,7 @@ def hosts_scenario(directory, rank):
     (here: every part). The memory of host 1 lost: its ranks take their parts from their
     peers on host 0 and load bitwise, and the next checkpoint is kept on both hosts again.
     Host 1's memory lost again and the part host 0 keeps for rank 2 damaged: every rank loads
-    the disk's. Then a checkpoint of step 12, and every rank dies (no close(): the copies
+    the disk's; and so it does when host 1's memory is lost and host 0 lacks that part. Then a checkpoint of step 12, and every rank dies (no close(): the copies
     stay) -- :func:`hosts_restart_scenario` goes on."""
     host, mine = on_host(rank)
     ddp, opt = build()
@@ -185,6 +185,18 @@ def hosts_scenario(directory, rank):
     restored, got, said = load(directory, mine)
     assert restored.path == os.path.join(directory, "step-000000009"), restored.path
     assert any("does not verify" in w and "from disk" in w for w in said), said
+    assert_same(got, at_9)
+
+    # Host 1's memory lost once more, and host 0's copy without rank 2's part at all: a part
+    # that neither its host nor its peer keeps -- every rank reads it under DDP's shares, so
+    # every rank loads the disk's (the swap goes on with nothing to send, nobody raises)
+    lose_host_1(directory, rank)
+    if rank == 0:
+        shutil.rmtree(os.path.join(copy, "rank-00002"))
+    dist.barrier()
+    restored, got, said = load(directory, mine)
+    assert restored.path == os.path.join(directory, "step-000000009"), (restored.path, said)
+    assert not os.path.exists(os.path.join(root, "peers", f"rank-{rank:05d}", "step-000000009"))
     assert_same(got, at_9)
     for s in range(9, 12):
         step(ddp, opt, ck, s, rank)
