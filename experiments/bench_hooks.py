@@ -33,27 +33,24 @@ import gockpt  # noqa: E402
 EVERY, K, STEPS = 4, 3, 42
 
 
-# --settle-allocator: the first malloc of 1 KiB or more after the training step's frees runs
-# glibc's malloc_consolidate over every small chunk the step freed (here 0.2-0.3 ms, whoever
-# asks: a 4 KiB bytearray right after an AdamW step of 1,000 tensors took 260 us, the next 3
-# us). Without the flag the hooks are charged that when they are first to ask; with it, a 4
-# KiB allocation right before each timed hook pays it outside the timing.
-SETTLE = False
-
-
 def settle_allocator() -> None:
-    if SETTLE:
-        bytearray(4096)
+    """--settle-allocator: the first malloc of 1 KiB or more after the training step's frees
+    runs glibc's malloc_consolidate over every small chunk the step freed (0.2-0.3 ms here,
+    whoever asks: a 4 KiB bytearray right after an AdamW step of 1,000 tensors took 260 us,
+    the next 3 us). Without the flag the hooks are charged that when they are first to ask;
+    with it, this 4 KiB allocation right before each timed hook pays it outside the timing."""
+    bytearray(4096)
 
 
-def timed(fn, *args, **kwargs):
-    settle_allocator()
+def timed(settle: bool, fn, *args, **kwargs):
+    if settle:
+        settle_allocator()
     t0 = time.thread_time()
     out = fn(*args, **kwargs)
     return out, time.thread_time() - t0
 
 
-def run(tensors: int, dim: int, root: str) -> dict:
+def run(tensors: int, dim: int, root: str, settle: bool = False) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(tensors // 2)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -61,7 +58,7 @@ def run(tensors: int, dim: int, root: str) -> dict:
 
     def mark(name):
         def hook(*args):
-            if name.endswith("0"):  # (before gockpt's hooks)
+            if settle and name.endswith("0"):  # (before gockpt's hooks)
                 settle_allocator()
             marks[name] = time.thread_time()
         return hook
@@ -77,13 +74,13 @@ def run(tensors: int, dim: int, root: str) -> dict:
     windows = {}  # per checkpoint: the hooks' total of each step of its window
     for step in range(1, STEPS + 1):
         loss = model(x).square().mean()
-        _, t_bb = timed(ck.backward_begin)
+        _, t_bb = timed(settle, ck.backward_begin)
         loss.backward()
-        _, t_ub = timed(ck.update_begin)
+        _, t_ub = timed(settle, ck.update_begin)
         opt.step()
         t_opt = marks["pre1"] - marks["pre0"] + marks["post1"] - marks["post0"]
         opt.zero_grad()
-        handle, t_sc = timed(ck.save_checkpoint, step)
+        handle, t_sc = timed(settle, ck.save_checkpoint, step)
         assert (handle is not None) == (step % EVERY == 0), "a checkpoint every EVERY steps"
         # The window of the checkpoint of step c: its boundaries c - K + 1 .. c (a group
         # queued at each, the small state frozen at c) and the steps between them and the
@@ -112,10 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default="16,128")
     ap.add_argument("--settle-allocator", action="store_true",
                     help="run glibc's pending consolidation of the step's frees before each "
-                    "timed hook, outside the timing (see SETTLE)")
+                    "timed hook, outside the timing (see settle_allocator)")
     args = ap.parse_args(argv)
-    global SETTLE
-    SETTLE = args.settle_allocator
     torch.set_num_threads(1)
     print(f"{'tensors':>7} {'state MB':>9} {'backward_begin':>15} {'update_begin':>13} "
           f"{'save_checkpoint':>16} {'optimizer step':>15} {'per boundary':>13} "
@@ -125,7 +120,7 @@ def main(argv=None) -> int:
             root = tempfile.mkdtemp(prefix="gockpt-hooks-", dir="/dev/shm"
                                     if os.path.isdir("/dev/shm") else None)
             try:
-                r = run(tensors, dim, root)
+                r = run(tensors, dim, root, args.settle_allocator)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             total = r["backward_begin"] + r["update_begin"] + r["save_checkpoint"] + \

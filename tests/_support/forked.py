@@ -8,8 +8,10 @@ per-process CPU Adam state made anew (the resumes across processes stay real res
 ``python -m tests._support.<worker> ARGS`` would be: ``sys.argv``, the environment, stdout and
 stderr of its own, an uncaught exception printed with its traceback (``sys.last_value`` set) and
 exit status 1, ``SystemExit``'s status, then the ``atexit`` handlers. What it does not reproduce
-is the interpreter's own finalization after those: the tests of what a process does at its end
-(tests/test_exit.py) start real interpreters (:func:`tests._support.worker_command`).
+is the interpreter's own finalization after those, nor its imports: the tests of what a
+process does at its end (tests/test_exit.py) start real interpreters
+(:func:`tests._support.worker_command`), and so do those of what ``import gockpt`` imports
+(tests/test_import_cost.py).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _child(module: str, args: list, env: dict, out_path: str, err_path: str,
     ``.py``: the script, as ``python PATH`` would), in ``cwd`` when given."""
     # The half million objects of the preloaded modules out of the collector's sight: a full
     # collection (DeepSpeed's BF16 optimizer forces four in its construction) then walks only
-    # the worker's own, as in a process that imported them itself it would walk them all.
+    # the worker's own objects, not the server's too.
     gc.freeze()
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
