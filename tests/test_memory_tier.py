@@ -14,7 +14,7 @@ import torch
 
 import gockpt
 from gockpt.core.errors import ConfigError
-from gockpt.storage import memory_tier
+from gockpt.storage import memory_tier, peers
 from gockpt.storage.commit import write_latest
 from gockpt.testing import assert_same, snapshot
 from tests._support.cli_helpers import flip_byte
@@ -167,6 +167,23 @@ def test_the_space_is_checked_when_the_checkpointer_is_built(tmp_path, shm):
         memory_tier.budget(free * 4, shm, free)
     with pytest.warns(RuntimeWarning, match="the memory tier is off: .* free, two copies"):
         assert memory_tier.budget("auto", shm, free) is None
+
+
+def test_a_host_counts_its_peers_parts_twice_and_only_its_own_ranks_step_logs(shm):
+    # 4 ranks on 2 hosts: host 0 holds its 2 ranks' parts and the 2 it keeps for host 1's,
+    # but a step log stays with its rank (was: 4 logs counted, a fitting log refused)
+    hosts = peers.Hosts.of([7, 7, 3, 3], 0)
+    assert hosts.host_of(1) == (0, 1) and hosts.host_of(2) == (2, 3)
+    assert hosts.parts_on_host(0) == 4 and hosts.kept_by(0) == [2]
+    free = memory_tier.free_bytes(shm)
+    copies = 2 * (1 << 10) * 4 + (1 << 20)
+    log = (free - copies) // 3  # (2 logs fit with a third of the space to spare; 4 would not)
+    assert memory_tier.budget("auto", shm, 1 << 10, hosts.parts_on_host(0), log,
+                              len(hosts.host_of(0))) >= copies
+    with pytest.raises(ConfigError, match=rf"memory_log={free} for each of the 2 ranks, "
+                                          rf"{2 * free} in all"):
+        memory_tier.budget("auto", shm, 1 << 10, hosts.parts_on_host(0), free,
+                           len(hosts.host_of(0)))
 
 
 def test_a_copy_that_cannot_be_written_leaves_the_disk_checkpoint_standing(tmp_path, shm):

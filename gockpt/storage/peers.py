@@ -72,7 +72,7 @@ class Hosts:
 
     def leader_of(self, r: int) -> int:
         """The lowest rank on ``r``'s host: it makes, commits and removes that host's copies."""
-        return self.hosts[self._host[r]][0]
+        return self.host_of(r)[0]
 
     def peer_of(self, r: int) -> Optional[int]:
         """The rank on the next host that keeps ``r``'s part (None: one host)."""
@@ -82,9 +82,13 @@ class Hosts:
         """The ranks whose parts ``r`` keeps (those whose peer it is)."""
         return list(self._kept.get(r, []))
 
+    def host_of(self, r: int) -> Tuple[int, ...]:
+        """The ranks on ``r``'s host, ``r`` among them."""
+        return self.hosts[self._host[r]]
+
     def parts_on_host(self, r: int) -> int:
         """How many ranks' parts ``r``'s host holds: its own ranks' and those its ranks keep."""
-        here = self.hosts[self._host[r]]
+        here = self.host_of(r)
         return len(here) + sum(len(self._kept.get(s, [])) for s in here)
 
 
