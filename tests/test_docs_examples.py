@@ -1,10 +1,13 @@
 """The Python examples of the README and of docs/*.md, run as they are written: each block is
 executed in a fresh directory with the names it assumes (a small model, its optimizer and
-scheduler, data) and must run without error; what it saves must then verify. The blocks that
-cannot run in one CPU process (several GPUs or ranks, a DeepSpeed engine, an object store, an
-elided training loop, signatures) are listed below with the test that covers them instead; a
-block in neither list fails a test, so a new example is either run here or named."""
+scheduler, data) and must run without error; what it saves must then verify. The DeepSpeed
+example runs in a rank process of its own; an example written for a GPU runs on the CPU with
+the one argument the framework asks for there (``ON_CPU``). The blocks that need several
+ranks with checkpoints of another shape are listed in ``NOT_RUN`` with the test that covers
+them instead; a block in none of the lists fails a test, so a new example is either run here
+or named."""
 
+import json
 import os
 import re
 
@@ -12,19 +15,15 @@ import pytest
 import torch
 
 import gockpt
+from tests._support.dist_ranks import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(f"docs/{p}" for p in os.listdir(os.path.join(ROOT, "docs"))
                                if p.endswith(".md"))
 
 NOT_RUN = {  # (page, block index): why, and where it is covered
-    ("docs/deepspeed.md", 0): "a DeepSpeed engine: tests/integrations/test_deepspeed.py",
-    ("docs/interval.md", 0): "signatures, not code: tests/test_interval.py",
-    ("docs/memory-tier.md", 0): "its training loop is elided: tests/test_memory_tier.py",
     ("docs/resharding.md", 1): "FSDP2 on several ranks: tests/test_many_ranks.py",
     ("docs/resharding.md", 2): "ZeRO on several ranks: tests/integrations/test_deepspeed.py",
-    ("docs/transformers.md", 0): "its TrainingArguments are elided: "
-                                 "tests/integrations/test_transformers.py",
 }
 
 
@@ -155,6 +154,48 @@ def _restored_from_the_store(ns) -> None:
     assert ns["restored"].step == 100 and ns["restored"].path.startswith("s3://")
 
 
+def _measured_run():
+    """checkpoints/run1 with three checkpoints of measured stall and step time (what the
+    interval example reads), then fresh objects."""
+    ns = _custom_loop()
+    with gockpt.Checkpointer(ns["model"], ns["optimizer"], "checkpoints/run1", mode="sync",
+                             interval=2) as ck:
+        for step in range(6):
+            ck.backward_begin()
+            ns["compute_loss"](ns["model"], step).backward()
+            ck.update_begin()
+            ns["optimizer"].step()
+            ns["optimizer"].zero_grad()
+            ck.save_checkpoint(step + 1)
+    return _custom_loop()
+
+
+def _interval_chosen(ns) -> None:
+    assert ns["best"].name == "sync" and ns["best"].n_best_steps >= 1
+    assert ns["ck"].config.interval == ns["best"].n_best_steps
+    ns["ck"].close()
+
+
+def _restarted_from_memory(ns) -> None:
+    """The load with the step log: the copy of step 200, then the logged steps after it up to
+    the last one logged whole (249 or 250: the last entry may still be on its way)."""
+    ns["ck"].close()  # (the end of training: the copies and the log removed)
+    restored = ns["restored"]
+    assert restored.step in (249, 250) and os.sep + "log" + os.sep in restored.path, restored
+    assert restored.path.startswith("/dev/shm/gockpt-"), restored.path
+    assert not os.path.exists(os.path.dirname(os.path.dirname(restored.path)))
+
+
+def _hf_trainer():
+    from tests._support.hf_worker import dataset, tiny_model
+    return {"model": tiny_model(), "train": dataset()}
+
+
+def _trained_to_the_end(ns) -> None:
+    assert ns["trainer"].state.global_step == 100
+    assert gockpt.storage.list_checkpoints("out/run1") == ["step-000000050", "step-000000100"]
+
+
 # The examples that name an S3 store run against a real one (SeaweedFS, as tests/test_remote.py):
 # its bucket "my-bucket" stands for a fresh bucket of each test.
 S3 = {("docs/dcp.md", 1), ("docs/object-storage.md", 0)}
@@ -174,14 +215,35 @@ SETUP = {  # (page, block index): the names the block assumes, the run directory
     ("docs/resharding.md", 3): (lambda: _saved(_plain()), "checkpoints/run1",
                                 _loaded_the_saved, 1),
     ("docs/transformers.md", 1): (_accelerate, "out/run1", _resumed_at_the_end, 2),
+    ("docs/interval.md", 0): (_measured_run, "checkpoints/run1", _interval_chosen, 1),
+    ("docs/memory-tier.md", 0): (_custom_loop, "checkpoints/run1", _restarted_from_memory, 1),
+    ("docs/transformers.md", 0): (_hf_trainer, "out/run1", _trained_to_the_end, 1),
 }
+
+# The examples written for a GPU (the Trainer's bf16=True): on a machine without one, the
+# Trainer asks for use_cpu=True, which is added to the code as run here.
+ON_CPU = {("docs/transformers.md", 0): ("bf16=True", "bf16=True, use_cpu=True")}
 
 
 def test_every_example_is_run_here_or_named_with_its_test():
     found = set(blocks())
-    assert not set(SETUP) & set(NOT_RUN)
-    assert found - set(SETUP) - set(NOT_RUN) == set(), "examples neither run nor named"
-    assert set(SETUP) | set(NOT_RUN) <= found, "listed examples that no page has"
+    run = set(SETUP) | IN_A_RANK
+    assert not set(SETUP) & IN_A_RANK and not run & set(NOT_RUN)
+    assert found - run - set(NOT_RUN) == set(), "examples neither run nor named"
+    assert run | set(NOT_RUN) <= found, "listed examples that no page has"
+
+
+# Run in a rank process of its own (tests/_support/docs_worker.py): DeepSpeed sets up
+# torch.distributed, which this process must not.
+IN_A_RANK = {("docs/deepspeed.md", 0)}
+
+
+@pytest.mark.slow
+def test_the_deepspeed_example_runs_as_written_in_a_rank_of_its_own(tmp_path):
+    pytest.importorskip("deepspeed")
+    for page, index in IN_A_RANK:
+        run_ranks(tmp_path, json.dumps({"page": page, "index": index}), world=1,
+                  worker="docs_worker", timeout=180)
 
 
 @pytest.mark.parametrize("page,index", list(SETUP), ids=[f"{p}:{i}" for p, i in SETUP])
@@ -192,6 +254,8 @@ def test_the_docs_examples_run_as_written(page, index, tmp_path, monkeypatch, re
         bucket = request.getfixturevalue("url").split("/")[2]
         monkeypatch.setenv("GOCKPT_DOCS_BUCKET", bucket)
         code = code.replace("s3://my-bucket/", f"s3://{bucket}/")
+    if (page, index) in ON_CPU and not torch.cuda.is_available():
+        code = code.replace(*ON_CPU[(page, index)])
     setup, run_dir, check, runs = SETUP[(page, index)]
     for _ in range(runs):  # (a second run resumes from what the first saved)
         namespace = setup()
