@@ -1,11 +1,11 @@
 """The Python examples of the README and of docs/*.md, run as they are written: each block is
 executed in a fresh directory with the names it assumes (a small model, its optimizer and
-scheduler, data) and must run without error; what it saves must then verify. The DeepSpeed
-example runs in a rank process of its own; an example written for a GPU runs on the CPU with
-the one argument the framework asks for there (``ON_CPU``). The blocks that need several
-ranks with checkpoints of another shape are listed in ``NOT_RUN`` with the test that covers
-them instead; a block in none of the lists fails a test, so a new example is either run here
-or named."""
+scheduler, data, a checkpoint it loads) and must run without error; what it saves must then
+verify, and what it loads must be what was saved. The examples of DeepSpeed and of several
+ranks run in rank processes of their own (``IN_RANKS``), after the ranks that save what
+they load; an example written for a GPU runs on the CPU with the one argument the framework
+asks for there (``ON_CPU``). A block run by neither test fails a third, so that every new
+example is run."""
 
 import json
 import os
@@ -21,10 +21,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(f"docs/{p}" for p in os.listdir(os.path.join(ROOT, "docs"))
                                if p.endswith(".md"))
 
-NOT_RUN = {  # (page, block index): why, and where it is covered
-    ("docs/resharding.md", 1): "FSDP2 on several ranks: tests/test_many_ranks.py",
-    ("docs/resharding.md", 2): "ZeRO on several ranks: tests/integrations/test_deepspeed.py",
-}
 
 
 def blocks() -> dict:
@@ -196,6 +192,21 @@ def _trained_to_the_end(ns) -> None:
     assert gockpt.storage.list_checkpoints("out/run1") == ["step-000000050", "step-000000100"]
 
 
+def _saved_by_fsdp2():
+    """checkpoints/run1 saved by FSDP2 on 2 ranks (tests/_support/docs_worker.py), and the
+    names of the example that evaluates it in this process."""
+    from tests._support import docs_worker
+    run_ranks(os.getcwd(), json.dumps({"run": "save", "kind": "fsdp2"}), world=2,
+              worker="docs_worker", timeout=180)
+    return {"gockpt": gockpt, "build_model": docs_worker.build_model}
+
+
+def _loaded_whole(ns) -> None:
+    saved = torch.load("saved-model.pt")
+    got = ns["model"].state_dict()
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())
+
+
 # The examples that name an S3 store run against a real one (SeaweedFS, as tests/test_remote.py):
 # its bucket "my-bucket" stands for a fresh bucket of each test.
 S3 = {("docs/dcp.md", 1), ("docs/object-storage.md", 0)}
@@ -212,7 +223,8 @@ SETUP = {  # (page, block index): the names the block assumes, the run directory
     ("docs/lightning.md", 1): (_lightning_saves, "checkpoints/run1", _saved_as_pointers, 1),
     ("docs/resharding.md", 0): (lambda: _saved(_plain()), "checkpoints/run1",
                                 _loaded_the_saved, 1),
-    ("docs/resharding.md", 3): (lambda: _saved(_plain()), "checkpoints/run1",
+    ("docs/resharding.md", 1): (_saved_by_fsdp2, "checkpoints/run1", _loaded_whole, 1),
+    ("docs/resharding.md", 4): (lambda: _saved(_plain()), "checkpoints/run1",
                                 _loaded_the_saved, 1),
     ("docs/transformers.md", 1): (_accelerate, "out/run1", _resumed_at_the_end, 2),
     ("docs/interval.md", 0): (_measured_run, "checkpoints/run1", _interval_chosen, 1),
@@ -225,28 +237,50 @@ SETUP = {  # (page, block index): the names the block assumes, the run directory
 ON_CPU = {("docs/transformers.md", 0): ("bf16=True", "bf16=True, use_cpu=True")}
 
 
-def test_every_example_is_run_here_or_named_with_its_test():
+def test_every_example_is_run():
     found = set(blocks())
-    run = set(SETUP) | IN_A_RANK
-    assert not set(SETUP) & IN_A_RANK and not run & set(NOT_RUN)
-    assert found - run - set(NOT_RUN) == set(), "examples neither run nor named"
-    assert run | set(NOT_RUN) <= found, "listed examples that no page has"
+    assert not set(SETUP) & set(IN_RANKS)
+    assert found - set(SETUP) - set(IN_RANKS) == set(), "examples not run"
+    assert set(SETUP) | set(IN_RANKS) <= found, "listed examples that no page has"
 
 
-# Run in a rank process of its own (tests/_support/docs_worker.py): DeepSpeed sets up
-# torch.distributed, which this process must not.
-IN_A_RANK = {("docs/deepspeed.md", 0)}
+# Run in rank processes of their own (tests/_support/docs_worker.py): DeepSpeed and FSDP2 set
+# up torch.distributed, which this process must not. The ranks that save what an example
+# loads: (worker, its scenario, ranks, where its checkpoints go), and how many ranks the
+# example runs on.
+IN_RANKS = {
+    ("docs/deepspeed.md", 0): (None, 1),
+    ("docs/resharding.md", 2): (("docs_worker", {"run": "save", "kind": "ddp"}, 4, None), 2),
+    ("docs/resharding.md", 3): (("deepspeed_worker", {"run": "save", "stage": 1, "steps": 4,
+                                                      "save_at": [4]}, 2,
+                                 "checkpoints/ds_run"), 1),
+}
 
 
 @pytest.mark.slow
-def test_the_deepspeed_example_runs_as_written_in_a_rank_of_its_own(tmp_path):
+@pytest.mark.parametrize("page,index", list(IN_RANKS), ids=[f"{p}:{i}" for p, i in IN_RANKS])
+def test_the_examples_with_ranks_run_as_written_in_ranks_of_their_own(tmp_path, page, index):
     pytest.importorskip("deepspeed")
-    for page, index in IN_A_RANK:
-        run_ranks(tmp_path, json.dumps({"page": page, "index": index}), world=1,
-                  worker="docs_worker", timeout=180)
+    saved_by, world = IN_RANKS[(page, index)]
+    if saved_by is not None:
+        worker, scenario, ranks, moved_to = saved_by
+        out = tmp_path / "saved" if moved_to else tmp_path
+        out.mkdir(exist_ok=True)
+        run_ranks(out, json.dumps(scenario), world=ranks, worker=worker, timeout=180)
+        if moved_to:  # (deepspeed_worker saves into OUT/ckpt)
+            os.makedirs(os.path.dirname(tmp_path / moved_to), exist_ok=True)
+            os.rename(out / "ckpt", tmp_path / moved_to)
+    run_ranks(tmp_path, json.dumps({"run": "example", "page": page, "index": index}),
+              world=world, worker="docs_worker", timeout=180)
 
 
-@pytest.mark.parametrize("page,index", list(SETUP), ids=[f"{p}:{i}" for p, i in SETUP])
+# The examples whose setup starts ranks: with the slow tests.
+SLOW = {("docs/resharding.md", 1)}
+
+
+@pytest.mark.parametrize("page,index", [
+    pytest.param(p, i, id=f"{p}:{i}", marks=[pytest.mark.slow] if (p, i) in SLOW else [])
+    for p, i in SETUP])
 def test_the_docs_examples_run_as_written(page, index, tmp_path, monkeypatch, request):
     code = blocks()[(page, index)]
     monkeypatch.chdir(tmp_path)

@@ -41,12 +41,15 @@ if os.environ.get("GOCKPT_TEST_CPUINFO"):  # dist_ranks.cpu_info_env: the answer
     cpuinfo.get_cpu_info = lambda: dict(_CPU_INFO)
 
 
-def build(sc):
-    import deepspeed
+def model_of(sc) -> torch.nn.Module:
     torch.manual_seed(0)
     width = sc.get("width", 48)
-    model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.GELU(),
-                                torch.nn.Linear(width, 40), torch.nn.GELU(), torch.nn.Linear(40, 4))
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.GELU(),
+                               torch.nn.Linear(width, 40), torch.nn.GELU(), torch.nn.Linear(40, 4))
+
+
+def config_of(sc) -> dict:
+    """The DeepSpeed config of scenario ``sc``."""
     cfg = {"train_micro_batch_size_per_gpu": 4,
            "gradient_accumulation_steps": sc.get("gas", 1),
            "gradient_clipping": sc.get("clip", 0.05),
@@ -64,6 +67,12 @@ def build(sc):
         cfg["gockpt"] = sc["gockpt_section"]
     if sc.get("fp32_accumulation"):
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    return cfg
+
+
+def build(sc):
+    import deepspeed
+    model, cfg = model_of(sc), config_of(sc)
     params = model.parameters()
     if sc.get("two_groups"):  # the usual decay / no-decay split: DeepSpeed steps group by group
         params = [{"params": [p for p in model.parameters() if p.dim() > 1]},
