@@ -1,9 +1,9 @@
 """The recipes of the top-level integrations/ (what a user copies; not in the wheel) run as
 shipped, in fresh processes (forked from the tests' server), on a tiny model: each trains with
-checkpoints, is stopped (killed with os._exit, or at the end of a shorter run), runs again with
-the same command, resumes from the newest committed checkpoint, and ends with the losses and
-the state digest of an uninterrupted run, bit for bit.  The scripts write what is compared
-(``--record``)."""
+checkpoints, is stopped (killed with os._exit or SIGKILL, or at the end of a shorter run), runs
+again with the same command, resumes from the newest committed checkpoint, and ends with the
+losses and the state digest of an uninterrupted run, bit for bit.  The scripts write what is
+compared (``--record``)."""
 
 import json
 import os
@@ -20,6 +20,7 @@ RECIPES = os.path.join(ROOT, "integrations")
 CUSTOM = os.path.join(RECIPES, "custom_loop", "train.py")
 DEEPSPEED = os.path.join(RECIPES, "deepspeed", "train.py")
 DS_CONFIG = os.path.join(RECIPES, "deepspeed", "ds_config.json")
+DCP = os.path.join(RECIPES, "dcp", "train.py")
 FRAMEWORKS = {"lightning": os.path.join(RECIPES, "lightning", "train.py"),
               "transformers": os.path.join(RECIPES, "transformers", "train.py")}
 TINY = ["--dim", "32", "--layers", "1", "--vocab", "64", "--seq-len", "16"]
@@ -145,6 +146,26 @@ def test_deepspeed_recipe_two_ranks_stopped_and_continued_bit_for_bit(tmp_path,
     # 4 and 8 asked without notice (copied at their step); 12 and 16 expected from the spacing
     assert [(m["final_step"], m["overlap_steps"], m["grad_steps"]) for m in metrics] == \
         [(4, 1, 0), (8, 1, 0), (12, 3, 2), (16, 3, 2)]
+    assert gockpt.verify(str(tmp_path / "ckpt")).ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_dcp_recipe_killed_resumes_bit_for_bit(tmp_path, world):
+    """The torchtitan-style recipe (dcp.async_save through GockptWriter every 4 steps, dcp.load
+    through GockptReader at start; FSDP2 on 2 ranks): SIGKILL after step 13, the same command
+    resumes from the newest committed checkpoint (8, or 12 if its write ended before the kill)
+    and ends like the uninterrupted run on every rank; the checkpoints verify."""
+    run(DCP, ["--save-dir", "full", "--record", "full-{rank}.json"], tmp_path, world)
+    out = run(DCP, ["--save-dir", "ckpt", "--crash-at", "13"], tmp_path, world, expect_rc=-9)
+    assert "step 13: crashing" in out
+    out = run(DCP, ["--save-dir", "ckpt", "--record", "resumed-{rank}.json"], tmp_path, world)
+    for r in range(world):
+        full, resumed = record(tmp_path / f"full-{r}.json"), record(tmp_path / f"resumed-{r}.json")
+        assert resumed["start"] in (8, 12) and "resumed from" in out
+        assert_resumed_bitwise(resumed, full, 24)
+    assert gockpt.storage.list_checkpoints(str(tmp_path / "full")) == [
+        f"step-{s:09d}" for s in (16, 20, 24)]  # (keep_last=3)
     assert gockpt.verify(str(tmp_path / "ckpt")).ok
 
 
