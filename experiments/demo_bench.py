@@ -89,13 +89,16 @@ def phase_bench(args) -> int:
 
     The runs go one after another (running them interleaved would make the background work
     of a checkpoint look faster in wall-clock time than it is); the run without checkpointing
-    goes first and last, and its step time is the mean of the two."""
+    goes first and last. Then (but with ``--quick``) every run again in the opposite order, so
+    that the machine's drift over the phase falls alike on every mode: a row is the mean of
+    its two runs, the step time without checkpoints the mean of its four."""
     steps, every = args.bench_steps, args.bench_every
     due = list(range(every, steps - every + 1, every))
     shutil.rmtree(args.bench_dir, ignore_errors=True)
     configs = [("(none)", None, None, False)] + [(m, m, None, False) for m in BENCH_MODES] + \
         [("gockpt-o", "gockpt-o", args.bench_k, False), ("async", "async", None, True),
          ("gockpt-o", "gockpt-o", args.bench_k, True), ("(none)", None, None, False)]
+    order = configs if args.quick else configs + configs[::-1]
 
     # Warm up kernels and the allocator on a throwaway model so the first run is not penalised.
     model, opt, sched = build(total_steps=steps)
@@ -103,11 +106,11 @@ def phase_bench(args) -> int:
         pass
 
     runs = []
-    bar = Progress(steps * len(configs), 0, f"{len(configs)} runs x {steps} steps", lines=False)
+    bar = Progress(steps * len(order), 0, f"{len(order)} runs x {steps} steps", lines=False)
     link_gbps = None
-    for label, mode, k, emulated in configs:
+    for label, mode, k, emulated in order:
         d = os.path.join(args.bench_dir, (f"{mode}-k{k}" if k else str(mode))
-                         + ("-link" if emulated else ""))
+                         + ("-link" if emulated else "") + f"-{len(runs)}")
         run = {"label": label, "mode": mode, "k": k, "dir": d, "emulated": emulated}
         run.update(timed_run(mode, k, d, steps, due,
                              lambda step, loss: bar.update(len(runs) * steps + step + 1, loss),
@@ -118,22 +121,36 @@ def phase_bench(args) -> int:
                 LINK_STEPS * statistics.mean(runs[0]["times"][1:])) / 1e9
         what = "no checkpointing" if mode is None else f"mode={mode!r:<10} overlap_steps={k}" \
             + (f" link {link_gbps:.3f} GB/s" if emulated else "")
-        bar.write(f"  run {len(runs)}/{len(configs)}  {what:<40} mean step "
+        bar.write(f"  run {len(runs)}/{len(order)}  {what:<40} mean step "
                   f"{statistics.mean(run['times'][1:]) * 1e3:6.1f} ms")
     bar.close()
 
     # step 0 of a fresh model is slower for every run alike: leave it out
-    base = statistics.mean(runs[0]["times"][1:] + runs[-1]["times"][1:])
-    rows = [summarise(r, due, every) for r in runs[1:-1]]
+    base = statistics.mean(t for r in runs if r["mode"] is None for t in r["times"][1:])
+    rows = [combine([summarise(r, due, every) for r in runs
+                     if (r["label"], r["mode"], r["k"], r["emulated"]) == config])
+            for config in configs[1:-1]]
     ok = all(r["committed"] == len(due) for r in rows)
     for r in rows:
         if r["committed"] != len(due):
             say(f"  {r['label']}: expected {len(due)} committed checkpoints, got {r['committed']}")
     say(f"  {steps} steps per run, checkpoints at steps {', '.join(map(str, due))}; "
-        f"{mb(rows[0]['state'])} of state per checkpoint")
+        f"{mb(rows[0]['state'])} of state per checkpoint"
+        + ("" if args.quick else "; every run twice, in opposite orders: the means"))
     say()
     print_table(rows, base)
     return 0 if ok else 1
+
+
+def combine(rows: list) -> dict:
+    """One table row of a mode's runs: the means of their timings, the fewest checkpoints
+    committed, the longest wait for a busy previous checkpoint."""
+    out = dict(rows[0])
+    for key in ("watch_s", "lib_s", "durable", "step"):
+        out[key] = statistics.mean(r[key] for r in rows)
+    out["committed"] = min(r["committed"] for r in rows)
+    out["busy"] = max(r["busy"] for r in rows)
+    return out
 
 
 def timed_run(mode, k, directory: str, steps: int, due: list, progress,
