@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python experiments/demo.py            # full demo (about 2 minutes on 2 CPU cores)
+    python experiments/demo.py            # full demo (about 3 minutes on 2 CPU cores)
     python experiments/demo.py --quick    # a tiny run of every phase (about 40 seconds)
 
 Phases:

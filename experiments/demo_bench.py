@@ -89,7 +89,7 @@ def phase_bench(args) -> int:
 
     The runs go one after another (running them interleaved would make the background work
     of a checkpoint look faster in wall-clock time than it is); the run without checkpointing
-    goes first and last. Then (but with ``--quick``) every run again in the opposite order, so
+    goes first and last. Then, unless ``--quick``, every run again in the opposite order, so
     that the machine's drift over the phase falls alike on every mode: a row is the mean of
     its two runs, the step time without checkpoints the mean of its four."""
     steps, every = args.bench_steps, args.bench_every
@@ -144,8 +144,10 @@ def phase_bench(args) -> int:
 
 def combine(rows: list) -> dict:
     """One table row of a mode's runs: the means of their timings, the fewest checkpoints
-    committed, the longest wait for a busy previous checkpoint."""
+    committed, the longest wait for a busy previous checkpoint, every K chosen."""
     out = dict(rows[0])
+    out["K"] = sorted({k for r in rows for k in r["K"]})
+    out["grad"] = max(r["grad"] for r in rows)
     for key in ("watch_s", "lib_s", "durable", "step"):
         out[key] = statistics.mean(r[key] for r in rows)
     out["committed"] = min(r["committed"] for r in rows)

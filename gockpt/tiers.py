@@ -81,7 +81,7 @@ def _memory_tier(config: Config, ranks: Ranks, state_bytes: int) -> Optional[Mem
         limit = memory_tier.budget(config.memory, config.memory_dir,
                                    ranks.agree_max(state_bytes),
                                    hosts.parts_on_host(ranks.rank), config.memory_log or 0,
-                                   len(hosts.host_of(ranks.rank)))
+                                   log_processes=len(hosts.host_of(ranks.rank)))
     except ConfigError as exc:
         error = exc
     if not ranks.agree_all(error is None):  # (a rank raising alone: the others would hang)

@@ -169,7 +169,7 @@ def test_the_space_is_checked_when_the_checkpointer_is_built(tmp_path, shm):
         assert memory_tier.budget("auto", shm, free) is None
 
 
-def test_a_host_counts_its_peers_parts_twice_and_only_its_own_ranks_step_logs(shm):
+def test_a_host_holds_its_peers_parts_but_only_its_own_ranks_step_logs(shm):
     # 4 ranks on 2 hosts: host 0 holds its 2 ranks' parts and the 2 it keeps for host 1's,
     # but a step log stays with its rank (was: 4 logs counted, a fitting log refused)
     hosts = peers.Hosts.of([7, 7, 3, 3], 0)
@@ -179,11 +179,11 @@ def test_a_host_counts_its_peers_parts_twice_and_only_its_own_ranks_step_logs(sh
     copies = 2 * (1 << 10) * 4 + (1 << 20)
     log = (free - copies) // 3  # (2 logs fit with a third of the space to spare; 4 would not)
     assert memory_tier.budget("auto", shm, 1 << 10, hosts.parts_on_host(0), log,
-                              len(hosts.host_of(0))) >= copies
+                              log_processes=len(hosts.host_of(0))) >= copies
     with pytest.raises(ConfigError, match=rf"memory_log={free} for each of the 2 ranks, "
                                           rf"{2 * free} in all"):
         memory_tier.budget("auto", shm, 1 << 10, hosts.parts_on_host(0), free,
-                           len(hosts.host_of(0)))
+                           log_processes=len(hosts.host_of(0)))
 
 
 def test_a_copy_that_cannot_be_written_leaves_the_disk_checkpoint_standing(tmp_path, shm):

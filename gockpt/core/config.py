@@ -229,8 +229,9 @@ class Config:
     last one's digests: a crash costs the step in progress, not the steps since the
     checkpoint. A checkpoint is taken at least every half of the entries the log holds
     (whatever ``interval`` says); fewer than 4 entries is a ConfigError. Per rank: on DDP and
-    FSDP2 each rank keeps its own, world size times this in ``memory_dir`` (ConfigError when the
-    Checkpointer is built if it does not fit there beside the copies)."""
+    FSDP2 each rank keeps its own (never sent to a peer), a host's ``memory_dir`` this times
+    the ranks on that host (ConfigError when the Checkpointer is built if it does not fit
+    there beside the copies)."""
 
     memory_dir: str = "/dev/shm"
     """The tmpfs of the memory tier (``gockpt.load(memory_dir=...)`` must be given the same)."""

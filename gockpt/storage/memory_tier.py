@@ -72,13 +72,13 @@ def host_id() -> int:
 
 
 def budget(memory, memory_dir: str, checkpoint_bytes: int, processes: int = 1,
-           log_bytes: int = 0, logging: Optional[int] = None) -> Optional[int]:
+           log_bytes: int = 0, log_processes: Optional[int] = None) -> Optional[int]:
     """The bytes the tier may use (``Config.memory``: ``"auto"`` or a number), checked against
     two copies of the checkpoints of ``processes`` processes of ``checkpoint_bytes`` each
     (the new one is written beside the previous; on several hosts a host also holds the parts
     it keeps for its peers), beside the step logs of ``log_bytes`` each (``Config.memory_log``)
-    of the ``logging`` processes of this host (default ``processes``; a step log is never sent
-    to a peer), and the space ``memory_dir`` has left: None,
+    of the ``log_processes`` processes of this host (default ``processes``; a step log is
+    never sent to a peer), and the space ``memory_dir`` has left: None,
     with a warning, when ``"auto"`` does not fit (the tier is off); ConfigError when a number
     is too small or does not fit (the user asked for it). Checked here, once, so that no copy
     ends in a full tmpfs."""
@@ -97,7 +97,8 @@ def budget(memory, memory_dir: str, checkpoint_bytes: int, processes: int = 1,
                           "tmpfs, e.g. docker's --shm-size, or memory_dir= another one)",
                           RuntimeWarning, stacklevel=3)
             return None
-        _check_log_space(memory_dir, free, need, log_bytes, logging or processes)
+        _check_log_space(memory_dir, free, need, log_bytes,
+                         processes if log_processes is None else log_processes)
         return need + need // 4  # (room for a checkpoint that grows a little)
     if memory < need:
         raise ConfigError(f"memory={memory} bytes is less than two copies of {whose} need "
@@ -105,7 +106,8 @@ def budget(memory, memory_dir: str, checkpoint_bytes: int, processes: int = 1,
     if free < need:
         raise ConfigError(f"memory_dir {memory_dir!r} has {mib(free)} free; two copies of "
                           f"{whose} need {mib(need)}")
-    _check_log_space(memory_dir, free, memory, log_bytes, logging or processes)
+    _check_log_space(memory_dir, free, memory, log_bytes,
+                     processes if log_processes is None else log_processes)
     return memory
 
 

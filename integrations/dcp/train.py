@@ -83,6 +83,8 @@ def main():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     world = int(os.environ.get("WORLD_SIZE", 1))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # (FSDP2 and NCCL take the current device)
     if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0

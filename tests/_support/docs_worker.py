@@ -128,10 +128,16 @@ def _resharded_into_fsdp2(ns) -> None:
 
 
 def _resumed_with_zero2(ns) -> None:
-    from gockpt.integrations import deepspeed as gockpt_ds
+    """The engine at the saved step, its module's weights those the saving ranks had (their
+    live state at the save, written by tests/_support/deepspeed_worker.py to saved/)."""
+    from gockpt.integrations.deepspeed.state import EngineState
     assert ns["client_state"]["data_pos"] == SAVED_AT, ns["client_state"]
     assert ns["engine"].global_steps == SAVED_AT
-    assert gockpt_ds._patches[ns["engine"]].restored.resharded
+    saved = torch.load("saved/save-rank0.pt")["live"]["tensors"]
+    weights = {k: v for k, v in EngineState(ns["engine"]).state_dict().items()
+               if k.startswith("module.")}
+    assert weights and weights.keys() == {k for k in saved if k.startswith("module.")}
+    assert all(torch.equal(v, saved[k]) for k, v in weights.items())
 
 
 DEEPSPEED = {("docs/deepspeed.md", 0), ("docs/resharding.md", 3)}
@@ -158,7 +164,7 @@ def main():
         dist.init_process_group("gloo")
         save(sc["kind"])
     else:
-        from tests.test_docs_examples import blocks
+        from tests._support.docs_blocks import blocks
         key = (sc["page"], sc["index"])
         if key not in DEEPSPEED:  # (deepspeed.initialize sets up its own)
             dist.init_process_group("gloo")
