@@ -46,7 +46,7 @@ def _run(tmp_path, name, precision, world, *flags, expect_killed=False):
 
 
 @pytest.mark.parametrize("precision,world,more", [
-    ("32-true", 1, ()), ("bf16-mixed", 1, ()), ("32-true", 2, ()),
+    ("32-true", 1, ()), ("bf16-mixed", 1, ()), ("32-true", 2, ()), ("bf16-mixed", 2, ()),
     ("32-true", 2, ("fsdp2",))])  # (FSDP2: ModelParallelStrategy, each rank its shards)
 def test_a_killed_fit_resumes_from_gockpt_bit_for_bit(tmp_path, precision, world, more):
     fsdp2 = "fsdp2" in more
