@@ -66,9 +66,9 @@ def _gradients_of(model: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
     return [(f"grad/{names.clean(name)}", p) for name, p in model.named_parameters()]
 
 
-def _groups(optimizer) -> list:
-    """The param groups' settings (everything but the parameters)."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+def _groups(groups: list) -> list:
+    """The settings of param groups ``groups`` (everything but the parameters)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
 
 def log_spacing(model: torch.nn.Module, limit: int) -> int:
@@ -98,7 +98,10 @@ class StepLog:
         self._params = _gradients_of(model)
         self.writer = LogWriter(log_root(memory_root, rank), limit)  # rank: each its own
         self.digester = LiveDigests(device)
-        self._pending = None  # (gradients by name, the groups' settings) of this step's update
+        # (gradients by name, the groups' settings, the groups stepped one at a time or None)
+        # of this step's update
+        self._pending = None
+        self._groups_all = optimizer.param_groups  # (a step may see one of them: DeepSpeed)
         self._ticket = None  # the digests of the last step, on their way
         self._first = True
         self._written: Optional[threading.Event] = None  # set once the last entry is done
@@ -117,14 +120,34 @@ class StepLog:
         settings it uses, copied -- float32 ones as bfloat16 where every one of them is a
         bfloat16 value (bf16 autocast's: half the log's bytes, and made float32 again at the
         replay, exactly)."""
-        grads = {}
-        stepped = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        grads, now = {}, self.optimizer.param_groups
+        part = self._part(now)
+        stepped = {id(p) for g in now for p in g["params"]}
         for key, p in self._params:
             if id(p) in stepped and p.grad is not None:
                 grads[key] = local(p.grad.detach())
         grads.update(self._bf16_images(grads))
         tensors = {key: g.to("cpu", copy=True) for key, g in grads.items()}
-        self._pending = (tensors, tree.encode(_groups(self.optimizer), tensors, "used/"))
+        order = part
+        if self._pending is not None:  # another group of the same update (DeepSpeed's ZeRO)
+            before, _, order = self._pending
+            tensors = {**before, **tensors}
+            order = (order or []) + (part or list(range(len(self._groups_all))))
+        self._pending = (tensors, tree.encode(_groups(self._groups_all), tensors, "used/"),
+                         order)
+
+    def _part(self, now: list) -> Optional[list]:
+        """The indices of the param groups ``now`` when the optimizer steps some of them alone
+        (DeepSpeed's ZeRO 1/2 steps one group at a time, ``param_groups`` set to it); None
+        when it steps them all."""
+        every = self._groups_all
+        if now is every:
+            return None
+        at = {id(g): i for i, g in enumerate(every)}
+        if all(id(g) in at for g in now):
+            return [at[id(g)] for g in now]
+        self._groups_all = now  # (the list replaced: these are the optimizer's groups now)
+        return None
 
     def _bf16_images(self, grads: dict) -> dict:
         """The float32 gradients of ``grads`` as their exact bfloat16 images (one check pass,
@@ -143,13 +166,14 @@ class StepLog:
     def boundary(self, step: int, extra_state) -> None:
         """``save_checkpoint(step)``: the entry of this step (its update, if it ran: GradScaler
         may skip it), its digests queued behind the training work."""
-        tensors, used = self._pending if self._pending is not None else ({}, None)
+        tensors, used, order = self._pending if self._pending is not None else ({}, None, None)
         self._pending = None
         small = {"model": smallstate.model_small(self.model, self.planned_ids),
                  "scheduler": smallstate.scheduler_state(self.scheduler),
                  "rng": smallstate.capture_rng(), "extra_state": extra_state}
         manifest = {"step": step, "stepped": used is not None, "groups_used": used,
-                    "groups_after": tree.encode(_groups(self.optimizer), tensors, "after/"),
+                    "stepped_groups": order,
+                    "groups_after": tree.encode(_groups(self._groups_all), tensors, "after/"),
                     "small": tree.encode(small, tensors, "small/")}
         if len(self.optimizer.state) != self._live_for:  # (states made at the first update)
             self._live = live_tensors(self.model, self.optimizer)
@@ -198,7 +222,8 @@ def resume(root: Optional[str], restored: Restored, model, optimizer, scheduler,
     # the steps every rank logged whole, of one run: DDP's replicas end each step with the
     # same state, so the same digests (entries a crashed run left behind on one rank differ);
     # FSDP2's ranks hold other shards: the same steps (each checked against its own digests)
-    sharded = any(is_dtensor(p) for p in model.parameters())
+    sharded = any(is_dtensor(p) for p in model.parameters()) or \
+        getattr(model, "ranks_hold_their_own", False)
     keys = [json.dumps([m["step"], None if sharded else m["digests"]], sort_keys=True)
             for _, m, _ in entries]
     entries = entries[:common_prefix(keys)]
@@ -244,6 +269,12 @@ def replay(entries: List[tuple], restored: Restored, model, optimizer, scheduler
     if not entries:
         return None
     params = dict(_gradients_of(model))
+    # a model that stands for an engine (the DeepSpeed patch's EngineState): what its step
+    # does beyond the optimizer's -- made ready for the replay, the weights after each update
+    before = getattr(model, "before_replay", None)
+    after = getattr(model, "after_replayed_step", None)
+    if before is not None:
+        before()
     try:
         with _without_step_hooks(optimizer):
             for path, manifest, tensors in entries:
@@ -251,7 +282,9 @@ def replay(entries: List[tuple], restored: Restored, model, optimizer, scheduler
                     for key, p in params.items():
                         p.grad = _gradient(tensors.get(key), p, path, key)
                     _set_groups(optimizer, tree.decode(manifest["groups_used"], tensors))
-                    optimizer.step()
+                    _step(optimizer, manifest.get("stepped_groups"))
+                    if after is not None:
+                        after()
                 _set_groups(optimizer, tree.decode(manifest["groups_after"], tensors))
     finally:
         for p in params.values():
@@ -290,6 +323,21 @@ def _gradient(logged: Optional[torch.Tensor], p: torch.Tensor, path: str, key: s
         raise CorruptCheckpointError(f"{path}: {key} was logged as {tuple(logged.shape)}, this "
                                      f"rank holds {tuple(mine.shape)} (logged on other ranks)")
     return like(p, logged.to(mine.device, mine.dtype))
+
+
+def _step(optimizer, order: Optional[list]) -> None:
+    """``optimizer.step()``, or one step of each param group of ``order`` alone, as the logged
+    update ran (DeepSpeed's ZeRO 1/2)."""
+    if order is None:
+        optimizer.step()
+        return
+    every = optimizer.param_groups
+    try:
+        for gi in order:
+            optimizer.param_groups = [every[gi]]
+            optimizer.step()
+    finally:
+        optimizer.param_groups = every
 
 
 def _set_groups(optimizer, groups) -> None:

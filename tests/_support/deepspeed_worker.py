@@ -7,7 +7,8 @@ optimizer), "early" (the save run's directory and interval given to install()), 
 is multiplied by inf: an overflow step under fp16), "width" (of the hidden layer, 48 by
 default), "chunk_bytes" (of the checkpoint's checksum chunks), "leave_at_once" (the process
 ends right after writing its results, closing nothing: the memory tier's copy stays, as a
-crash leaves it).
+crash leaves it; with the step log, its last step's entry written first), "log" (client_state
+given as a callable, as the step log asks), "lives" (the live state of every step dumped).
 
     python -m tests._support.deepspeed_worker OUT SCENARIO
                                             SCENARIO: JSON {"run": ..., "stage": ..., ...}
@@ -215,15 +216,30 @@ def main():
                     raise AssertionError("the checkpoint completed without rank 1")
                 writer.armed = rank == 1
             if run in ("save", "native-save") and step in saves:
-                # values of this step: the checkpoint must be this step's state
-                engine.save_checkpoint(ck_dir, client_state={"data_pos": engine.global_steps,
-                                                             "rank": rank})
+                # values of this step: the checkpoint must be this step's state ("log": a
+                # callable, as the step log asks: each logged step's own values)
+                client = {"data_pos": engine.global_steps, "rank": rank}
+                if sc.get("log"):
+                    from gockpt.core.errors import ConfigError
+                    try:  # (a dict would be the save's step's only: refused with the log)
+                        engine.save_checkpoint(ck_dir, client_state=client)
+                    except ConfigError as exc:
+                        out["refused"] = str(exc)
+                engine.save_checkpoint(ck_dir, client_state=(
+                    lambda: {"data_pos": engine.global_steps, "rank": rank})
+                    if sc.get("log") else client)
             if step == saves[-1]:
                 out["live"] = live_state(engine)
+            if sc.get("lives"):  # the state at every step (what a restart at it must load)
+                out.setdefault("lives", {})[step] = live_state(engine)
 
         train(engine, sc, 1, sc["steps"], out, at)
         if sc.get("leave_at_once"):  # committed, the Checkpointer left open (as by a crash)
-            gockpt_ds._patches[engine].ck.wait()
+            patch = gockpt_ds._patches[engine]
+            patch.ck.wait()
+            if patch.ck.steplog is not None:  # the last step's entry whole: a restart at it
+                patch.flush()
+                patch.ck.steplog.writer.flush()
         elif run == "save" and not sc.get("exit_without_wait"):
             gockpt_ds.wait(engine)
     out["final"] = live_state(engine)

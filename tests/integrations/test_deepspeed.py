@@ -291,6 +291,34 @@ def test_the_engine_loads_the_memory_tiers_copy(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage,world", [(1, 1), (2, 2)])
+def test_a_crashed_engine_restarts_at_its_last_logged_step(tmp_path, stage, world):
+    # Config(memory_log=...) through the patch: a checkpoint at step 4, then steps 5..7 in the
+    # step log (each rank its own partition's gradients; ZeRO steps its base optimizer one
+    # param group at a time); the process ends closing nothing (a crash) with step 7's entry
+    # whole. engine.load_checkpoint loads step 4 and replays 5..7 -- the base optimizer's
+    # steps, then the module's weights gathered from the fp32 masters -- to the live state of
+    # step 7 with its own client_state, and training goes on bit for bit
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="gockpt-test-shm-", dir=base) as shm:
+        options = {"memory": "auto", "memory_dir": shm, "memory_log": 64 << 20}
+        one = runs(tmp_path, world, stage=stage, steps=7, save_at=4, options=options,
+                   two_groups=True)
+        saved = one("save", leave_at_once=True, log=True, lives=True)
+        resumed = one("resume", steps=9)
+        plain = one("plain", steps=9, options={})
+    for r in range(world):
+        assert "give client_state as a callable" in saved[r]["refused"]  # (a dict, first)
+        assert resumed[r]["client"] == {"data_pos": 7, "rank": r}, resumed[r]["client"]
+        path = resumed[r]["path"]  # (the log's entry; on several ranks each rank's own log)
+        assert path.startswith(os.path.realpath(shm)) and f"{os.sep}log{os.sep}" in path and \
+            path.endswith("step-000000007"), path
+        assert_states_equal(resumed[r]["loaded"], saved[r]["lives"][7], "replayed vs live at 7")
+        assert resumed[r]["losses"] == plain[r]["losses"][7:]
+        assert_states_equal(resumed[r]["final"], plain[r]["final"], "resumed vs plain")
+
+
+@pytest.mark.slow
 def test_a_save_right_before_the_script_ends_is_committed_at_exit(tmp_path):
     import gockpt
     runs(tmp_path, 1, stage=1, steps=3, save_at=3, exit_without_wait=True)("save")
@@ -322,8 +350,10 @@ def test_the_registry_of_patched_engines_lets_a_dropped_engine_go():
 
 # ---------------------------------------------------------------------- options, refusals
 
-def fake_engine(stage=1, section=None):
+def fake_engine(stage=1, section=None, optimizer=None):
     e = types.SimpleNamespace(zero_optimization_stage=lambda: stage)
+    if optimizer is not None:  # (the wrapper DeepSpeed made)
+        e.optimizer = optimizer
     e._config = types.SimpleNamespace(_param_dict={} if section is None else {"gockpt": section})
     return e
 
@@ -354,11 +384,19 @@ def test_gradients_cross_in_bf16_by_default_where_a_link_carries_them(monkeypatc
     (fake_engine(section={"mode": "gockpt"}), {}, "cannot replay"),
     (fake_engine(), {"block_bytes": -1}, "block_bytes"),
     (fake_engine(), {"directory": 5}, "directory must be a path"),  # (a path: made with the engine)
-    (fake_engine(), {"memory": "auto", "memory_log": 1 << 20}, "memory_log is not supported"),
+    # (FP16_Optimizer, ZeRO 0 in fp16: no update of the module's weights a replay can call)
+    (fake_engine(optimizer=types.SimpleNamespace()), {"memory": "auto", "memory_log": 1 << 20},
+     "memory_log needs ZeRO 1/2 or bf16"),
 ])
 def test_what_cannot_be_checkpointed_exactly_is_refused_at_patch_time(engine, options, match):
     with pytest.raises(ConfigError, match=match):
         gockpt_ds._options(engine, options)
+
+
+def test_the_step_log_takes_the_engines_own_update_of_its_weights():
+    lp = types.SimpleNamespace(update_lp_params=lambda: None)  # (ZeRO 1/2, BF16_Optimizer)
+    opts = gockpt_ds._options(fake_engine(optimizer=lp), {"memory": "auto", "memory_log": 1})
+    assert opts["memory_log"] == 1
 
 
 def test_fallback_replaces_a_replay_mode_by_async_o_with_one_warning():

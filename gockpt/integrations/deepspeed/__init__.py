@@ -130,10 +130,13 @@ def _options(engine, options: dict) -> dict:
     if engine.zero_optimization_stage() == 3:
         raise ConfigError("gockpt_ds: ZeRO stage 3 is not supported (parameters partitioned "
                           "across ranks); use stage 0, 1 or 2, or DeepSpeed's own checkpoints")
-    if merged.get("memory_log") is not None:  # (its replay would never match: refused now)
-        raise ConfigError("gockpt_ds: memory_log is not supported through DeepSpeed yet (the "
-                          "step log replays the base optimizer, not the engine's step, which "
-                          "also writes the module's weights); memory= alone works")
+    if merged.get("memory_log") is not None and \
+            not hasattr(engine.optimizer, "update_lp_params"):
+        # (the log's replay runs the base optimizer, then the engine's own update of the
+        # module's weights from the fp32 masters: update_lp_params)
+        raise ConfigError(f"gockpt_ds: memory_log needs ZeRO 1/2 or bf16 (the engine's "
+                          f"optimizer {type(engine.optimizer).__name__} has no update of the "
+                          "module's weights a replay can call); memory= alone works")
     replays = merged["mode"] in POLICIES and POLICIES[merged["mode"]].replays
     why = _replay_refusal(engine) if replays else None
     if why is None and replays and zero_bf16(engine) and (

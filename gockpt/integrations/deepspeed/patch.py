@@ -46,6 +46,7 @@ class EnginePatch:
         self.in_backward = False    # backward_begin called for the step under way
         self.warned_latest = False
         self.restored = None  # what the last load_checkpoint restored (gockpt.Restored)
+        self.client_state = None  # as the last save gave it (the step log's, at each step)
         self.read_bytes: Optional[dict] = None  # what a load at another degree read
         # How to read what DeepSpeed last multiplied the gradients by (bf16 transport): set
         # by each unscale, called only when a checkpoint records that step's gradients.
@@ -84,14 +85,26 @@ class EnginePatch:
             self.pending = self.ck is not None
 
     def flush(self) -> None:
-        """Record a pending step boundary."""
+        """Record a pending step boundary (with the step log, the engine's record of that
+        step: what a restart at it restores)."""
         if self.pending:
             self.pending = False
-            self.ck.save_checkpoint(self.engine.global_steps)  # a boundary, no save asked
+            self._boundary(self.ck)
+
+    def _boundary(self, ck: Checkpointer) -> None:
+        """The step boundary, no save asked."""
+        engine, layout, client = self.engine, self.layout, self.client_state
+        record = None if ck.steplog is None else (lambda: engine_record(engine, client, layout))
+        ck.save_checkpoint(engine.global_steps, record)
 
     # ------------------------------------------------------------------ save / load / wait
 
     def save(self, save_dir, tag, client_state, save_latest) -> bool:
+        if self.options.get("memory_log") is not None and client_state and \
+                not callable(client_state):
+            raise ConfigError("gockpt_ds: with memory_log, give client_state as a callable "
+                              "(called at every step the log keeps, so that a restart at a "
+                              "logged step gets that step's); a dict is this save's step's only")
         if self.in_backward:
             raise ConfigError("engine.save_checkpoint() was called between backward() and "
                               "step(); call it after engine.step()")
@@ -109,6 +122,7 @@ class EnginePatch:
             raise ConfigError("engine.save_checkpoint() must follow engine.step(): a second "
                               "save at the same step, or a save before the first step")
         self.pending = False
+        self.client_state = client_state
         engine, layout = self.engine, self.layout
         handle = self.ck.save_checkpoint(engine.global_steps,
                                          lambda: engine_record(engine, client_state, layout),
@@ -181,7 +195,7 @@ class EnginePatch:
         try:
             if self.pending and not (failing and ck.ranks.several):
                 self.pending = False
-                ck.save_checkpoint(self.engine.global_steps)
+                self._boundary(ck)
         finally:
             self.in_backward = False
             if failing is None:

@@ -43,7 +43,13 @@ def base_optimizer(engine) -> torch.optim.Optimizer:
 
 class EngineState(torch.nn.Module):
     """The engine's training tensors as one module: ``master_g{group}_p{index}`` are the base
-    optimizer's parameters (fp32 master, this rank's partition), ``module.*`` the model."""
+    optimizer's parameters (fp32 master, this rank's partition), ``module.*`` the model.
+
+    For the step log's replay (:func:`gockpt.steplog.replay`), what the engine's step does
+    beyond its base optimizer's: :meth:`before_replay`, :meth:`after_replayed_step`; and each
+    rank logs its own partition (``ranks_hold_their_own``)."""
+
+    ranks_hold_their_own = True
 
     def __init__(self, engine):
         super().__init__()
@@ -53,6 +59,19 @@ class EngineState(torch.nn.Module):
                 # Checkpointer maps optimizer state to names through them.
                 self._parameters[f"master_g{gi}_p{pi}"] = p
         self.module = engine.module
+        self._engine = weakref.ref(engine)  # (weak: the patch's registry lets engines go)
+
+    def before_replay(self) -> None:
+        """The base optimizer's state was just loaded: DeepSpeed's links to it, and its CPU
+        Adam's running products at the loaded step, before the logged steps run."""
+        engine = self._engine()
+        relink(engine)
+        warm_cpu_adam(base_optimizer(engine))
+
+    def after_replayed_step(self) -> None:
+        """After a logged step's update: the module's weights from the fp32 masters, gathered
+        from every rank's partition, as the engine's step does (a collective)."""
+        self._engine().optimizer.update_lp_params()
 
 
 def step_written(engine, state: EngineState) -> list:
