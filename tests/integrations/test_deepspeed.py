@@ -291,8 +291,10 @@ def test_the_engine_loads_the_memory_tiers_copy(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,world", [(1, 1), (2, 2)])
-def test_a_crashed_engine_restarts_at_its_last_logged_step(tmp_path, stage, world):
+@pytest.mark.parametrize("stage,world,extra", [
+    (1, 1, {}), (2, 2, {}),
+    (1, 1, {"fp16": True, "inf_at": 6})])  # (an overflow in the log: step 6 skipped, logged so)
+def test_a_crashed_engine_restarts_at_its_last_logged_step(tmp_path, stage, world, extra):
     # Config(memory_log=...) through the patch: a checkpoint at step 4, then steps 5..7 in the
     # step log (each rank its own partition's gradients; ZeRO steps its base optimizer one
     # param group at a time); the process ends closing nothing (a crash) with step 7's entry
@@ -303,7 +305,7 @@ def test_a_crashed_engine_restarts_at_its_last_logged_step(tmp_path, stage, worl
     with tempfile.TemporaryDirectory(prefix="gockpt-test-shm-", dir=base) as shm:
         options = {"memory": "auto", "memory_dir": shm, "memory_log": 64 << 20}
         one = runs(tmp_path, world, stage=stage, steps=7, save_at=4, options=options,
-                   two_groups=True)
+                   two_groups=True, **extra)
         saved = one("save", leave_at_once=True, log=True, lives=True)
         resumed = one("resume", steps=9)
         plain = one("plain", steps=9, options={})
