@@ -83,6 +83,7 @@ def budget(memory, memory_dir: str, checkpoint_bytes: int, processes: int = 1,
     is too small or does not fit (the user asked for it). Checked here, once, so that no copy
     ends in a full tmpfs."""
     need = 2 * checkpoint_bytes * processes + (1 << 20)  # (+ manifests, latest)
+    logs = processes if log_processes is None else log_processes
     whose = "this process's checkpoint" if processes == 1 else \
         f"the {processes} ranks' checkpoints"
     try:
@@ -97,8 +98,7 @@ def budget(memory, memory_dir: str, checkpoint_bytes: int, processes: int = 1,
                           "tmpfs, e.g. docker's --shm-size, or memory_dir= another one)",
                           RuntimeWarning, stacklevel=3)
             return None
-        _check_log_space(memory_dir, free, need, log_bytes,
-                         processes if log_processes is None else log_processes)
+        _check_log_space(memory_dir, free, need, log_bytes, logs)
         return need + need // 4  # (room for a checkpoint that grows a little)
     if memory < need:
         raise ConfigError(f"memory={memory} bytes is less than two copies of {whose} need "
@@ -106,8 +106,7 @@ def budget(memory, memory_dir: str, checkpoint_bytes: int, processes: int = 1,
     if free < need:
         raise ConfigError(f"memory_dir {memory_dir!r} has {mib(free)} free; two copies of "
                           f"{whose} need {mib(need)}")
-    _check_log_space(memory_dir, free, memory, log_bytes,
-                     processes if log_processes is None else log_processes)
+    _check_log_space(memory_dir, free, memory, log_bytes, logs)
     return memory
 
 
