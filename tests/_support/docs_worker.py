@@ -86,17 +86,17 @@ def _fsdp2_names() -> dict:
 
 
 def _deepspeed_names() -> dict:
+    """A DeepSpeed script's names: tests/_support/deepspeed_worker.py's model and its ZeRO 1
+    config, 30 batches of its shapes."""
     import deepspeed
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+    from tests._support.deepspeed_worker import config_of, model_of
     g = torch.Generator().manual_seed(1)
     loader = [(torch.randn(4, 16, generator=g).bfloat16(), torch.randn(4, 4, generator=g))
               for _ in range(30)]
-    ds_config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
-                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                 "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9}
-    return {"deepspeed": deepspeed, "torch": torch, "model": model, "ds_config": ds_config,
-            "loader": loader, "save_dir": "checkpoints/ds_run"}
+    return {"deepspeed": deepspeed, "torch": torch, "model": model_of({}),
+            "ds_config": config_of({"stage": 1}), "loader": loader,
+            "save_dir": "checkpoints/ds_run"}
 
 
 def _zero2_names() -> dict:
