@@ -412,6 +412,21 @@ int64_t submit_copies(PyCopyEngine& e, int priority, const I64& dst, const I64& 
 }
 
 void bind_copy_engine(py::module_& m) {
+  m.def(
+      "copy_now",
+      [](const I64& dst, const I64& src, const I64& nbytes) {
+        const int64_t n = common_length({{"dst", &dst}, {"src", &src}, {"nbytes", &nbytes}});
+        check_non_negative("nbytes", nbytes);
+        const int64_t *d = dst.data(), *s = src.data(), *b = nbytes.data();
+        py::gil_scoped_release release;
+        for (int64_t i = 0; i < n; ++i) {
+          std::memcpy(ptr<void>(static_cast<uintptr_t>(d[i])),
+                      ptr<const void>(static_cast<uintptr_t>(s[i])), static_cast<size_t>(b[i]));
+        }
+      },
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+      "memcpy(dst[i], src[i], nbytes[i]) for every i on the calling thread (GIL released): a "
+      "copy the caller waits for anyway, without an engine thread's hand-off and wake-up.");
   using E = PyCopyEngine;
   py::class_<E>(m, "CopyEngine",
                 "One worker thread running queued host copies by priority "

@@ -450,7 +450,24 @@ def wrong_source(monkeypatch, name: str, keep: list):
             at[row[0]] = zeros.data_ptr()
         return at, read
 
+    real_group = copies.group_sources
+
+    def group_sources(plan, states, roles):  # (every role at once: the usual case)
+        found = real_group(plan, states, roles)
+        si = [s.name for s in plan.slots].index(name)
+        param = roles[0]  # (the parameter's rows come first)
+        rows = np.flatnonzero(param.slots[param.at] == si) if param.key is None else []
+        if found is None or not len(rows):
+            return found
+        zeros = torch.zeros(plan.slots[si].numel)
+        keep.append(zeros)
+        src, columns, absent = found
+        src = src.copy()
+        src[rows] = zeros.data_ptr() + param.offset[rows]
+        return src, columns, absent
+
     monkeypatch.setattr(copies, "live_bases", live_bases)
+    monkeypatch.setattr(copies, "group_sources", group_sources)
 
 
 @HOST_DEVICE_ONLY

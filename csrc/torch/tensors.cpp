@@ -191,16 +191,29 @@ py::list values(const py::list& dicts, const py::object& key) {
 }
 
 
-// Per dict (None allowed): dict.get(key) as a float64, `missing` where the dict is None or
+// Per dict (None allowed; with `index`, a list of positions: per dicts[index[i]]):
+// dict.get(key) as a float64, `missing` where the dict is None or
 // lacks the key; None when a value present is not a 0-dim CPU tensor of float32, float64, int64 or int32
 // (the caller reads those its own way). One pass: Adam's step counters without a Python
 // object per value.
-py::object scalar_floats(const py::list& dicts, const py::object& key, double missing) {
-  const Py_ssize_t n = PyList_GET_SIZE(dicts.ptr());
+py::object scalar_floats(const py::list& dicts, const py::object& key, double missing,
+                         const py::object& index) {
+  const bool indexed = !index.is_none();
+  if (indexed && !PyList_Check(index.ptr())) {
+    throw py::type_error("scalar_floats: index is not a list");
+  }
+  const Py_ssize_t size = PyList_GET_SIZE(dicts.ptr());
+  const Py_ssize_t n = indexed ? PyList_GET_SIZE(index.ptr()) : size;
   py::array_t<double> out(n);
   auto a = out.mutable_unchecked<1>();
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* d = item(dicts, i);
+    Py_ssize_t at = i;
+    if (indexed) {
+      at = PyLong_AsSsize_t(PyList_GET_ITEM(index.ptr(), i));
+      if (at == -1 && PyErr_Occurred()) throw py::error_already_set();
+      if (at < 0 || at >= size) throw py::index_error("scalar_floats: index out of range");
+    }
+    PyObject* d = item(dicts, at);
     a(i) = missing;
     if (d == Py_None) continue;
     if (!PyDict_Check(d)) return py::none();
@@ -228,14 +241,17 @@ py::object scalar_floats(const py::list& dicts, const py::object& key, double mi
 }
 
 // Per parameter: the data_ptr() and the flags of scan() of its .grad (0, 0 where it has
-// none), read in C++ without a Python object for the gradient; None when some parameter is a
-// tensor subclass (the caller reads those through Python).
+// none), read in C++ without a Python object for the gradient, with the AND of the flags of
+// the gradients present (all bits set when none is) and how many are present; None when some
+// parameter is a tensor subclass (the caller reads those through Python).
 py::object grad_scan(const py::list& params) {
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
   py::array_t<int64_t> addr(n);
   py::array_t<uint8_t> flags(n);
   auto a = addr.mutable_unchecked<1>();
   auto f = flags.mutable_unchecked<1>();
+  uint8_t every = 0xff;
+  Py_ssize_t present = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!THPVariable_CheckExact(item(params, i))) return py::none();
     const at::Tensor& g = tensor_at(params, i).grad();
@@ -248,8 +264,10 @@ py::object grad_scan(const py::list& params) {
     a(i) = strided ? reinterpret_cast<int64_t>(g.data_ptr()) : 0;
     f(i) = kPresent | (strided && g.is_contiguous() ? kContiguous : 0) |
            (strided && g.scalar_type() == at::kFloat ? kDenseFloat32 : 0);
+    every &= f(i);
+    ++present;
   }
-  return py::make_tuple(addr, flags);
+  return py::make_tuple(addr, flags, every, present);
 }
 
 // scan() of the tensors at positions `index` of `items`: the items themselves (key None), or
@@ -286,6 +304,50 @@ py::tuple gather_scan(const py::list& items, const py::array_t<int64_t>& index,
     if (f(i)) every &= f(i);
   }
   return py::make_tuple(picked, scanned[0], scanned[1], scanned[2], every);
+}
+
+// The sources of a group's memcpy segments, every role in one call: `roles` is a list of
+// (items, index, key, at, offset), each read as gather_scan(items, index, key) reads it, and
+// each of its rows r copies from the address of its tensor at[r] plus offset[r] bytes, or
+// from `zero` where that tensor is absent (no such optimizer state yet). Returns (the sources
+// of every role's rows in order, as one int64 array; per role (tensors, addresses, versions,
+// flags); the AND of the flags of every tensor present; the rows copying zeros).
+py::tuple segment_sources(const py::list& roles, int64_t zero) {
+  const Py_ssize_t n_roles = PyList_GET_SIZE(roles.ptr());
+  using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+  std::vector<py::tuple> specs;
+  Py_ssize_t rows = 0;
+  for (Py_ssize_t r = 0; r < n_roles; ++r) {
+    py::tuple spec = py::reinterpret_borrow<py::tuple>(item(roles, r));
+    if (spec.size() != 5) throw py::value_error("segment_sources: a role is not 5 items");
+    rows += spec[3].cast<I64>().shape(0);
+    specs.push_back(spec);
+  }
+  py::array_t<int64_t> src(rows);
+  int64_t* out = src.mutable_data();
+  py::list scans(n_roles);
+  uint8_t every = 0xff;
+  int64_t zeros = 0;
+  for (Py_ssize_t r = 0; r < n_roles; ++r) {
+    const py::tuple& spec = specs[r];
+    py::tuple scanned = gather_scan(spec[0].cast<py::list>(), spec[1].cast<py::array_t<int64_t>>(),
+                                    spec[2]);
+    every &= scanned[4].cast<uint8_t>();
+    const I64 at = spec[3].cast<I64>(), offset = spec[4].cast<I64>();
+    const auto addr = scanned[1].cast<py::array_t<int64_t>>().unchecked<1>();
+    const Py_ssize_t m = at.shape(0), n_tensors = addr.shape(0);
+    if (offset.shape(0) != m) throw py::value_error("segment_sources: at and offset differ");
+    for (Py_ssize_t i = 0; i < m; ++i) {
+      const int64_t t = at.data()[i];
+      if (t < 0 || t >= n_tensors) throw py::index_error("segment_sources: at out of range");
+      const int64_t base = addr(t);
+      if (base == 0) ++zeros;
+      *out++ = base == 0 ? zero : base + offset.data()[i];
+    }
+    PyList_SET_ITEM(scans.ptr(), r, py::make_tuple(scanned[0], scanned[1], scanned[2],
+                                                   scanned[3]).release().ptr());
+  }
+  return py::make_tuple(src, scans, every, zeros);
 }
 
 // The positions of the tensors of `tensors` (None allowed) whose address or version is no
@@ -506,12 +568,19 @@ PYBIND11_MODULE(_tensors, m) {
   m.def("values", &values, py::arg("dicts"), py::arg("key"),
         "Per dict (None allowed): dict.get(key).");
   m.def("scalar_floats", &scalar_floats, py::arg("dicts"), py::arg("key"), py::arg("missing"),
-        "Per dict: dict.get(key) of a 0-dim CPU tensor as float64 (`missing`: none), or None.");
+        py::arg("index") = py::none(),
+        "Per dict (or per dicts[i] for i in the list `index`): dict.get(key) of a 0-dim CPU "
+        "tensor as float64 (`missing`: none), or None.");
   m.def("grad_scan", &grad_scan, py::arg("params"),
-        "Per parameter: (data_ptr, scan flags) of its .grad without wrapping it, or None.");
+        "Per parameter: (data_ptr, scan flags) of its .grad without wrapping it, then the AND of "
+        "the flags present and how many are; or None.");
   m.def("gather_scan", &gather_scan, py::arg("items"), py::arg("index"), py::arg("key"),
         "scan() of items[index] (key None) or of items[index].get(key): (tensors, addresses, "
         "versions, flags, the AND of the flags present).");
+  m.def("segment_sources", &segment_sources, py::arg("roles"), py::arg("zero"),
+        "Sources of a group's memcpy segments, per role (items, index, key, at, offset): "
+        "(sources, per role (tensors, addresses, versions, flags), AND of the flags present, "
+        "rows copying zeros).");
   m.def("moved", &moved, py::arg("tensors"), py::arg("addresses"), py::arg("versions"),
         "Positions whose data_ptr or _version differ from those of an earlier scan().");
   m.def("same_params", &same_params, py::arg("groups"), py::arg("planned"),

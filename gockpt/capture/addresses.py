@@ -54,6 +54,26 @@ def live_bases(plan: Plan, states: list, slots: np.ndarray, key, keep: list
     return np.fromiter((at.get(si, 0) for si in sis), np.int64, len(sis)), (slots, tensors, scan)
 
 
+def group_sources(plan: Plan, states: list, roles: list
+                  ) -> Optional[Tuple[np.ndarray, list, int]]:
+    """What :func:`live_bases` finds for each role of a group's copies, and the sources of the
+    copies' rows, every role in one C++ pass (:func:`gockpt._tensors.segment_sources`):
+    ``roles`` are the group's roles (``key``, ``slots``, and per row copied ``at``: its slot's
+    place among them, ``offset``: the bytes from the tensor's start). Returns (per row, its
+    source address, 0 where the tensor is absent: no such state yet; the tensors read, as
+    :class:`Reads` columns; how many rows are absent), or None where :func:`live_bases` must
+    read role by role: DTensors, or a tensor laid out unlike its parameter."""
+    if plan.dtensors or not plan.contiguous:
+        return None
+    src, scans, every, absent = _tensors.segment_sources(
+        [(plan.params if role.key is None else states, role.slots, role.key, role.at,
+          role.offset) for role in roles], 0)
+    if not every & _tensors.CONTIGUOUS:
+        return None
+    return src, [(role.slots, tensors, (at, versions, flags))
+                 for role, (tensors, at, versions, flags) in zip(roles, scans)], absent
+
+
 def data_ptrs(tensors: list) -> np.ndarray:
     """The address of each of ``tensors``, as an int64 array (one C++ pass)."""
     return _tensors.addresses(tensors)
@@ -115,4 +135,5 @@ class Zeros:
         return self.buffer.data_ptr()
 
 
-__all__: List[str] = ["live_bases", "data_ptrs", "in_memory_order", "Reads", "Zeros"]
+__all__: List[str] = ["live_bases", "group_sources", "data_ptrs", "in_memory_order", "Reads",
+                      "Zeros"]

@@ -31,7 +31,7 @@ from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
 from ..core.staging import GradPool, HostCopy
 from . import smallstate
-from .addresses import Reads, Zeros, live_bases
+from .addresses import Reads, Zeros, group_sources, live_bases
 from .gradients import GradientCopies, block_runs
 from .states import StateWatch
 from .transfer import GRADIENT, STATE, CopyEngine
@@ -108,6 +108,15 @@ class Capture:
         element, is worked out once per table (:class:`_SegmentLayout`); here only the live
         tensors are read."""
         layout = self._segment_layout(job, table, table if params is None else params)
+        found = group_sources(job.plan, states, layout.roles)  # (the usual case)
+        if found is not None:
+            src, columns, zeros = found
+            keep = []
+            if zeros:  # no such state yet: zeros are copied
+                missing = src == 0
+                src[missing] = self._zeros.address(int(layout.nbytes[missing].max()))
+                keep.append(self._zeros.buffer)
+            return layout.dst, src, layout.nbytes, keep, Reads(columns)
         srcs, keep, columns = [], [], []
         for role in layout.roles:
             live, read = live_bases(job.plan, states, role.slots, role.key, keep)

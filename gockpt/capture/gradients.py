@@ -264,17 +264,19 @@ def gradient_addresses(plan, slots: list, params: list) -> Optional[Tuple[list, 
     found = _tensors.grad_scan(params)
     if found is None or not plan.contiguous:
         return None
-    addresses, flags = found
-    usual = _tensors.PRESENT | _tensors.CONTIGUOUS | _tensors.DENSE_FLOAT32
-    if not np.all(flags == usual):
+    addresses, flags, every, present = found
+    if every != _USUAL_GRADIENT:
+        return None
+    if present < len(slots):  # some parameters were not trained at this step
         with_grad = flags != 0
-        if not np.all(flags[with_grad] == usual):
-            return None
         slots = np.asarray(slots, dtype=np.int64)[with_grad].tolist()
         addresses = addresses[with_grad]
     at = np.zeros(len(plan.slots), dtype=np.int64)
     at[slots] = addresses
     return slots, at
+
+
+_USUAL_GRADIENT = _tensors.PRESENT | _tensors.CONTIGUOUS | _tensors.DENSE_FLOAT32
 
 
 def local_gradient(slot, grad: torch.Tensor) -> torch.Tensor:

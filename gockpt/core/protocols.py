@@ -6,7 +6,7 @@ storage writer in :mod:`gockpt.storage.writer`, or a plugin; the device in
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Protocol, Tuple
+from typing import Dict, Iterable, Mapping, Optional, Protocol, Tuple
 
 from .records import GroupScalars, StepRecord
 
@@ -28,7 +28,7 @@ class ReplayAdapter(Protocol):
 
     def unsupported_step(self) -> Optional[str]: ...
 
-    def step_counts(self, slots: Iterable[int], states: list) -> Dict[int, float]: ...
+    def step_counts(self, slots: Iterable[int], states: list) -> Mapping[int, float]: ...
 
     def scalars(self) -> Dict[int, GroupScalars]: ...
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -55,13 +56,37 @@ class GroupScalars:
     beta2_power: float = 0.0
 
 
+class StepCounts(Mapping):
+    """slot -> t of one update, as the step pre-hook read them: the slots and their counts
+    kept as read, the dict built where it is first looked up (the replay thread), not in the
+    hook."""
+
+    def __init__(self, slots: List[int], counts: np.ndarray):
+        self._slots, self._counts = slots, counts
+        self._by_slot: Optional[Dict[int, float]] = None
+
+    def _built(self) -> Dict[int, float]:
+        if self._by_slot is None:
+            self._by_slot = dict(zip(self._slots, self._counts.tolist()))
+        return self._by_slot
+
+    def __getitem__(self, slot: int) -> float:
+        return self._built()[slot]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+
 @dataclass
 class StepRecord:
     """One optimizer step, as needed to replay it on the blocks captured before it."""
 
     step_index: int                      # 1-based step within the checkpoint
     scalars: Dict[int, GroupScalars]     # param group -> scalars
-    steps: Dict[int, float]              # slot -> t (step count after the increment)
+    steps: Mapping                       # slot -> t (step count after the increment)
     table: "BlockTable"                  # captured blocks whose param had a gradient
     grads: Dict[int, torch.Tensor]       # the gradient buffer set (slot -> host buffer)
     grad_base: Optional[np.ndarray] = None  # per slot: address of its gradient in the set

@@ -98,13 +98,14 @@ class Arena:
     def bases(self, n_slots: int) -> np.ndarray:
         """Per slot: the address its element 0 has in this arena's coordinates (the extent's
         first element minus its offset in the slot; 0 for slots not in this arena); computed
-        once (the buffer never moves), a copy returned each time."""
+        once (the buffer never moves), read-only."""
         cached = getattr(self, "_bases", None)
         if cached is None or len(cached) != n_slots:
             base, item = self.buffer.data_ptr(), self.dtype.itemsize
             cached = self._bases = slot_array(n_slots, {s: base + (o - self.first[s]) * item
                                                         for s, o in self.offset.items()})
-        return cached.copy()
+            cached.flags.writeable = False
+        return cached
 
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from ..core.errors import UnsupportedOptimizerError
 from . import arithmetic
 from .probe import probe
 from ..core.plan import Plan
-from ..core.records import GroupScalars, Kernel, StepRecord
+from ..core.records import GroupScalars, Kernel, StepCounts, StepRecord
 from .claims import moments_weight_decay, replay_claims
 
 
@@ -142,18 +142,17 @@ class AdamAdapter:
         """t of the update about to run on ``param`` (torch increments before using it)."""
         return self.step_counts({0: param}, [self.optimizer.state.get(param)])[0]
 
-    def step_counts(self, slots, states) -> Dict[int, float]:
+    def step_counts(self, slots, states) -> Mapping[int, float]:
         """t of the update about to run, for every slot in ``slots`` whose optimizer state is
         ``states[slot]`` (None: none yet): the step counters read on the CPU in one C++ pass
         (:func:`gockpt._tensors.scalar_floats`), elsewhere with one stack, not one read (a
         device synchronisation on a GPU) each."""
-        slots = list(slots)
-        dicts = list(map(states.__getitem__, slots))
-        counts = _tensors.scalar_floats(dicts, "step", 0.0)  # (the usual case: on the CPU)
+        slots = slots if isinstance(slots, list) else list(slots)
+        counts = _tensors.scalar_floats(states, "step", 0.0, slots)  # (usual: on the CPU)
         if counts is not None:
             counts += 1.0
-            return dict(zip(slots, counts.tolist()))
-        steps = _tensors.values(dicts, "step")
+            return StepCounts(slots, counts)
+        steps = _tensors.values(list(map(states.__getitem__, slots)), "step")
         out = dict.fromkeys(slots, 1.0)
         if has_none(steps):  # no state yet (their first update)
             slots = [si for si, t in zip(slots, steps) if t is not None]

@@ -125,6 +125,29 @@ def test_gather_scan_and_moved_read_picked_tensors_and_find_writes_and_moves():
     assert _tensors.moved(picked, at, version).tolist() == [0, 3]
 
 
+def test_segment_sources_reads_every_role_of_a_group_in_one_pass():
+    params = [torch.zeros(6), torch.zeros(4), torch.zeros(5)]
+    states = [{"exp_avg": torch.ones(6)}, None, {"exp_avg": torch.ones(5)}]
+    i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    roles = [(params, i64(0, 2), None, i64(0, 0, 1), i64(0, 8, 4)),  # rows: slot 0 twice, 2
+             (states, i64(0, 1), "exp_avg", i64(1, 0), i64(0, 12))]   # rows: slot 1 (none), 0
+    src, scans, every, zeros = _tensors.segment_sources(roles, 0)
+    p, e = params, states[0]["exp_avg"]
+    assert src.tolist() == [p[0].data_ptr(), p[0].data_ptr() + 8, p[2].data_ptr() + 4,
+                            0, e.data_ptr() + 12]
+    assert zeros == 1 and every == _tensors.PRESENT | _tensors.CONTIGUOUS | \
+        _tensors.DENSE_FLOAT32
+    for (items, index, key, _, _), (tensors, at, version, flags) in zip(roles, scans):
+        want = _tensors.gather_scan(items, index, key)
+        assert tensors == want[0]
+        assert [a.tolist() for a in (at, version, flags)] == [a.tolist() for a in want[1:4]]
+    assert _tensors.segment_sources(roles, 99)[0].tolist()[3] == 99  # (absent: from `zero`)
+    assert not _tensors.segment_sources(
+        [([torch.zeros(3, 4).t()], i64(0), None, i64(0), i64(0))], 0)[2] & _tensors.CONTIGUOUS
+    with pytest.raises(IndexError):
+        _tensors.segment_sources([(params, i64(0), None, i64(1), i64(0))], 0)
+
+
 def test_scalar_floats_reads_0_dim_cpu_scalars_and_gives_up_on_the_rest():
     dicts = [{"step": torch.tensor(3.0)}, None, {},
              {"step": torch.tensor(2 ** 40, dtype=torch.int64)},
@@ -134,6 +157,11 @@ def test_scalar_floats_reads_0_dim_cpu_scalars_and_gives_up_on_the_rest():
     for odd in (7, torch.tensor(1.0, dtype=torch.bfloat16), torch.ones(1),
                 torch.tensor(1.0).as_subclass(Traced)):
         assert _tensors.scalar_floats([{"step": odd}], "step", 0.0) is None
+    dicts = [{"step": torch.tensor(3.0)}, None, {"step": torch.tensor(7, dtype=torch.int64)}]
+    assert _tensors.scalar_floats(dicts, "step", -1.0, [2, 0, 1, 2]).tolist() == \
+        [7.0, 3.0, -1.0, 7.0]  # (dicts[i] for i in index)
+    with pytest.raises(IndexError):
+        _tensors.scalar_floats(dicts, "step", 0.0, [3])
 
 
 def test_grad_scan_reads_gradients_without_python_objects_and_gives_up_on_subclasses():
@@ -142,12 +170,15 @@ def test_grad_scan_reads_gradients_without_python_objects_and_gives_up_on_subcla
     params[0].grad = torch.ones(2, 3)
     params[2].grad = torch.ones(3, 2).t()
     params[3].grad = torch.ones(2, dtype=torch.bfloat16)
-    at, flags = _tensors.grad_scan(params)
+    at, flags, every, present = _tensors.grad_scan(params)
     assert at.tolist() == [params[0].grad.data_ptr(), 0, params[2].grad.data_ptr(),
                            params[3].grad.data_ptr()]
     assert flags.tolist() == [_tensors.PRESENT | _tensors.CONTIGUOUS | _tensors.DENSE_FLOAT32,
                               0, _tensors.PRESENT | _tensors.DENSE_FLOAT32,
                               _tensors.PRESENT | _tensors.CONTIGUOUS]
+    assert (every, present) == (_tensors.PRESENT, 3)  # (the AND of the three present)
+    assert _tensors.grad_scan(params[:1])[2:] == (flags[0], 1)
+    assert _tensors.grad_scan(params[1:2])[2:] == (0xFF, 0)  # (none present: every bit)
     assert _tensors.grad_scan(params + [torch.zeros(1).as_subclass(Traced)]) is None
 
 
