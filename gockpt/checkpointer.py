@@ -155,7 +155,8 @@ class Checkpointer(Lifecycle):
         self.persister = Persister(self.config, self.plan, self.ranks, type(optimizer).__name__,
                                    step_time=self.schedule.median_step_time,
                                    host_bytes=self.staging.nbytes,
-                                   on_durable=self._on_durable, memory=self.tiers.memory)
+                                   on_durable=self._on_durable,
+                                   publish=self.tiers.publish if self.tiers.tiers else None)
         self.digester = LiveDigests(self.device) if self.config.verify else None
         self.pipeline = Pipeline(self.config, self.capture, self.replayer, self.persister,
                                  digester=self.digester)
@@ -293,10 +294,9 @@ class Checkpointer(Lifecycle):
             self._start(step, span, None, None)
 
     def _on_durable(self, job: Job) -> None:
-        """A checkpoint was committed (persist thread): the schedule learns its stall, the
-        remote tier queues its upload."""
+        """A checkpoint was committed (persist thread; the tiers have it already): the
+        schedule learns its stall, the step log drops what it no longer needs."""
         self.schedule.durable(job.metrics.blocked_s)
-        self.tiers.committed(job.name)
         if self.steplog is not None:
             self.steplog.committed(job.handle.final_step)
 

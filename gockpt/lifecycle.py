@@ -197,7 +197,7 @@ class Lifecycle:
         latter) and say how far the remote tier got (``None`` without one, and
         on ranks other than 0, which upload nothing). Does not raise for a failing store: the
         status names its last error."""
-        if self.tiers.replicator is None:
+        if self.tiers.remote is None:
             return None
         self.wait()  # the last checkpoint asked for is committed (and so queued) first
         return self.tiers.wait_remote(timeout)

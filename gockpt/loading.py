@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from typing import Optional
@@ -16,15 +15,15 @@ from .replay.adapters import state_keys_of
 from .core.names import Names, is_replicated
 from .core.memory import global_slice, like, local, memory_order
 from .storage import manifest as manifest_mod, shares
-from .core.errors import CheckpointNotFoundError, CorruptCheckpointError, GockptError, LoadError
+from .core.errors import CorruptCheckpointError, GockptError, LoadError
 from .resharding import load_resharded, needs_resharding, written_by
 from .restored import (Restored, apply_rest, decode_rest, partly_overwritten, restoring,
                        warn_rng_not_restored)
 from .core.paths import directory_to_read, is_remote
 from . import steplog
-from .agree import CORRUPT, agreed, everyone, outcome, several
+from .agree import CORRUPT, agreed, outcome, several
 from .storage import memory_tier
-from .storage.commit import checkpoint_of, is_committed
+from .tiers import newest
 from .storage.format import MANIFEST_FILE
 from .storage.schema import Manifest, is_small_tensor
 from .storage.statedict import optimizer_state_dict
@@ -76,7 +75,7 @@ def load(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim
     """
     started = time.time()
     path = directory_to_read(directory)
-    run, top, disk = _newest(path, tag, memory_dir, memory=rank is None)
+    run, top, disk = newest(path, tag, memory_dir, memory=rank is None)
     # the memory tier's step log: the run's newest state asked for (the same on every rank)
     replays_log = rank is None and tag is None and run == path and not is_remote(path)
     _record_load(run, top, "loading")
@@ -127,30 +126,6 @@ def _attempt(top: str, args: tuple, alike: bool) -> tuple:
         restored, failed = None, exc
     failed, level = agreed(failed, top) if alike else (failed, outcome(failed))
     return (None if failed is not None else restored), failed, level
-
-
-def _newest(path: str, tag: Optional[str], memory_dir: Optional[str], memory: bool) -> tuple:
-    """(the run directory, the checkpoint to load, the disk's) for ``path`` and ``tag``: the
-    memory tier's copy when ``memory`` and it may be loaded (:func:`memory_tier.usable_copy`;
-    on several ranks, when every rank's may: a collective; the load still
-    checks every byte of it), else what :func:`checkpoint_of` finds."""
-    if not memory or tag is not None or is_remote(path) or not os.path.isdir(path) \
-            or is_committed(path):  # (one checkpoint's directory: that one)
-        top = checkpoint_of(path, tag)
-        return os.path.dirname(top), top, top
-    try:
-        disk = checkpoint_of(path)
-    except CheckpointNotFoundError:
-        disk = None
-    copy = memory_tier.usable_copy(path, disk, memory_dir)  # (of the disk's step: a fallback)
-    if several():  # a host that lost its memory: the parts its peers keep
-        copy = memory_tier.from_peers(path, disk, copy, memory_dir)
-        if not everyone(copy is not None):
-            copy = None
-    if copy is not None:
-        return path, copy, disk
-    disk = disk if disk is not None else checkpoint_of(path)  # (raises: what is there)
-    return path, disk, disk
 
 
 def _record_load(run: str, top: str, kind: str, **fields) -> None:

@@ -380,7 +380,7 @@ def test_the_uploads_run_at_the_lowest_cpu_priority(tmp_path, url):
             names[int(tid)] = f.read().strip()
     runtime = [t for t, n in names.items() if n.startswith("tokio-")]
     assert runtime, names
-    uploaders = [ck.tiers.replicator._thread.native_id] + runtime
+    uploaders = [ck.tiers.remote.replicator._thread.native_id] + runtime
     assert {os.getpriority(os.PRIO_PROCESS, t) for t in uploaders} == {upload.UPLOAD_NICE}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
     ck.close()

@@ -2,11 +2,13 @@
 ask of the object another one hands it, and in which order. Implementations are elsewhere (an
 adapter per optimizer in :mod:`gockpt.replay.adapters` and the DeepSpeed integration; the
 storage writer in :mod:`gockpt.storage.writer`, or a plugin; the device in
-:mod:`gockpt.capture.device`)."""
+:mod:`gockpt.capture.device`; the tiers in :mod:`gockpt.storage`'s ``*_tier`` modules, picked
+among by :mod:`gockpt.tiers`)."""
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Mapping, Optional, Protocol, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Mapping, Optional, Protocol, Tuple
 
 from .records import GroupScalars, StepRecord
 
@@ -77,3 +79,55 @@ class StorageWriter(Protocol):
     def commit(self, manifest: dict, *, update_latest: bool = True) -> str: ...
 
     def abort(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A checkpoint the run directory has just committed, as every tier is handed it."""
+
+    name: str                 # its name in the run directory (``step-N`` or a tag)
+    tensors: Dict[str, Any]   # this rank's stored tensors (the host copy at F, as on disk)
+    manifest: dict            # this rank's manifest (its part's, on several ranks)
+    top: Any = None           # on several ranks, the top manifest (``PartsManifest``)
+
+
+class Tier(Protocol):
+    """A place that also keeps a run's committed checkpoints: host memory
+    (:class:`gockpt.storage.memory_tier.MemoryTier`) or an object store
+    (:class:`gockpt.storage.remote_tier.RemoteTier`). The run directory is the tier that
+    commits (the persist thread's writer); the others follow it, each in its own format-keeping
+    place, and are read by the one reader as a directory is (their :class:`TierReader` says
+    which checkpoint).
+
+    Call order, on every rank (a tier with nothing to do on a rank does nothing there):
+
+    1. ``publish(committed)`` for each checkpoint the run directory commits, in commit order,
+       from the persist thread right after the commit. It must not fail the checkpoint: what
+       it cannot keep is a warning (the disk's stands). On several ranks it may be a
+       collective (every rank calls it for the same checkpoint).
+    2. ``finish(end_of_training)`` once, at ``close()``: what the tier owes the job before the
+       process leaves (uploads waited for; copies only a restart needs removed at the end of
+       training, kept when the process leaves on an exception).
+    3. ``stop()`` last (also after ``abort()``, without ``finish``): its threads end now.
+    """
+
+    def publish(self, committed: Committed) -> None: ...
+
+    def finish(self, end_of_training: bool) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class TierReader(Protocol):
+    """Where a load finds a run's checkpoint in one tier
+    (:class:`gockpt.storage.disk_tier.DiskReader`, :class:`gockpt.storage.memory_tier.MemoryReader`;
+    :func:`gockpt.tiers.newest` asks them in one place). What it returns is read by the one
+    reader of the format (:mod:`gockpt.storage.reader`: a directory, or an ``s3://`` URL) and
+    checked there byte by byte; ``newest`` checks only what makes a copy worth trying."""
+
+    name: str  # "disk", "memory": in the messages of a load
+
+    def newest(self, run: str, disk: Optional[str]) -> Optional[str]:
+        """The checkpoint of run directory ``run`` this tier holds and a load may take (its
+        path), given ``disk``, the one the run directory holds (None: none); None when it has
+        none worth trying. On several ranks it may be a collective."""

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StorageError
+from ..core.protocols import Committed
 from .commit import (apply_retention, list_checkpoints, publish, replace_file, resolve,
                      write_file)
 from .format import MANIFEST_FILE, TMP_PREFIX
@@ -123,26 +124,32 @@ def _check_log_space(memory_dir: str, free: int, copies: int, log_bytes: int,
 
 
 class MemoryTier:
-    """The copies of one run directory's checkpoints in host shared memory (persist thread:
-    :meth:`publish`, or :meth:`publish_parts` on every rank; the training thread:
-    :meth:`remove` at ``close()``). Several ranks share one host's copies (``owner``: the
-    host's lowest rank, which names the run and removes them); on several hosts (``hosts``)
-    each host's copy also holds the parts of the ranks whose peer is on it (:mod:`.peers`)."""
+    """The copies of one run directory's checkpoints in host shared memory, a
+    :class:`~gockpt.core.protocols.Tier` (persist thread: :meth:`publish`, on every rank; the
+    training thread: :meth:`finish` at ``close()``). Several ranks share one host's copies
+    (``owner``: the host's lowest rank, which names the run and removes them); on several
+    hosts (``hosts``) each host's copy also holds the parts of the ranks whose peer is on it
+    (:mod:`.peers`). ``ranks``: the job's ranks (:class:`.ranks.Ranks`), None for one process."""
 
     def __init__(self, directory: str, memory_dir: str, limit: int, owner: bool = True,
-                 hosts: Optional[peers.Hosts] = None):
+                 hosts: Optional[peers.Hosts] = None, ranks=None):
         self.directory, self.limit, self.owner = directory, limit, owner
         self.hosts = hosts if hosts is not None and hosts.several else None
+        self.ranks = ranks if ranks is not None and ranks.several else None
         self.root = root_of(directory, memory_dir)
         os.makedirs(self.root, exist_ok=True)
         run = os.path.join(self.root, RUN_FILE)
         if owner and _run_of(self.root) != directory:
             replace_file(run, lambda tmp: write_file(tmp, os.fsencode(directory)))
 
-    def publish(self, name: str, tensors: dict, manifest: dict) -> Optional[str]:
-        """Write checkpoint ``name`` (``tensors``: the host copy at F, as stored on disk; its
-        manifest) as the newest copy, then drop the older ones; None, with a warning, when it
-        cannot be written (the disk checkpoint stands)."""
+    def publish(self, committed: Committed) -> Optional[str]:
+        """Keep the checkpoint the run directory has just committed (``committed.tensors``:
+        this rank's host copy at F, as stored on disk) as the newest copy, then drop the older
+        ones; its path, or None, with a warning, when it cannot be kept (the disk's stands).
+        On several ranks a collective (:meth:`_publish_parts`)."""
+        if self.ranks is not None:
+            return self._publish_parts(committed)
+        name, tensors = committed.name, committed.tensors
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if 2 * nbytes > self.limit:
             warnings.warn(f"gockpt: checkpoint {name} not kept in memory: two copies take "
@@ -150,7 +157,8 @@ class MemoryTier:
                           RuntimeWarning, stacklevel=2)
             return None
         try:
-            path = write_in_memory(self.root, name, tensors, manifest, update_latest=True)
+            path = write_in_memory(self.root, name, tensors, committed.manifest,
+                                   update_latest=True)
         except Exception as exc:  # (the writer removed its temporary directory)
             warnings.warn(f"gockpt: checkpoint {name} not kept in memory ({self.root}): {exc}",
                           RuntimeWarning, stacklevel=2)
@@ -158,14 +166,14 @@ class MemoryTier:
         apply_retention(self.root, 1)
         return path
 
-    def publish_parts(self, ranks, name: str, tensors: dict, manifest: dict, top) -> Optional[str]:
-        """:meth:`publish` of a checkpoint of several ranks, called on every rank (persist
-        thread) after the disk's commit: each rank's part (``tensors``, its part's
-        ``manifest``) and the top manifest ``top`` committed together as on disk
-        (:meth:`Ranks.commit`), so that the loader reads it as it reads the disk's -- one copy
-        per host, with the parts it keeps for its peers; None, with a warning on every rank,
-        when some rank's part could not be written."""
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    def _publish_parts(self, committed: Committed) -> Optional[str]:
+        """:meth:`publish` of a checkpoint of several ranks, on every rank: each rank's part
+        and the top manifest committed together as on disk (:meth:`Ranks.commit`), so that the
+        loader reads it as it reads the disk's -- one copy per host, with the parts it keeps
+        for its peers; None, with a warning on every rank, when some rank's part could not be
+        written."""
+        ranks, name = self.ranks, committed.name
+        nbytes = sum(t.numel() * t.element_size() for t in committed.tensors.values())
         parts = ranks.world_size if self.hosts is None else \
             self.hosts.parts_on_host(ranks.rank)
         fits = 2 * nbytes * parts <= self.limit
@@ -174,31 +182,14 @@ class MemoryTier:
             if not fits:
                 raise StorageError(f"two copies of the parts this host holds take more than the "
                                    f"memory tier's {self.limit} bytes")
-            write_in_memory(shared, ranks.part_name(), tensors, manifest, update_latest=False)
+            write_in_memory(shared, ranks.part_name(), committed.tensors, committed.manifest,
+                            update_latest=False)
 
         def exchange(shared: Optional[str], written: bool) -> bool:
-            """This rank's part to its peer; the parts it keeps for others into ``shared``."""
-            me, mine = ranks.rank, None
-            if written:
-                try:  # (a rank raising here alone would leave the others in the swap)
-                    mine = peers.pack(name, peers.part_files(
-                        os.path.join(shared, ranks.part_name())))
-                except OSError:
-                    written = False
-            got = ranks.swap({self.hosts.peer_of(me): mine}, self.hosts.kept_by(me))
-            ok = shared is not None and written
-            for src, data in got.items():
-                if data is None or shared is None:  # (its part failed: the vote fails)
-                    ok = False
-                    continue
-                try:
-                    peers.write_files(os.path.join(shared, part_name(src)), peers.unpack(data)[1])
-                except (ValueError, OSError):
-                    ok = False
-            return ok
+            return peers.exchange_parts(ranks, self.hosts, name, shared, written)
 
         try:
-            path = ranks.commit(self.root, name, write_part, top,
+            path = ranks.commit(self.root, name, write_part, committed.top,
                                 lambda root, n: CheckpointWriter(root, n, direct=False),
                                 hosts=self.hosts,
                                 exchange=exchange if self.hosts is not None else None)
@@ -211,11 +202,32 @@ class MemoryTier:
             shutil.rmtree(os.path.join(self.root, PEERS_DIR), ignore_errors=True)
         return path
 
-    def remove(self) -> None:
-        """Remove every copy (the end of training: the disk holds them; each host's lowest
-        rank removes its host's)."""
-        if self.owner:
+    def finish(self, end_of_training: bool) -> None:
+        """``close()``: at the end of training remove every copy (the disk holds them; each
+        host's lowest rank removes its host's); a process leaving on an exception keeps them
+        for its restart."""
+        if end_of_training and self.owner:
             remove(self.directory, os.path.dirname(self.root))
+
+    def stop(self) -> None:
+        """Nothing runs of its own (the persist thread writes the copies)."""
+
+
+class MemoryReader:
+    """Where a load finds a run's checkpoint in host memory, a
+    :class:`~gockpt.core.protocols.TierReader`: :func:`usable_copy`, and on several ranks the
+    parts a rank's host lost from its peer's memory (:func:`from_peers`, a collective)."""
+
+    name = "memory"
+
+    def __init__(self, memory_dir: Optional[str] = None, several: bool = False):
+        self.memory_dir, self.several = memory_dir, several
+
+    def newest(self, run: str, disk: Optional[str]) -> Optional[str]:
+        copy = usable_copy(run, disk, self.memory_dir)
+        if self.several:  # a host that lost its memory: the parts its peers keep
+            copy = from_peers(run, disk, copy, self.memory_dir)
+        return copy
 
 
 def write_in_memory(root: str, name: str, tensors: dict, manifest: dict, *,

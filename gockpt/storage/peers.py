@@ -5,7 +5,7 @@ replaced, its ``/dev/shm`` cleared) takes its part from the peer's host, not fro
 Whose peer is whom (:class:`Hosts`): the hosts ordered by their lowest rank, each rank's peer
 the rank at the same place on the next host (the last host's: the first's). A host's copy of
 a checkpoint therefore holds its own ranks' parts and those it keeps for the previous host's
-ranks (written by :meth:`MemoryTier.publish_parts`, one committed directory per host).
+ranks (written by :meth:`MemoryTier.publish`, one committed directory per host).
 
 What crosses between ranks: a checkpoint's files as one byte tensor each way (:func:`pack`,
 :func:`unpack`: a JSON list of the files' relative paths and sizes, then their bytes), moved
@@ -24,6 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from .schema import part_name
 
 _LENGTH = 8  # the header's length, before it: little-endian uint64
 
@@ -180,3 +182,27 @@ def swap(sends: Dict[int, Optional[torch.Tensor]], sources: Sequence[int], world
     run(dist.all_to_all_single, out, data, output_split_sizes=recv_n, input_split_sizes=send_n)
     pieces = out.split(recv_n)
     return {src: None if came[src] < 0 else pieces[src] for src in sources}
+
+
+def exchange_parts(ranks, hosts: Hosts, name: str, shared: Optional[str], written: bool) -> bool:
+    """At a memory copy's commit (on every rank, whatever happened): this rank's part of
+    checkpoint ``name`` (written into ``shared`` if ``written``) sent to its peer on the next
+    host, and the parts this host keeps for others written beside it; False when any of that
+    failed (the commit's vote then fails)."""
+    me, mine = ranks.rank, None
+    if written:
+        try:  # (a rank raising here alone would leave the others in the swap)
+            mine = pack(name, part_files(os.path.join(shared, ranks.part_name())))
+        except OSError:
+            written = False
+    got = ranks.swap({hosts.peer_of(me): mine}, hosts.kept_by(me))
+    ok = shared is not None and written
+    for src, data in got.items():
+        if data is None or shared is None:  # (its part failed: the vote fails)
+            ok = False
+            continue
+        try:
+            write_files(os.path.join(shared, part_name(src)), unpack(data)[1])
+        except (ValueError, OSError):
+            ok = False
+    return ok

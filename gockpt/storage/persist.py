@@ -32,11 +32,10 @@ from ..core.plan import Plan
 from ..core.config import Config
 from ..core.errors import GockptError, StorageError
 from ..core.job import Job
-from ..core.protocols import StorageWriter
+from ..core.protocols import Committed, StorageWriter
 from . import index
 from .commit import apply_retention
 from .layout import StoredLayout, stored_layout
-from .memory_tier import MemoryTier
 from .schema import Manifest, ModelSection, OptimizerSection, PartsManifest, part_name
 from .ranks import Ranks
 from .writer import CheckpointWriter
@@ -57,14 +56,17 @@ class Persister:
     """The persist thread of one Checkpointer.
 
     ``step_time`` and ``host_bytes`` are read when a checkpoint is written (for its metrics);
+    ``publish(committed)`` hands each checkpoint the run directory commits to the other tiers
+    (:class:`gockpt.tiers.Tiers`, on every rank: a collective where the memory tier is);
     ``on_durable(job)`` runs once a checkpoint is committed, before its handle is released.
     """
 
     def __init__(self, config: Config, plan: Plan, ranks: Ranks, optimizer_class: str,
                  step_time: Callable[[], float], host_bytes: Callable[[], int],
-                 on_durable: Callable[[Job], None], memory: Optional[MemoryTier] = None):
+                 on_durable: Callable[[Job], None],
+                 publish: Optional[Callable[[Committed], None]] = None):
         self.config, self.plan, self.ranks = config, plan, ranks
-        self.memory = memory  # the memory tier: each committed checkpoint also kept there
+        self.publish = publish  # the other tiers: each committed checkpoint handed on
         self.optimizer_class = optimizer_class
         self.step_time, self.host_bytes, self.on_durable = step_time, host_bytes, on_durable
         self._layout_key, self._layout_cache = None, None
@@ -235,9 +237,9 @@ class Persister:
                                     shares=job.plan.share[1] > 1, index=self._index(job.plan))
                 path = self.ranks.commit(self.config.directory, name, write_part, top,
                                          self.new_writer)
-                if self.memory is not None:  # (committed on every rank: each takes part)
-                    self.memory.publish_parts(self.ranks, name, self._host_tensors(job),
-                                              job.stream.manifest, top)
+                if self.publish is not None:  # (committed on every rank: each takes part)
+                    self.publish(Committed(name, self._host_tensors(job), job.stream.manifest,
+                                           top))
                 if job.error is not None:
                     return
             else:
@@ -246,8 +248,8 @@ class Persister:
                 if writer is None:
                     writer = self.new_writer(self.config.directory, name)
                 path = self._write(job, None, name, t0, writer=writer)
-                if self.memory is not None:  # (from the host copy, still this job's)
-                    self.memory.publish(name, self._host_tensors(job), job.stream.manifest)
+                if self.publish is not None:  # (from the host copy, still this job's)
+                    self.publish(Committed(name, self._host_tensors(job), job.stream.manifest))
             m = job.metrics
             m.time_to_durable_s = time.perf_counter() - job.t_start
             m.time = time.time()
