@@ -31,7 +31,7 @@ from .core.errors import ConfigError
 from .core.paths import is_remote
 from .core.protocols import Committed, Tier
 from .storage import memory_tier, remote
-from .storage.commit import checkpoint_of, is_committed
+from .storage.commit import is_committed
 from .storage.disk_tier import DiskReader
 from .storage.memory_tier import MemoryReader, MemoryTier
 from .storage.ranks import Ranks
@@ -68,9 +68,17 @@ class Tiers:
             tier.publish(committed)
 
     def finish(self, end_of_training: bool) -> None:
-        """``close()``: what every tier owes the job (:meth:`Tier.finish`)."""
-        for tier in self.tiers:
-            tier.finish(end_of_training)
+        """``close()``: what every tier owes the job (:meth:`Tier.finish`), the uploads first
+        (in the reverse order of :meth:`publish`); a tier that raises does not keep the others
+        from finishing (the first error is raised after)."""
+        error = None
+        for tier in reversed(self.tiers):
+            try:
+                tier.finish(end_of_training)
+            except Exception as exc:  # noqa: BLE001 -- raised below, once every tier is done
+                error = error or exc
+        if error is not None:
+            raise error
 
     def stop(self) -> None:
         """Stop every tier now (the end of ``close()`` and ``abort()``)."""
@@ -90,17 +98,18 @@ def newest(path: str, tag: Optional[str], memory_dir: Optional[str], memory: boo
     ``tag``: the memory tier's copy when ``memory`` and it may be loaded (on several ranks,
     when every rank's may: a collective; the load still checks every byte of it), else the
     run directory's."""
+    run_directory = DiskReader(tag)
     if not memory or tag is not None or is_remote(path) or not os.path.isdir(path) \
             or is_committed(path):  # (one checkpoint's directory, or the store: that one)
-        top = checkpoint_of(path, tag)
+        top = run_directory.find(path)
         return os.path.dirname(top), top, top
-    disk = DiskReader().newest(path)
+    disk = run_directory.newest(path)
     copy = MemoryReader(memory_dir, several()).newest(path, disk)  # (of the disk's step)
     if several() and not everyone(copy is not None):
         copy = None
     if copy is not None:
         return path, copy, disk
-    disk = disk if disk is not None else checkpoint_of(path)  # (raises: what is there)
+    disk = disk if disk is not None else run_directory.find(path)  # (raises: what is there)
     return path, disk, disk
 
 

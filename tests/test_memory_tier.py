@@ -260,3 +260,26 @@ def test_several_ranks_keep_their_copy_in_memory_and_load_it_together(
               worker="memory_worker")
     if scenario == "hosts":  # every rank died; restarted with host 1's memory lost
         run_ranks(tmp_path / "run", "hosts-restart", world=4, worker="memory_worker")
+
+
+def test_the_tiers_finish_uploads_first_and_one_that_fails_does_not_stop_the_others():
+    """``close()`` (``Tiers.finish``): the uploads the job owes are waited for before the memory
+    copies go (the reverse of the order the tiers are handed a checkpoint), and a tier whose
+    end raises does not keep the others from ending: its error is raised after."""
+    from gockpt.tiers import Tiers
+    ended = []
+
+    class Tier:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        def finish(self, end_of_training):
+            ended.append((self.name, end_of_training))
+            if self.fails:
+                raise OSError(f"{self.name} could not end")
+
+    tiers = object.__new__(Tiers)  # (its tiers only: what finish() walks)
+    tiers.tiers = [Tier("memory"), Tier("remote", fails=True)]
+    with pytest.raises(OSError, match="remote could not end"):
+        tiers.finish(True)
+    assert ended == [("remote", True), ("memory", True)]

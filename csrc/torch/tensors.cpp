@@ -209,7 +209,7 @@ py::object scalar_floats(const py::list& dicts, const py::object& key, double mi
   for (Py_ssize_t i = 0; i < n; ++i) {
     Py_ssize_t at = i;
     if (indexed) {
-      at = PyLong_AsSsize_t(PyList_GET_ITEM(index.ptr(), i));
+      at = PyNumber_AsSsize_t(PyList_GET_ITEM(index.ptr(), i), PyExc_IndexError);
       if (at == -1 && PyErr_Occurred()) throw py::error_already_set();
       if (at < 0 || at >= size) throw py::index_error("scalar_floats: index out of range");
     }
@@ -316,11 +316,17 @@ py::tuple segment_sources(const py::list& roles, int64_t zero) {
   const Py_ssize_t n_roles = PyList_GET_SIZE(roles.ptr());
   using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
   std::vector<py::tuple> specs;
+  std::vector<I64> ats, offsets;  // (cast once: what sizes the result is what is read)
   Py_ssize_t rows = 0;
   for (Py_ssize_t r = 0; r < n_roles; ++r) {
-    py::tuple spec = py::reinterpret_borrow<py::tuple>(item(roles, r));
-    if (spec.size() != 5) throw py::value_error("segment_sources: a role is not 5 items");
-    rows += spec[3].cast<I64>().shape(0);
+    PyObject* o = item(roles, r);
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 5) {
+      throw py::type_error("segment_sources: a role is not a tuple of 5 items");
+    }
+    py::tuple spec = py::reinterpret_borrow<py::tuple>(o);
+    ats.push_back(spec[3].cast<I64>());
+    offsets.push_back(spec[4].cast<I64>());
+    rows += ats.back().shape(0);
     specs.push_back(spec);
   }
   py::array_t<int64_t> src(rows);
@@ -333,8 +339,10 @@ py::tuple segment_sources(const py::list& roles, int64_t zero) {
     py::tuple scanned = gather_scan(spec[0].cast<py::list>(), spec[1].cast<py::array_t<int64_t>>(),
                                     spec[2]);
     every &= scanned[4].cast<uint8_t>();
-    const I64 at = spec[3].cast<I64>(), offset = spec[4].cast<I64>();
-    const auto addr = scanned[1].cast<py::array_t<int64_t>>().unchecked<1>();
+    const I64& at = ats[r];
+    const I64& offset = offsets[r];
+    const py::array_t<int64_t> addresses = scanned[1].cast<py::array_t<int64_t>>();
+    const auto addr = addresses.unchecked<1>();
     const Py_ssize_t m = at.shape(0), n_tensors = addr.shape(0);
     if (offset.shape(0) != m) throw py::value_error("segment_sources: at and offset differ");
     for (Py_ssize_t i = 0; i < m; ++i) {

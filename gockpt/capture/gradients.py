@@ -265,7 +265,7 @@ def gradient_addresses(plan, slots: list, params: list) -> Optional[Tuple[list, 
     if found is None or not plan.contiguous:
         return None
     addresses, flags, every, present = found
-    if every != _USUAL_GRADIENT:
+    if present and every != _USUAL_GRADIENT:
         return None
     if present < len(slots):  # some parameters were not trained at this step
         with_grad = flags != 0

@@ -102,8 +102,10 @@ class Tier(Protocol):
     Call order, on every rank (a tier with nothing to do on a rank does nothing there):
 
     1. ``publish(committed)`` for each checkpoint the run directory commits, in commit order,
-       from the persist thread right after the commit. It must not fail the checkpoint: what
-       it cannot keep is a warning (the disk's stands). On several ranks it may be a
+       from the persist thread right after the commit -- before the Checkpointer counts it
+       durable (its metrics line, the disk's retention): a committed checkpoint is one a
+       restart may load, whatever becomes of the job after. It must not fail the checkpoint:
+       what it cannot keep is a warning (the disk's stands). On several ranks it may be a
        collective (every rank calls it for the same checkpoint).
     2. ``finish(end_of_training)`` once, at ``close()``: what the tier owes the job before the
        process leaves (uploads waited for; copies only a restart needs removed at the end of

@@ -24,6 +24,11 @@ class DiskReader:
         """The checkpoint of run directory ``run`` (``disk`` is unused: this tier is the
         disk), None when it has none committed."""
         try:
-            return checkpoint_of(run, self.tag)
+            return self.find(run)
         except CheckpointNotFoundError:
             return None
+
+    def find(self, path: str) -> str:
+        """:meth:`newest` of a run directory, or ``path`` itself where it is one committed
+        checkpoint; CheckpointNotFoundError saying what is there when neither."""
+        return checkpoint_of(path, self.tag)

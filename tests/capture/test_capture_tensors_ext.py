@@ -146,6 +146,8 @@ def test_segment_sources_reads_every_role_of_a_group_in_one_pass():
         [([torch.zeros(3, 4).t()], i64(0), None, i64(0), i64(0))], 0)[2] & _tensors.CONTIGUOUS
     with pytest.raises(IndexError):
         _tensors.segment_sources([(params, i64(0), None, i64(1), i64(0))], 0)
+    with pytest.raises(TypeError):  # (a role is a tuple)
+        _tensors.segment_sources([[params, i64(0), None, i64(0), i64(0)]], 0)
 
 
 def test_scalar_floats_reads_0_dim_cpu_scalars_and_gives_up_on_the_rest():
@@ -160,6 +162,7 @@ def test_scalar_floats_reads_0_dim_cpu_scalars_and_gives_up_on_the_rest():
     dicts = [{"step": torch.tensor(3.0)}, None, {"step": torch.tensor(7, dtype=torch.int64)}]
     assert _tensors.scalar_floats(dicts, "step", -1.0, [2, 0, 1, 2]).tolist() == \
         [7.0, 3.0, -1.0, 7.0]  # (dicts[i] for i in index)
+    assert _tensors.scalar_floats(dicts, "step", 0.0, [np.int64(2)]).tolist() == [7.0]
     with pytest.raises(IndexError):
         _tensors.scalar_floats(dicts, "step", 0.0, [3])
 
