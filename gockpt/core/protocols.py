@@ -127,8 +127,6 @@ class TierReader(Protocol):
     reader of the format (:mod:`gockpt.storage.reader`: a directory, or an ``s3://`` URL) and
     checked there byte by byte; ``newest`` checks only what makes a copy worth trying."""
 
-    name: str  # "disk", "memory": in the messages of a load
-
     def newest(self, run: str, disk: Optional[str]) -> Optional[str]:
         """The checkpoint of run directory ``run`` this tier holds and a load may take (its
         path), given ``disk``, the one the run directory holds (None: none); None when it has

@@ -15,8 +15,6 @@ class DiskReader:
     """Where a load finds a run's checkpoint in the run directory, a
     :class:`~gockpt.core.protocols.TierReader`: the one its ``latest`` names (or ``tag``)."""
 
-    name = "disk"
-
     def __init__(self, tag: Optional[str] = None):
         self.tag = tag
 

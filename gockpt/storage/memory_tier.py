@@ -218,8 +218,6 @@ class MemoryReader:
     :class:`~gockpt.core.protocols.TierReader`: :func:`usable_copy`, and on several ranks the
     parts a rank's host lost from its peer's memory (:func:`from_peers`, a collective)."""
 
-    name = "memory"
-
     def __init__(self, memory_dir: Optional[str] = None, several: bool = False):
         self.memory_dir, self.several = memory_dir, several
 
