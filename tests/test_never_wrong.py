@@ -12,6 +12,7 @@ from torch import nn
 
 import gockpt
 from gockpt import storage
+from gockpt.testing import assert_same, snapshot
 
 from tests._support.loops import Run, loaded, overwrite_gradients, same
 
@@ -74,6 +75,33 @@ def test_any_dense_layout_works_in_every_mode(tmp_path, mode, k, impl):
     gockpt.load(str(tmp_path), fresh, restore_rng=False)
     assert fresh.conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert fresh.proj.stride() == model.proj.stride()
+
+
+def test_a_parameter_without_optimizer_state_yet_is_stored_in_any_layout(tmp_path):
+    """A checkpoint of a model whose plan is not contiguous (its tensors read role by role)
+    taken when some parameters have no optimizer state yet (not trained so far): their
+    moments are copied from zeros, and the checkpoint loads as the state of its step."""
+    model, opt = layouts()
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(3)).to(
+        memory_format=torch.channels_last)
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", block_bytes=256)
+    ck.backward_begin()
+    model.conv(x).square().mean().backward()  # (proj and head: no gradient, no state)
+    ck.update_begin()
+    opt.step()
+    opt.zero_grad()
+    ck.save_checkpoint(1, force=True).wait()
+    assert len(opt.state) == 2
+    at_1 = snapshot(model, opt)
+    ck.backward_begin()
+    model(x).square().mean().backward()
+    ck.update_begin()
+    opt.step()
+    ck.save_checkpoint(2)
+    ck.close()
+    fresh, fresh_opt = layouts()
+    gockpt.load(str(tmp_path), fresh, fresh_opt, tag=storage.checkpoint_name(1))
+    assert_same(at_1, snapshot(fresh, fresh_opt))
 
 
 def test_a_layout_change_mid_training_is_a_clear_error(tmp_path):

@@ -108,28 +108,26 @@ class Capture:
         element, is worked out once per table (:class:`_SegmentLayout`); here only the live
         tensors are read."""
         layout = self._segment_layout(job, table, table if params is None else params)
+        keep: list = []
         found = group_sources(job.plan, states, layout.roles)  # (the usual case)
         if found is not None:
-            src, columns, zeros = found
-            keep = []
-            if zeros:  # no such state yet: zeros are copied
-                missing = src == 0
-                src[missing] = self._zeros.address(int(layout.nbytes[missing].max()))
-                keep.append(self._zeros.buffer)
-            return layout.dst, src, layout.nbytes, keep, Reads(columns)
-        srcs, keep, columns = [], [], []
-        for role in layout.roles:
-            live, read = live_bases(job.plan, states, role.slots, role.key, keep)
-            columns.append(read)
-            src = live[role.at] + role.offset
-            missing = live[role.at] == 0
-            if missing.any():  # no such state yet: zeros are copied
-                src[missing] = self._zeros.address(int(role.nbytes[missing].max()))
-                keep.append(self._zeros.buffer)
-            srcs.append(src)
-        if not srcs:
-            return _NO_SEGMENTS + ([], Reads([]))
-        return layout.dst, np.concatenate(srcs), layout.nbytes, keep, Reads(columns)
+            src, columns, absent = found
+        else:  # role by role (DTensors, or tensors laid out unlike their parameter)
+            srcs, columns = [], []
+            for role in layout.roles:
+                live, read = live_bases(job.plan, states, role.slots, role.key, keep)
+                columns.append(read)
+                at = live[role.at]
+                srcs.append(np.where(at != 0, at + role.offset, 0))
+            if not srcs:
+                return _NO_SEGMENTS + ([], Reads([]))
+            src = np.concatenate(srcs)
+            absent = int(np.count_nonzero(src == 0))
+        if absent:  # no such state yet (address 0): zeros are copied
+            missing = src == 0
+            src[missing] = self._zeros.address(int(layout.nbytes[missing].max()))
+            keep.append(self._zeros.buffer)
+        return layout.dst, src, layout.nbytes, keep, Reads(columns)
 
     def _segment_layout(self, job: Job, table: BlockTable, params: BlockTable
                         ) -> "_SegmentLayout":
