@@ -435,6 +435,15 @@ void bind_copy_engine(py::module_& m) {
            py::arg("piece_bytes") = int64_t{1} << 20)
       .def("submit", &submit_copies, py::arg("priority"), py::arg("dst"), py::arg("src"),
            py::arg("nbytes"), "Queue memcpy(dst[i], src[i], nbytes[i]); returns a ticket id.")
+      .def(
+          "submit_counted",
+          [](E& e, int priority, const I64& dst, const I64& src, const I64& nbytes) {
+            const int64_t id = submit_copies(e, priority, dst, src, nbytes);
+            return py::make_tuple(id, e.engine.nbytes(id));
+          },
+          py::arg("priority"), py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+          "submit(), returning (ticket id, the bytes it copies): no sum of its own for the "
+          "caller.")
       .def("done", [](const E& e, int64_t t) { return e.engine.done(t); }, py::arg("ticket"))
       .def("wait", [](const E& e, int64_t t) { e.engine.wait(t); }, py::arg("ticket"),
            py::call_guard<py::gil_scoped_release>())

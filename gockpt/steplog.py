@@ -30,6 +30,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from . import _tensors
 from .agree import common_prefix, everyone, several
 from .capture import smallstate
 from .capture.transport import Bf16Transport
@@ -95,6 +96,7 @@ class StepLog:
                  planned_ids, rank: Optional[int] = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.planned_ids = device, planned_ids
+        self._walks = _tensors.ModuleWalkCache()  # the model's small state, walked each step
         self._params = _gradients_of(model)
         self.writer = LogWriter(log_root(memory_root, rank), limit)  # rank: each its own
         self.digester = LiveDigests(device)
@@ -168,7 +170,7 @@ class StepLog:
         may skip it), its digests queued behind the training work."""
         tensors, used, order = self._pending if self._pending is not None else ({}, None, None)
         self._pending = None
-        small = {"model": smallstate.model_small(self.model, self.planned_ids),
+        small = {"model": smallstate.model_small(self.model, self.planned_ids, self._walks),
                  "scheduler": smallstate.scheduler_state(self.scheduler),
                  "rng": smallstate.capture_rng(), "extra_state": extra_state}
         manifest = {"step": step, "stepped": used is not None, "groups_used": used,

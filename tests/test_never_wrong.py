@@ -480,8 +480,8 @@ def wrong_source(monkeypatch, name: str, keep: list):
 
     real_group = copies.group_sources
 
-    def group_sources(plan, states, roles):  # (every role at once: the usual case)
-        found = real_group(plan, states, roles)
+    def group_sources(plan, states, roles, lookup=None):  # (every role at once: the usual case)
+        found = real_group(plan, states, roles, lookup)
         si = [s.name for s in plan.slots].index(name)
         param = roles[0]  # (the parameter's rows come first)
         rows = np.flatnonzero(param.slots[param.at] == si) if param.key is None else []

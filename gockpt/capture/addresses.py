@@ -54,7 +54,7 @@ def live_bases(plan: Plan, states: list, slots: np.ndarray, key, keep: list
     return np.fromiter((at.get(si, 0) for si in sis), np.int64, len(sis)), (slots, tensors, scan)
 
 
-def group_sources(plan: Plan, states: list, roles: list
+def group_sources(plan: Plan, states: list, roles: list, lookup=None
                   ) -> Optional[Tuple[np.ndarray, list, int]]:
     """What :func:`live_bases` finds for each role of a group's copies, and the sources of the
     copies' rows, every role in one C++ pass (:func:`gockpt._tensors.segment_sources`):
@@ -62,11 +62,14 @@ def group_sources(plan: Plan, states: list, roles: list
     place among them, ``offset``: the bytes from the tensor's start). Returns (per row, its
     source address, 0 where the tensor is absent: no such state yet; the tensors read, as
     :class:`Reads` columns; how many rows are absent), or None where :func:`live_bases` must
-    read role by role: DTensors, or a tensor laid out unlike its parameter."""
+    read role by role: DTensors, or a tensor laid out unlike its parameter. ``lookup``: key ->
+    the :class:`gockpt._tensors.DictValues` reading that key of ``states`` (the state dicts
+    not changed since are not looked up again), or None: every dict looked up."""
     if plan.dtensors or not plan.contiguous:
         return None
     src, scans, every, absent = _tensors.segment_sources(
-        [(plan.params if role.key is None else states, role.slots, role.key, role.at,
+        [(plan.params if role.key is None else states, role.slots,
+          role.key if role.key is None or lookup is None else lookup(role.key), role.at,
           role.offset) for role in roles], 0)
     if not every & _tensors.CONTIGUOUS:
         return None
@@ -112,13 +115,10 @@ class Reads:
                       for _, tensors, *scan in columns]
 
     def written(self) -> set:
-        """The slots of the tensors written or moved since they were queued."""
-        out = set()
-        for (slots, tensors), (at, version, _) in zip(self.columns, self.scans):
-            changed = _tensors.moved(tensors, at, version)
-            if len(changed):
-                out.update(np.asarray(slots, dtype=np.int64)[changed].tolist())
-        return out
+        """The slots of the tensors written or moved since they were queued (every column
+        in one C++ call)."""
+        return set(_tensors.moved_labels([(slots, tensors, at, version) for (slots, tensors),
+                                          (at, version, _) in zip(self.columns, self.scans)]))
 
 
 class Zeros:

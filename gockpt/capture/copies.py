@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .. import _tensors
 from ..core.blocks import BlockTable
 from ..core.digest import LiveDigests, Ticket as DigestTicket
 from ..core.errors import Adaptation, ConsistencyError
@@ -51,6 +52,7 @@ class Capture:
         self._zeros = Zeros()
         self._known = None  # what _known_states() read at the last F, and its result
         self._layouts = None  # (plan, host, its arenas, {tables: _SegmentLayout})
+        self._walks = _tensors.ModuleWalkCache()  # the model's small state, walked at F
 
     def declare_state_keys(self, host: HostCopy) -> None:
         """Which optimizer state tensors this checkpoint carries, per slot (with a replay: the
@@ -109,7 +111,7 @@ class Capture:
         tensors are read."""
         layout = self._segment_layout(job, table, table if params is None else params)
         keep: list = []
-        found = group_sources(job.plan, states, layout.roles)  # (the usual case)
+        found = group_sources(job.plan, states, layout.roles, self.states.lookup)  # (usual)
         if found is not None:
             src, columns, absent = found
         else:  # role by role (DTensors, or tensors laid out unlike their parameter)
@@ -214,9 +216,9 @@ class Capture:
         if ticket is None:
             return
         ticket.wait()
-        written = book.reads[j].written() if j in book.reads else set()
-        written = sorted({job.plan.slots[si].name for si in written})
+        written = book.reads[j].written() if j in book.reads else ()
         if written:
+            written = sorted({job.plan.slots[si].name for si in written})
             raise ConsistencyError(
                 f"{', '.join(written[:5])} {'was' if len(written) == 1 else 'were'} written "
                 f"during the training step in which gockpt copied {'it' if len(written) == 1 else 'them'}"
@@ -253,7 +255,7 @@ class Capture:
         if not same_params(self.optimizer, plan.fingerprint) or plan.group_indices is None:
             known = None
         values = {
-            "model": smallstate.model_small(self.model, plan.slot_of_id),
+            "model": smallstate.model_small(self.model, plan.slot_of_id, self._walks),
             "optimizer": optimizer_small(self.optimizer, aligned, known),
             "scheduler": smallstate.scheduler_state(self.scheduler),
             "rng": smallstate.capture_rng(),

@@ -143,7 +143,7 @@ class HostDevice:
             return Ticket(0, 0, error=RuntimeError(str(exc)))
         if not len(dst):
             return Ticket(0, 0)
-        return engine.submit_segments(dst, src, nbytes, priority).keep(keep)
+        return engine.submit_own(dst, src, nbytes, priority).keep(keep)
 
     def order_after(self, ticket) -> None:
         """Training work issued from now on must not run before ``ticket``'s copies have

@@ -49,13 +49,15 @@ def restore_rng(rng: dict) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def model_small(model: torch.nn.Module, planned_ids: Iterable[int]) -> Dict[str, object]:
+def model_small(model: torch.nn.Module, planned_ids: Iterable[int],
+                walks: Optional[_tensors.ModuleWalkCache] = None) -> Dict[str, object]:
     """``model.state_dict()`` without the planned parameters (buffers, extra states, and any
     tensor the plan does not carry), under the names without wrapper prefixes
-    (:mod:`gockpt.core.names`). Tensors are cloned: the result is frozen at this version."""
+    (:mod:`gockpt.core.names`). Tensors are cloned: the result is frozen at this version.
+    ``walks``: the caller's walk of this model, kept while nothing it read has changed."""
     planned = planned_ids if isinstance(planned_ids, dict) \
         else dict.fromkeys(planned_ids)  # (a dict keyed by them is used as it is)
-    entries = _plain_entries(model, planned)
+    entries = _plain_entries(model, planned, walks)
     if entries is None:  # a hook or an override may change what state_dict() holds: ask it
         names = Names(model)
         entries = [(names.clean(name), value)
@@ -69,15 +71,17 @@ _PLAIN_CLASSES: Dict[type, bool] = {}
 _STATE_DICT_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
 
 
-def _plain_entries(model: torch.nn.Module, planned: dict) -> Optional[List[tuple]]:
+def _plain_entries(model: torch.nn.Module, planned: dict,
+                   walks: Optional[_tensors.ModuleWalkCache] = None) -> Optional[List[tuple]]:
     """(name, tensor) of what ``model.state_dict(keep_vars=True)`` holds outside ``planned``
     (a dict keyed by ``id()``), in its order, read from the modules' own dicts in one C++ walk
     (``state_dict()`` costs about three times more per module, a Python walk about twice);
     None when some module's class overrides how its state is saved, or it has state_dict
-    hooks (then only ``state_dict()`` itself knows)."""
+    hooks (then only ``state_dict()`` itself knows). ``walks``: a walk kept from the last
+    call, taken again only where something it read has changed."""
+    walk = _tensors.module_entries if walks is None else walks.entries
     while True:
-        out = _tensors.module_entries(model, planned, _PLAIN_CLASSES, WRAPPED_CHILDREN,
-                                      MODULE_WRAPPERS)
+        out = walk(model, planned, _PLAIN_CLASSES, WRAPPED_CHILDREN, MODULE_WRAPPERS)
         if not isinstance(out, type):
             return out
         _PLAIN_CLASSES[out] = all(getattr(out, name) is getattr(torch.nn.Module, name)

@@ -12,10 +12,12 @@ starts from that reading while none is.
 from __future__ import annotations
 
 import operator
-from typing import List, Optional
+from itertools import compress, count, repeat
+from typing import Dict, List, Optional
 
 import torch
 
+from .. import _tensors
 from ..core.job import Job
 from ..core.memory import local
 from ..core.plan import Plan
@@ -31,6 +33,7 @@ class StateWatch:
         self._job: Optional[Job] = None
         self._reading: Optional[_Reading] = None
         self._carried = None  # (plan, _dicts_of(optimizer.state), each slot's dict) at F
+        self._lookups: Dict[str, _tensors.DictValues] = {}
 
     def declare_keys(self, host: HostCopy, state_keys: Optional[tuple]) -> None:
         """Which optimizer state tensors a checkpoint carries, per slot: ``state_keys`` (a
@@ -70,6 +73,15 @@ class StateWatch:
             r.missing = [si for si in r.missing if fresh[si] is None]
         return r.states
 
+    def lookup(self, key: str) -> "_tensors.DictValues":
+        """What the state dicts hold under ``key``, read through one object per key that looks
+        a dict up again only once it has changed (:class:`gockpt._tensors.DictValues`: a
+        group's moments without a dict lookup each, after the first window)."""
+        found = self._lookups.get(key)
+        if found is None:
+            found = self._lookups[key] = _tensors.DictValues(key)
+        return found
+
     def read(self, plan: Plan) -> list:
         """Per slot of ``plan``: the optimizer's state dict for its parameter now, or None."""
         index, states = plan.slot_of_id, [None] * len(plan.slots)
@@ -104,7 +116,8 @@ class _Reading:
 
     def __init__(self, states: list, seen: tuple, length: int):
         self.states, self.seen, self.length = states, seen, length
-        self.missing = [si for si, st in enumerate(states) if st is None]
+        # (C-level passes: a Python step per slot was a tenth of a window's first boundary)
+        self.missing = list(compress(count(), map(operator.is_, states, repeat(None))))
 
 
 def _dicts_of(state: dict) -> tuple:

@@ -5,7 +5,7 @@ and put back in place when one is loaded (:func:`expand_columns`)."""
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
@@ -44,6 +44,9 @@ class KnownStates:
     """Each param group's state indices."""
     aligned: Optional[tuple] = None
     """The aligned keys, when every state index has the same (else None)."""
+    read: dict = field(default_factory=dict, compare=False)
+    """What the last :func:`optimizer_small` read of ``dicts`` (their keys, each kept key's
+    values) and the :class:`gockpt._tensors.DictVersions` that says whether it still holds."""
 
 
 def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys,
@@ -106,13 +109,23 @@ def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys,
 def _uniform_columns(known: KnownStates) -> Optional[dict]:
     """The columns of the usual case, in a few C++ passes: every state dict with the same
     keys, the same aligned keys, and every other value a 0-dim CPU tensor of one dtype per
-    key (Adam's steps). None otherwise (the general walk decides)."""
-    keys = _tensors.same_keys(known.dicts) if known.aligned is not None else None
-    if keys is None:
+    key (Adam's steps). None otherwise (the general walk decides). The dicts' keys and values
+    are read again only where some dict changed since the last call (``known.read``)."""
+    if known.aligned is None:
+        return None
+    read = known.read
+    seen = read.get("versions")
+    if seen is None:
+        seen = read["versions"] = _tensors.DictVersions()
+    if not seen.same(known.dicts) or "values" not in read:  # (else: the very same values)
+        keys = _tensors.same_keys(known.dicts)
+        read["values"] = None if keys is None else \
+            {key: _tensors.values(known.dicts, key) for key in _kept((keys, known.aligned))}
+    if read["values"] is None:
         return None
     columns = {}
-    for key in _kept((keys, known.aligned)):
-        column = _tensors.stack_scalars(_tensors.values(known.dicts, key))
+    for key, values in read["values"].items():
+        column = _tensors.stack_scalars(values)  # (their values now: changed in place)
         if column is None:
             return None
         columns[key] = [{"index": list(known.indices), "values": column}]

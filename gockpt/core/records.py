@@ -58,16 +58,19 @@ class GroupScalars:
 
 class StepCounts(Mapping):
     """slot -> t of one update, as the step pre-hook read them: the slots and their counts
-    kept as read, the dict built where it is first looked up (the replay thread), not in the
-    hook."""
+    kept as read (``plus`` added), the dict built where it is first looked up (the replay
+    thread), not in the hook."""
 
-    def __init__(self, slots: List[int], counts: np.ndarray):
-        self._slots, self._counts = slots, counts
+    def __init__(self, slots, counts: np.ndarray, plus: float = 0.0):
+        self._slots, self._counts = slots, counts  # slots: a list, or an int64 array
+        self._plus = plus  # added to every count (t: the counter read, plus one)
         self._by_slot: Optional[Dict[int, float]] = None
 
     def _built(self) -> Dict[int, float]:
         if self._by_slot is None:
-            self._by_slot = dict(zip(self._slots, self._counts.tolist()))
+            slots = self._slots
+            self._by_slot = dict(zip(slots.tolist() if isinstance(slots, np.ndarray) else slots,
+                                     (self._counts + self._plus).tolist()))
         return self._by_slot
 
     def __getitem__(self, slot: int) -> float:

@@ -36,6 +36,10 @@ from .claims import moments_weight_decay, replay_claims
 log = logging.getLogger("gockpt")
 
 
+#: Values read as they are (immutable): a change of one is a change of its param group's dict.
+_PLAIN_NUMBERS = (float, int, bool)
+
+
 def _refuse(optimizer, why: str):
     modes = ", ".join(NO_REPLAY_MODES)
     raise UnsupportedOptimizerError(
@@ -58,6 +62,9 @@ class AdamAdapter:
         self.optimizer = optimizer
         self.device = _device_of(optimizer)
         self._not_replayed: Dict[int, str] = {}  # id(param) -> why (see params_not_replayed)
+        self._steps = _tensors.DictValues("step")  # (each dict looked up again once changed)
+        self._groups_seen = _tensors.DictVersions()  # (the param groups of the last scalars())
+        self._scalars: Optional[Dict[int, GroupScalars]] = None
         self._like = next((p for g in optimizer.param_groups for p in g["params"]
                            if is_dtensor(p)), None)  # FSDP2: the probe steps DTensors
         for gi, g in enumerate(optimizer.param_groups):
@@ -119,7 +126,22 @@ class AdamAdapter:
         return dict(self._not_replayed)
 
     def scalars(self) -> Dict[int, GroupScalars]:
-        """The scalars every group's update uses right now (call inside the step pre-hook)."""
+        """The scalars every group's update uses right now (call inside the step pre-hook):
+        those of the last call where the param groups are the very dicts then, none changed
+        since, and every value read was a plain number (a tensor's value may change in place)."""
+        groups = self.optimizer.param_groups
+        unchanged = self._groups_seen.same(groups)  # (notes them as they are before the read)
+        if unchanged and self._scalars is not None:
+            return dict(self._scalars)
+        out = self._read_scalars()
+        plain = all(type(g[k]) in _PLAIN_NUMBERS for g in groups
+                    for k in ("lr", "eps", "weight_decay")) and \
+            all(type(g["betas"]) is tuple and all(type(b) in _PLAIN_NUMBERS for b in g["betas"])
+                for g in groups)
+        self._scalars = out if plain else None
+        return out
+
+    def _read_scalars(self) -> Dict[int, GroupScalars]:
         out = {}
         cuda = self.device.type == "cuda"
         for gi, g in enumerate(self.optimizer.param_groups):
@@ -145,13 +167,15 @@ class AdamAdapter:
     def step_counts(self, slots, states) -> Mapping[int, float]:
         """t of the update about to run, for every slot in ``slots`` whose optimizer state is
         ``states[slot]`` (None: none yet): the step counters read on the CPU in one C++ pass
-        (:func:`gockpt._tensors.scalar_floats`), elsewhere with one stack, not one read (a
-        device synchronisation on a GPU) each."""
-        slots = slots if isinstance(slots, list) else list(slots)
-        counts = _tensors.scalar_floats(states, "step", 0.0, slots)  # (usual: on the CPU)
-        if counts is not None:
-            counts += 1.0
-            return StepCounts(slots, counts)
+        (:class:`gockpt._tensors.DictValues`: a state dict not changed since the last step is
+        not looked up again), elsewhere with one stack, not one read (a device
+        synchronisation on a GPU) each."""
+        if not isinstance(slots, (list, np.ndarray)):
+            slots = list(slots)
+        counts = self._steps.scalar_floats(states, 0.0, slots)  # (usual: on the CPU)
+        if counts is not None:  # (+1 where the replay thread reads them: not a numpy op here)
+            return StepCounts(slots, counts, plus=1.0)
+        slots = slots.tolist() if isinstance(slots, np.ndarray) else slots
         steps = _tensors.values(list(map(states.__getitem__, slots)), "step")
         out = dict.fromkeys(slots, 1.0)
         if has_none(steps):  # no state yet (their first update)

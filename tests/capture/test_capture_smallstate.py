@@ -121,3 +121,59 @@ def test_model_small_walk_names_wrapped_models_as_state_dict_does_without_them()
             destination[prefix + "own"] = torch.ones(1)
     outer.block.own = OwnSave()
     assert "block.own.own" in smallstate.model_small(outer, planned)
+
+
+def test_model_small_kept_walk_sees_every_change_of_what_it_read():
+    """A walk kept across calls (``walks``) answers as a fresh one after each kind of change
+    of the model: each call compared with model_small without it, and the calls answered
+    without a walk counted (none after a change; a kept walk only where dicts have versions,
+    CPython <= 3.11)."""
+    import sys
+    from gockpt import _tensors
+    model, _, _ = H.build()
+    planned = {id(p): None for p in model.parameters()}
+    walks = _tensors.ModuleWalkCache()
+    keeps = sys.version_info < (3, 12)
+
+    def same(kept: bool):
+        hits = walks.hits
+        got = smallstate.model_small(model, planned, walks)
+        want = smallstate.model_small(model, planned)
+        assert list(got) == list(want)
+        assert all(torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor)
+                   else got[k] == want[k] for k in want)
+        assert walks.hits - hits == (1 if kept and keeps else 0)
+        return got
+
+    same(False)
+    same(True)  # nothing changed: the walk kept
+    model.bn.running_mean.add_(1.0)  # values are read at every call, walked or not
+    assert torch.equal(same(True)["bn.running_mean"], model.bn.running_mean)
+    model.bn.running_mean = torch.full_like(model.bn.running_mean, 3.0)  # a buffer rebound
+    assert same(False)["bn.running_mean"][0] == 3.0
+    model.bn.register_buffer("extra", torch.ones(1))  # a buffer added
+    assert "bn.extra" in same(False)
+    same(True)
+    model.bn._non_persistent_buffers_set.add("extra")  # made non-persistent (a set: no version)
+    assert "bn.extra" not in same(False)
+    model.out.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))  # not planned
+    assert "out.scale" in same(False)
+    planned[id(model.out.scale)] = None  # the plan's ids changed
+    assert "out.scale" not in same(False)
+    model.added = torch.nn.BatchNorm1d(2)  # a child added
+    assert "added.running_var" in same(False)
+    model.train(False)  # an attribute set on every module: walked again, the same entries
+    same(False)
+    same(True)
+
+    class OwnSave(torch.nn.BatchNorm1d):
+        def _save_to_state_dict(self, destination, prefix, keep_vars):
+            destination[prefix + "own"] = torch.ones(1)
+    model.added.__class__ = OwnSave  # another class: state_dict() asked
+    assert "added.own" in same(False)
+    model.added.__class__ = torch.nn.BatchNorm1d
+    same(False)
+    model.bn._register_state_dict_hook(lambda m, sd, prefix, meta: sd.update(
+        {prefix + "hooked": torch.zeros(1)}))  # a hook: state_dict() asked, never kept
+    assert "bn.hooked" in same(False)
+    assert "bn.hooked" in same(False)

@@ -123,6 +123,17 @@ def test_gather_scan_and_moved_read_picked_tensors_and_find_writes_and_moves():
         picked[3].add_(1)  # written in place
     picked[0].data = torch.zeros(3, 4)  # moved: its version as it was
     assert _tensors.moved(picked, at, version).tolist() == [0, 3]
+    # moved_labels(): the same for several columns at once, as their labels (any sequence)
+    others = [torch.zeros(2), torch.ones(2)]
+    o_at, o_version, _ = _tensors.scan(others)
+    columns = [(np.array([40, 41, 42, 43], dtype=np.int64), picked, at, version),
+               ([7, 8], others, o_at, o_version)]
+    assert _tensors.moved_labels(columns) == [40, 43]
+    others[1].mul_(2)
+    assert _tensors.moved_labels(columns) == [40, 43, 8]
+    assert all(type(x) is int for x in _tensors.moved_labels(columns))
+    with pytest.raises(ValueError):
+        _tensors.moved_labels([([1], others, o_at[:1], o_version[:1])])
 
 
 def test_segment_sources_reads_every_role_of_a_group_in_one_pass():
@@ -167,6 +178,63 @@ def test_scalar_floats_reads_0_dim_cpu_scalars_and_gives_up_on_the_rest():
         _tensors.scalar_floats(dicts, "step", 0.0, [3])
 
 
+def test_dict_values_read_what_each_dict_holds_now_however_it_changed():
+    # DictValues reads a dict again only where it changed since its last read: every kind of
+    # change is seen (each read compared with scalar_floats', which looks every key up)
+    steps = [torch.tensor(float(i)) for i in range(4)]
+    dicts = [{"step": t, "exp_avg": torch.zeros(2)} for t in steps]
+    cache = _tensors.DictValues("step")
+
+    def read(index=None):
+        got = cache.scalar_floats(dicts, -1.0, index)
+        want = _tensors.scalar_floats(dicts, "step", -1.0, None if index is None
+                                      else list(np.asarray(index).tolist()))
+        assert (got is None) == (want is None)
+        return None if got is None else got.tolist()
+
+    assert read() == [0.0, 1.0, 2.0, 3.0]
+    steps[1].add_(1)  # in place: the same tensor, read anew
+    assert read() == [0.0, 2.0, 2.0, 3.0]
+    dicts[0]["step"] = torch.tensor(9.0)  # another tensor under the key
+    del dicts[2]["step"]  # the key removed
+    dicts[3] = {"step": torch.tensor(7.0)}  # another dict at that place
+    assert read() == [9.0, 2.0, -1.0, 7.0]
+    dicts[2]["step"] = torch.tensor(5, dtype=torch.int64)
+    dicts[1]["exp_avg"] = torch.ones(2)  # a change under another key: still right
+    steps[1].set_(torch.tensor(11.0))  # the same tensor on other memory
+    assert read(np.array([2, 1, 2], dtype=np.int64)) == [5.0, 11.0, 5.0]
+    assert read([3, 0]) == [7.0, 9.0]
+    dicts[0]["step"] = torch.ones(1)  # not a 0-dim tensor: the caller reads it its own way
+    assert read() is None
+    dicts[0] = None
+    assert read() == [-1.0, 11.0, 5.0, 7.0]
+    with pytest.raises(IndexError):
+        cache.scalar_floats(dicts, 0.0, np.array([4], dtype=np.int64))
+    with pytest.raises(TypeError):
+        cache.scalar_floats(dicts, 0.0, np.array([[0]], dtype=np.int64))
+
+
+def test_gather_scan_through_dict_values_reads_the_values_a_key_lookup_reads():
+    dicts = [{"exp_avg": torch.zeros(3)}, None, {"exp_avg": torch.ones(2)}, {}]
+    cache, index = _tensors.DictValues("exp_avg"), np.array([0, 1, 2, 3, 2], dtype=np.int64)
+
+    def same():
+        got = _tensors.gather_scan(dicts, index, cache)
+        want = _tensors.gather_scan(dicts, index, "exp_avg")
+        assert all(a is b for a, b in zip(got[0], want[0]))
+        assert all(np.array_equal(a, b) for a, b in zip(got[1:4], want[1:4]))
+        assert got[4] == want[4]
+        return got[0]
+
+    assert same()[0] is dicts[0]["exp_avg"]
+    dicts[0]["exp_avg"] = torch.zeros(3, 2).t()  # rebound to a tensor laid out otherwise
+    dicts[3]["exp_avg"] = torch.ones(1)
+    dicts[1] = {"exp_avg": torch.zeros(1)}
+    picked = same()
+    assert picked[0] is dicts[0]["exp_avg"] and picked[1] is dicts[1]["exp_avg"]
+    assert picked[3] is dicts[3]["exp_avg"]
+
+
 def test_grad_scan_reads_gradients_without_python_objects_and_gives_up_on_subclasses():
     params = [torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(3)]
     params.append(torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)))
@@ -183,6 +251,27 @@ def test_grad_scan_reads_gradients_without_python_objects_and_gives_up_on_subcla
     assert _tensors.grad_scan(params[:1])[2:] == (flags[0], 1)
     assert _tensors.grad_scan(params[1:2])[2:] == (0xFF, 0)  # (none present: every bit)
     assert _tensors.grad_scan(params + [torch.zeros(1).as_subclass(Traced)]) is None
+
+
+def test_grad_sources_give_each_rows_source_in_the_gradients_and_give_up_on_subclasses():
+    params = [torch.nn.Parameter(torch.zeros(6)) for _ in range(3)]
+    params[0].grad, params[2].grad = torch.ones(6), torch.full((6,), 2.0)
+    rows = np.array([0, 2, 2, 1], dtype=np.int64)
+    offsets = np.array([0, 4, 12, 8], dtype=np.int64)
+    src, every, present = _tensors.grad_sources(params, rows, offsets)
+    g0, g2 = params[0].grad.data_ptr(), params[2].grad.data_ptr()
+    assert src.tolist() == [g0, g2 + 4, g2 + 12, 0]  # (no gradient: 0)
+    assert (every, present) == (_tensors.PRESENT | _tensors.CONTIGUOUS |
+                                _tensors.DENSE_FLOAT32, 2)
+    params[1].grad = torch.zeros(12)[::2]  # not contiguous
+    assert _tensors.grad_sources(params, rows, offsets)[1:] == (_tensors.PRESENT |
+                                                                _tensors.DENSE_FLOAT32, 3)
+    assert _tensors.grad_sources(params + [torch.zeros(1).as_subclass(Traced)], rows,
+                                 offsets) is None
+    with pytest.raises(IndexError):
+        _tensors.grad_sources(params, np.array([3], dtype=np.int64), offsets[:1])
+    with pytest.raises(ValueError):
+        _tensors.grad_sources(params, rows, offsets[:2])
 
 
 def test_same_keys_and_same_params():

@@ -73,6 +73,15 @@ def test_optimizer_small_from_the_plan_equals_state_dict():
     fast = optimizer_small(opt, aligned, known)
     assert fast["param_groups"] == slow["param_groups"] == opt.state_dict()["param_groups"]
     assert _expanded(fast) == _expanded(slow) and set(fast["columns"]) == {"step"}
+    # the values read at every call (what the dicts hold kept while none changed): a step
+    # counter changed in place, then one rebound
+    with_state[2][1]["step"].add_(5)
+    with_state[3][1]["step"] = torch.tensor(11.0)
+    for _ in range(2):
+        got = _expanded(optimizer_small(opt, aligned, known))
+        assert got == _expanded(optimizer_small(opt, aligned))
+        assert [got[i]["step"][2] for i in (with_state[2][0], with_state[3][0])] == \
+            [float(with_state[2][1]["step"]), 11.0]
     # not every state alike: a step that is a float (the first one read), then also a key
     # of its own
     first, second = with_state[0][1], with_state[1][1]
