@@ -32,7 +32,7 @@ from .core import runlog
 from .core.digest import LiveDigests
 from .capture.devices import device_for
 from .core.names import is_replicated
-from .core.planning import build_plan, check_layouts, same_params
+from .core.planning import build_plan, same_params
 from .core.staging import HostStaging, gradient_dtypes, planned_host_bytes
 from .capture.transfer import CopyEngine
 from .capture.transport import Bf16Transport
@@ -339,7 +339,7 @@ class Checkpointer(Lifecycle):
             self.pipeline.settle(self._job)  # its staging is about to be reused
         if not same_params(self.optimizer, self.plan.fingerprint):
             self._replan()
-        check_layouts(self.plan)
+        self.capture.check_layouts(self.plan)
         self.plan.copy_at_f(self.loop.take_adapted())
         if len(self.plan.groups(k)) != k:  # fewer blocks to replay: a shorter window, later
             return None

@@ -117,6 +117,29 @@ def test_a_layout_change_mid_training_is_a_clear_error(tmp_path):
     assert run.handles == [] and storage.list_checkpoints(str(tmp_path)) == []
 
 
+@pytest.mark.parametrize("mode", ["gockpt-o", "async"])
+def test_a_layout_change_of_a_contiguous_plan_is_a_clear_error(tmp_path, mode):
+    # a contiguous plan's copies check each parameter's strides as they read it (the start
+    # of a checkpoint leaves it to them): a parameter turned into a transposed view (of the
+    # same shape: training goes on) is refused by name, nothing committed; the same in the
+    # first or the second group of a window
+    for change in ("0.weight", "1.weight"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        root = tmp_path / str(len(list(tmp_path.iterdir())))
+        run = Run(model, opt, root, mode=mode, overlap_steps=2 if mode == "gockpt-o" else None,
+                  step_fn=lambda s: sum(p.square().sum() for p in model.parameters()))
+        run.train(0, 3)
+        weight = model.get_parameter(change)
+        weight.data = weight.data.t().contiguous().t()
+        run.train(3, 4, force={4})
+        run.close()
+        assert len(run.errors) == 1 and isinstance(run.errors[0], gockpt.LayoutChangedError)
+        assert f"'{change}' changed its memory layout" in str(run.errors[0])
+        assert run.handles == [] and storage.list_checkpoints(str(root)) == []
+
+
 @pytest.mark.parametrize("mode,k", [("gockpt", 2), ("gockpt-o", 3)])
 @pytest.mark.parametrize("what", ["param", "state"])
 def test_tensors_moved_to_new_memory_inside_a_window_are_read_where_they_are(tmp_path, mode,

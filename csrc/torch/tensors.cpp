@@ -100,26 +100,31 @@ py::tuple scan(const py::list& tensors) {
   return py::make_tuple(addr, ver, flags);
 }
 
+// Whether tensors[i] (a tensor) has the strides `planned` (a tuple); a subclass as Python
+// reads them.
+bool has_strides(const py::list& tensors, Py_ssize_t i, PyObject* planned) {
+  PyObject* o = item(tensors, i);
+  if (!PyTuple_Check(planned)) throw py::type_error("strides: a stride is not a tuple");
+  if (!THPVariable_CheckExact(o)) {  // (a subclass: as Python reads it)
+    py::object got = py::reinterpret_borrow<py::object>(o).attr("stride")();
+    return got.equal(py::reinterpret_borrow<py::object>(planned));
+  }
+  const at::IntArrayRef got = tensor_at(tensors, i).strides();
+  if (static_cast<Py_ssize_t>(got.size()) != PyTuple_GET_SIZE(planned)) return false;
+  for (size_t d = 0; d < got.size(); ++d) {
+    const long long want = PyLong_AsLongLong(PyTuple_GET_ITEM(planned, d));
+    if (want == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (got[d] != want) return false;
+  }
+  return true;
+}
+
 // Whether each tensor's strides are those of the tuple at the same place of `strides`.
 bool strides_match(const py::list& tensors, const py::list& strides) {
   const Py_ssize_t n = PyList_GET_SIZE(tensors.ptr());
   if (PyList_GET_SIZE(strides.ptr()) != n) return false;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* o = item(tensors, i);
-    PyObject* planned = item(strides, i);
-    if (!PyTuple_Check(planned)) throw py::type_error("strides_match: a stride is not a tuple");
-    if (!THPVariable_CheckExact(o)) {  // (a subclass: as Python reads it)
-      py::object got = py::reinterpret_borrow<py::object>(o).attr("stride")();
-      if (!got.equal(py::reinterpret_borrow<py::object>(planned))) return false;
-      continue;
-    }
-    const at::IntArrayRef got = tensor_at(tensors, i).strides();
-    if (static_cast<Py_ssize_t>(got.size()) != PyTuple_GET_SIZE(planned)) return false;
-    for (size_t d = 0; d < got.size(); ++d) {
-      const long long want = PyLong_AsLongLong(PyTuple_GET_ITEM(planned, d));
-      if (want == -1 && PyErr_Occurred()) throw py::error_already_set();
-      if (got[d] != want) return false;
-    }
+    if (!has_strides(tensors, i, item(strides, i))) return false;
   }
   return true;
 }
@@ -455,12 +460,30 @@ py::tuple gather_scan(const py::list& items, const py::array_t<int64_t>& index,
   return py::make_tuple(picked, scanned[0], scanned[1], scanned[2], every);
 }
 
+// Whether each tensor of `picked` (None: skipped), read for position index[i] of a list,
+// has the strides strides[index[i]] (a tuple): the check of a planned layout made in the
+// pass that reads the tensors anyway.
+bool picked_strides_match(const py::list& picked, const py::array_t<int64_t>& index,
+                          const py::list& strides) {
+  auto idx = index.unchecked<1>();
+  const Py_ssize_t n = PyList_GET_SIZE(picked.ptr()), size = PyList_GET_SIZE(strides.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (item(picked, i) == Py_None) continue;
+    const int64_t at = idx(i);
+    if (at < 0 || at >= size) throw py::index_error("segment_sources: strides out of range");
+    if (!has_strides(picked, i, item(strides, at))) return false;
+  }
+  return true;
+}
+
 // The sources of a group's memcpy segments, every role in one call: `roles` is a list of
-// (items, index, key, at, offset), each read as gather_scan(items, index, key) reads it, and
-// each of its rows r copies from the address of its tensor at[r] plus offset[r] bytes, or
-// from `zero` where that tensor is absent (no such optimizer state yet). Returns (the sources
-// of every role's rows in order, as one int64 array; per role (tensors, addresses, versions,
-// flags); the AND of the flags of every tensor present; the rows copying zeros).
+// (items, index, key, at, offset[, strides]), each read as gather_scan(items, index, key)
+// reads it, and each of its rows r copies from the address of its tensor at[r] plus
+// offset[r] bytes, or from `zero` where that tensor is absent (no such optimizer state yet);
+// `strides` (a list of tuples, per position in `items`; None: not checked) the strides each
+// tensor read must have. Returns (the sources of every role's rows in order, as one int64
+// array; per role (tensors, addresses, versions, flags); the AND of the flags of every tensor
+// present; the rows copying zeros; whether every tensor checked has its strides).
 py::tuple segment_sources(const py::list& roles, int64_t zero) {
   const Py_ssize_t n_roles = PyList_GET_SIZE(roles.ptr());
   using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
@@ -469,8 +492,8 @@ py::tuple segment_sources(const py::list& roles, int64_t zero) {
   Py_ssize_t rows = 0;
   for (Py_ssize_t r = 0; r < n_roles; ++r) {
     PyObject* o = item(roles, r);
-    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 5) {
-      throw py::type_error("segment_sources: a role is not a tuple of 5 items");
+    if (!PyTuple_Check(o) || (PyTuple_GET_SIZE(o) != 5 && PyTuple_GET_SIZE(o) != 6)) {
+      throw py::type_error("segment_sources: a role is not a tuple of 5 or 6 items");
     }
     py::tuple spec = py::reinterpret_borrow<py::tuple>(o);
     ats.push_back(spec[3].cast<I64>());
@@ -483,10 +506,15 @@ py::tuple segment_sources(const py::list& roles, int64_t zero) {
   py::list scans(n_roles);
   uint8_t every = 0xff;
   int64_t zeros = 0;
+  bool strides_ok = true;
   for (Py_ssize_t r = 0; r < n_roles; ++r) {
     const py::tuple& spec = specs[r];
-    py::tuple scanned = gather_scan(spec[0].cast<py::list>(), spec[1].cast<py::array_t<int64_t>>(),
-                                    spec[2]);
+    const py::array_t<int64_t> index = spec[1].cast<py::array_t<int64_t>>();
+    py::tuple scanned = gather_scan(spec[0].cast<py::list>(), index, spec[2]);
+    if (spec.size() == 6 && !spec[5].is_none() && strides_ok) {
+      strides_ok = picked_strides_match(scanned[0].cast<py::list>(), index,
+                                        spec[5].cast<py::list>());
+    }
     every &= scanned[4].cast<uint8_t>();
     const I64& at = ats[r];
     const I64& offset = offsets[r];
@@ -504,7 +532,7 @@ py::tuple segment_sources(const py::list& roles, int64_t zero) {
     PyList_SET_ITEM(scans.ptr(), r, py::make_tuple(scanned[0], scanned[1], scanned[2],
                                                    scanned[3]).release().ptr());
   }
-  return py::make_tuple(src, scans, every, zeros);
+  return py::make_tuple(src, scans, every, zeros, strides_ok);
 }
 
 // The positions of the tensors of `tensors` (None allowed) whose address or version is no
@@ -896,9 +924,9 @@ PYBIND11_MODULE(_tensors, m) {
         "scan() of items[index] (key None) or of items[index].get(key): (tensors, addresses, "
         "versions, flags, the AND of the flags present).");
   m.def("segment_sources", &segment_sources, py::arg("roles"), py::arg("zero"),
-        "Sources of a group's memcpy segments, per role (items, index, key, at, offset): "
-        "(sources, per role (tensors, addresses, versions, flags), AND of the flags present, "
-        "rows copying zeros).");
+        "Sources of a group's memcpy segments, per role (items, index, key, at, offset[, "
+        "strides]): (sources, per role (tensors, addresses, versions, flags), AND of the flags "
+        "present, rows copying zeros, whether every tensor checked has its planned strides).");
   m.def("moved_labels", &moved_labels, py::arg("columns"),
         "moved() of columns (labels, tensors, addresses, versions) in one call: the labels of "
         "the tensors written or moved, as ints.");

@@ -15,9 +15,13 @@ import numpy as np
 import torch
 
 from .. import _tensors
+from ..core.blocks import BlockTable
 from ..core.lists import has_none
+from ..core.errors import LayoutChangedError
 from ..core.memory import flat, local
 from ..core.plan import Plan
+from ..core.planning import check_layouts
+from ..core.staging import HostCopy
 
 
 def live_bases(plan: Plan, states: list, slots: np.ndarray, key, keep: list
@@ -62,15 +66,22 @@ def group_sources(plan: Plan, states: list, roles: list, lookup=None
     place among them, ``offset``: the bytes from the tensor's start). Returns (per row, its
     source address, 0 where the tensor is absent: no such state yet; the tensors read, as
     :class:`Reads` columns; how many rows are absent), or None where :func:`live_bases` must
-    read role by role: DTensors, or a tensor laid out unlike its parameter. ``lookup``: key ->
+    read role by role: DTensors, or a tensor laid out unlike its parameter. The parameters
+    read are checked against their planned strides in the same pass (LayoutChangedError:
+    :func:`gockpt.core.planning.check_layouts`, which a checkpoint's start then leaves to
+    these copies). ``lookup``: key ->
     the :class:`gockpt._tensors.DictValues` reading that key of ``states`` (the state dicts
     not changed since are not looked up again), or None: every dict looked up."""
     if plan.dtensors or not plan.contiguous:
         return None
-    src, scans, every, absent = _tensors.segment_sources(
-        [(plan.params if role.key is None else states, role.slots,
-          role.key if role.key is None or lookup is None else lookup(role.key), role.at,
-          role.offset) for role in roles], 0)
+    src, scans, every, absent, as_planned = _tensors.segment_sources(
+        [(plan.params, role.slots, None, role.at, role.offset, plan.strides) if role.key is None
+         else (states, role.slots, role.key if lookup is None else lookup(role.key), role.at,
+               role.offset) for role in roles], 0)
+    if not as_planned:  # a parameter's strides changed (read in the same pass)
+        check_layouts(plan)  # (raises LayoutChangedError naming it)
+        raise LayoutChangedError("a parameter changed its memory layout after the "
+                                 "Checkpointer was built")
     if not every & _tensors.CONTIGUOUS:
         return None
     return src, [(role.slots, tensors, (at, versions, flags))
@@ -135,5 +146,44 @@ class Zeros:
         return self.buffer.data_ptr()
 
 
+#: No segments: (dst, src, nbytes) empty.
+NO_SEGMENTS = (np.zeros(0, np.int64),) * 3
+
+
+class Role:
+    """The copies of one role (None: the parameter, else an aligned state key) of a table's
+    blocks: the slots read, and per block row copied: its slot's place among them, the
+    byte offset of its first element in the slot, and its bytes."""
+
+    def __init__(self, key, slots: np.ndarray, at: np.ndarray, offset: np.ndarray,
+                 nbytes: np.ndarray):
+        self.key, self.slots, self.at, self.offset, self.nbytes = key, slots, at, offset, nbytes
+
+
+class SegmentLayout:
+    """What the memcpy segments of a table's blocks are, but for the live addresses: per role,
+    a :class:`_Role`; and every segment's destination in the host copy and its bytes, role
+    after role (the sources are read at each copy: :meth:`gockpt.capture.copies.Capture.segments_of`)."""
+
+    def __init__(self, host: HostCopy, table: BlockTable, params: BlockTable, roles):
+        self.roles: List[Role] = []
+        dst, size = [], []
+        for key in roles:
+            hbase, hitem = host.bases(key)
+            t = params if key is None else table
+            rows = hbase[t.slot] != 0  # the blocks whose slot has this role
+            if not rows.any():
+                continue
+            sub = t.slot[rows]
+            slots = np.unique(sub)
+            offset = t.start[rows] * hitem[sub]
+            nbytes = t.numel[rows] * hitem[sub]
+            self.roles.append(Role(key, slots, np.searchsorted(slots, sub), offset, nbytes))
+            dst.append(hbase[sub] + offset)
+            size.append(nbytes)
+        self.dst = np.concatenate(dst) if dst else NO_SEGMENTS[0]
+        self.nbytes = np.concatenate(size) if size else NO_SEGMENTS[0]
+
+
 __all__: List[str] = ["live_bases", "group_sources", "data_ptrs", "in_memory_order", "Reads",
-                      "Zeros"]
+                      "Zeros", "Role", "SegmentLayout", "NO_SEGMENTS"]

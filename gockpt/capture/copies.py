@@ -27,12 +27,12 @@ from ..core.errors import Adaptation, ConsistencyError
 from ..core.job import Job
 from ..core.optstate import KnownStates, optimizer_small
 from ..core.memory import flat, local
-from ..core.planning import same_params
+from ..core.planning import check_layouts, same_params
 from ..core.protocols import ReplayAdapter
 from ..core.records import StepRecord
 from ..core.staging import GradPool, HostCopy
 from . import smallstate
-from .addresses import Reads, Zeros, group_sources, live_bases
+from .addresses import NO_SEGMENTS, Reads, SegmentLayout, Zeros, group_sources, live_bases
 from .gradients import GradientCopies, block_runs
 from .states import StateWatch
 from .transfer import GRADIENT, STATE, CopyEngine
@@ -51,7 +51,7 @@ class Capture:
         self.grads = GradientCopies(engine, self.states, transport)
         self._zeros = Zeros()
         self._known = None  # what _known_states() read at the last F, and its result
-        self._layouts = None  # (plan, host, its arenas, {tables: _SegmentLayout})
+        self._layouts = None  # (plan, host, its arenas, {tables: SegmentLayout})
         self._walks = _tensors.ModuleWalkCache()  # the model's small state, walked at F
 
     def declare_state_keys(self, host: HostCopy) -> None:
@@ -67,6 +67,14 @@ class Capture:
                   snapshot: bool = False) -> Optional[StepRecord]:
         """The record of this step's gradients for the replay (:mod:`.gradients`)."""
         return self.grads.record(job, j, groups, grad_pool, self.adapter, snapshot)
+
+    def check_layouts(self, plan) -> None:
+        """At a checkpoint's start: LayoutChangedError where a parameter's strides are not
+        those planned -- unless this plan's copies check each parameter as they read it (a
+        device that copies segments, a contiguous plan without DTensors: the sources read by
+        :func:`.addresses.group_sources`), one pass over every parameter fewer."""
+        if not (self.engine.device.copies_segments and plan.contiguous and not plan.dtensors):
+            check_layouts(plan)
 
     def state_bytes(self, host: HostCopy) -> int:
         """Bytes of parameters and aligned state one checkpoint copies."""
@@ -107,7 +115,7 @@ class Capture:
         """The copies of ``table``'s blocks as host memcpy segments (their parameters: those of
         ``params``' blocks, default ``table``), in the planned memory order of each role:
         (dst, src, nbytes, keep, the tensors read). Where each block goes, and from which
-        element, is worked out once per table (:class:`_SegmentLayout`); here only the live
+        element, is worked out once per table (:class:`.addresses.SegmentLayout`); here only the live
         tensors are read."""
         layout = self._segment_layout(job, table, table if params is None else params)
         keep: list = []
@@ -122,7 +130,7 @@ class Capture:
                 at = live[role.at]
                 srcs.append(np.where(at != 0, at + role.offset, 0))
             if not srcs:
-                return _NO_SEGMENTS + ([], Reads([]))
+                return NO_SEGMENTS + ([], Reads([]))
             src = np.concatenate(srcs)
             absent = int(np.count_nonzero(src == 0))
         if absent:  # no such state yet (address 0): zeros are copied
@@ -132,8 +140,8 @@ class Capture:
         return layout.dst, src, layout.nbytes, keep, Reads(columns)
 
     def _segment_layout(self, job: Job, table: BlockTable, params: BlockTable
-                        ) -> "_SegmentLayout":
-        """:class:`_SegmentLayout` of ``table`` / ``params`` in ``job``'s host copy, kept
+                        ) -> "SegmentLayout":
+        """:class:`.addresses.SegmentLayout` of ``table`` / ``params`` in ``job``'s host copy, kept
         while the plan and the host copy's arenas are the same (a few tables per plan)."""
         host = job.host
         roles = (None,) + host.roles()
@@ -145,7 +153,7 @@ class Capture:
         key = (id(table), id(params))
         found = seen[3].get(key)
         if found is None or found[0] is not table or found[1] is not params:
-            found = seen[3][key] = (table, params, _SegmentLayout(host, table, params, roles))
+            found = seen[3][key] = (table, params, SegmentLayout(host, table, params, roles))
         return found[2]
 
     def digest_live(self, job: Job, digester: LiveDigests) -> None:
@@ -321,44 +329,6 @@ class LiveDigestBook:
 
     def seconds(self) -> float:
         return sum(t.seconds for t in self.tickets())
-
-
-_NO_SEGMENTS = (np.zeros(0, np.int64),) * 3
-
-
-class _Role:
-    """The copies of one role (None: the parameter, else an aligned state key) of a table's
-    blocks: the slots read, and per block row copied: its slot's place among them, the
-    byte offset of its first element in the slot, and its bytes."""
-
-    def __init__(self, key, slots: np.ndarray, at: np.ndarray, offset: np.ndarray,
-                 nbytes: np.ndarray):
-        self.key, self.slots, self.at, self.offset, self.nbytes = key, slots, at, offset, nbytes
-
-
-class _SegmentLayout:
-    """What the memcpy segments of a table's blocks are, but for the live addresses: per role,
-    a :class:`_Role`; and every segment's destination in the host copy and its bytes, role
-    after role (the sources are read at each copy: :meth:`Capture.segments_of`)."""
-
-    def __init__(self, host: HostCopy, table: BlockTable, params: BlockTable, roles):
-        self.roles: List[_Role] = []
-        dst, size = [], []
-        for key in roles:
-            hbase, hitem = host.bases(key)
-            t = params if key is None else table
-            rows = hbase[t.slot] != 0  # the blocks whose slot has this role
-            if not rows.any():
-                continue
-            sub = t.slot[rows]
-            slots = np.unique(sub)
-            offset = t.start[rows] * hitem[sub]
-            nbytes = t.numel[rows] * hitem[sub]
-            self.roles.append(_Role(key, slots, np.searchsorted(slots, sub), offset, nbytes))
-            dst.append(hbase[sub] + offset)
-            size.append(nbytes)
-        self.dst = np.concatenate(dst) if dst else _NO_SEGMENTS[0]
-        self.nbytes = np.concatenate(size) if size else _NO_SEGMENTS[0]
 
 
 class _StateCopies:

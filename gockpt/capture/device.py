@@ -29,6 +29,7 @@ import torch
 
 from gockpt import _C
 
+from ..core.errors import GockptError
 from ..core.staging import Arena
 from .transfer import GRADIENT, Ticket
 
@@ -66,6 +67,12 @@ class Device(Protocol):
     snapshot (taken with :meth:`device_arena` and :meth:`copy_now`) rather than ``.grad``
     itself: True where training work cannot be queued behind the copy (the CPU), so that the
     step is not held up by the slow copy."""
+
+    copies_segments: bool
+    """Whether :meth:`submit` takes a group's memcpy segments (``CopyGroup.segments``), whose
+    sources are read with the parameters' strides checked in the same pass -- a checkpoint's
+    start then leaves :func:`gockpt.core.planning.check_layouts` to them -- rather than its
+    tensor pairs."""
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat host staging buffer that copies may target (pinned on a GPU). Staging
@@ -123,6 +130,7 @@ class HostDevice:
 
     kind = "cpu"
     overlap_needs_snapshot = True  # nothing can be queued behind a copy: snapshot, go on
+    copies_segments = True
 
     def settle(self) -> None:
         pass  # training work on the CPU is done when its call returns
@@ -139,6 +147,8 @@ class HostDevice:
         """Whole groups of memcpy segments to the host engine's thread (one call each)."""
         try:
             dst, src, nbytes, keep = group.segments()
+        except GockptError:
+            raise  # the live tensors are not as planned (LayoutChangedError): nothing queued
         except ValueError as exc:  # a copy that cannot run fails its ticket (at wait())
             return Ticket(0, 0, error=RuntimeError(str(exc)))
         if not len(dst):
@@ -188,6 +198,7 @@ class AsyncDevice:
     """
 
     overlap_needs_snapshot = False  # the compute stream waits for the copies instead
+    copies_segments = False  # (tensor pairs, enqueued one by one)
 
     def settle(self) -> None:
         """(The simulated device: training work on the CPU is done when its call returns.)"""

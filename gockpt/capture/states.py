@@ -32,8 +32,10 @@ class StateWatch:
         self.optimizer = optimizer
         self._job: Optional[Job] = None
         self._reading: Optional[_Reading] = None
-        self._carried = None  # (plan, _dicts_of(optimizer.state), each slot's dict) at F
+        self._carried = None  # (plan, _dicts_of(optimizer.state), each slot's dict, the
+        # slots without one) at F
         self._lookups: Dict[str, _tensors.DictValues] = {}
+        self._state_version = _tensors.DictVersions()  # optimizer.state's, noted at each F
 
     def declare_keys(self, host: HostCopy, state_keys: Optional[tuple]) -> None:
         """Which optimizer state tensors a checkpoint carries, per slot: ``state_keys`` (a
@@ -60,9 +62,13 @@ class StateWatch:
         if job is not self._job:
             self._job, self._reading = job, None
             if self._carried is not None:
-                plan, seen, states = self._carried  # read at the last F
-                if plan is job.plan and _same_dicts(state, seen):  # no dict replaced since
-                    self._reading = _Reading(list(states), seen, len(seen[1]))
+                plan, seen, states, missing = self._carried  # read at the last F
+                # no dict replaced since: optimizer.state unchanged (its version: no pass over
+                # it), else the same dicts in it
+                if plan is job.plan and (self._state_version.same([state])
+                                         or _same_dicts(state, seen)):
+                    self._reading = _Reading(list(states) if missing else states, seen,
+                                             len(seen[1]), missing)
         r = self._reading
         if r is None:
             r = self._reading = _Reading(self.read(job.plan), _dicts_of(state), len(state))
@@ -106,7 +112,8 @@ class StateWatch:
                         if new is not old and (old is not None or reloaded)]
         # The next checkpoint starts from this reading if no state dict has been replaced
         # by then (the same identity pass), else it reads them again.
-        self._carried = (job.plan, _dicts_of(state), now)
+        self._carried = (job.plan, _dicts_of(state), now, _missing(now))
+        self._state_version.same([state])  # (noted: unchanged at the next start, none replaced)
         return replaced
 
 
@@ -114,10 +121,15 @@ class _Reading:
     """One checkpoint's reading: each slot's state dict, what ``optimizer.state`` held then
     (for the check at F), its length, and the slots without state yet."""
 
-    def __init__(self, states: list, seen: tuple, length: int):
+    def __init__(self, states: list, seen: tuple, length: int, missing: Optional[list] = None):
         self.states, self.seen, self.length = states, seen, length
-        # (C-level passes: a Python step per slot was a tenth of a window's first boundary)
-        self.missing = list(compress(count(), map(operator.is_, states, repeat(None))))
+        self.missing = _missing(states) if missing is None else list(missing)
+
+
+def _missing(states: list) -> list:
+    """The slots without state (C-level passes: a Python step per slot was a tenth of a
+    window's first boundary)."""
+    return list(compress(count(), map(operator.is_, states, repeat(None))))
 
 
 def _dicts_of(state: dict) -> tuple:

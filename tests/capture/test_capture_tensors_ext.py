@@ -142,8 +142,9 @@ def test_segment_sources_reads_every_role_of_a_group_in_one_pass():
     i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
     roles = [(params, i64(0, 2), None, i64(0, 0, 1), i64(0, 8, 4)),  # rows: slot 0 twice, 2
              (states, i64(0, 1), "exp_avg", i64(1, 0), i64(0, 12))]   # rows: slot 1 (none), 0
-    src, scans, every, zeros = _tensors.segment_sources(roles, 0)
+    src, scans, every, zeros, strides_ok = _tensors.segment_sources(roles, 0)
     p, e = params, states[0]["exp_avg"]
+    assert strides_ok  # (none checked)
     assert src.tolist() == [p[0].data_ptr(), p[0].data_ptr() + 8, p[2].data_ptr() + 4,
                             0, e.data_ptr() + 12]
     assert zeros == 1 and every == _tensors.PRESENT | _tensors.CONTIGUOUS | \
@@ -159,6 +160,17 @@ def test_segment_sources_reads_every_role_of_a_group_in_one_pass():
         _tensors.segment_sources([(params, i64(0), None, i64(1), i64(0))], 0)
     with pytest.raises(TypeError):  # (a role is a tuple)
         _tensors.segment_sources([[params, i64(0), None, i64(0), i64(0)]], 0)
+    # the planned strides of the tensors read, where given (per position in the items)
+    params[2] = torch.zeros(5, 2).t()  # (its planned strides below: (1, 2))
+    planned = [(1,), (1,), (1, 2)]
+    checked = lambda index, strides: _tensors.segment_sources(  # noqa: E731
+        [(params, i64(*index), None, i64(*range(len(index))), i64(*[0] * len(index)),
+          strides)], 0)[4]
+    assert checked((0, 2), planned) and checked((0, 2), None)
+    assert not checked((2,), [(1,), (1,), (2, 1)]) and not checked((0,), [(1, 1)] * 3)
+    assert checked((1,), [(1,), (1,), "not read"])  # (only the tensors read are checked)
+    with pytest.raises(IndexError):
+        checked((2,), planned[:2])
 
 
 def test_scalar_floats_reads_0_dim_cpu_scalars_and_gives_up_on_the_rest():
