@@ -139,6 +139,9 @@ class Loop:
     def raise_pending(self) -> None:
         """Issue pending warnings, then raise the first error not reported yet (training
         thread)."""
+        if not (self._warnings or self._hook_error or self._failed):
+            return  # (the usual case, read without the lock: what another thread adds after
+            # this read is raised at the next hook, as after the lock's swap below)
         with self._lock:
             notes, self._warnings = self._warnings, []
         for note in notes:

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import _tensors
+from .lists import PlainInts
 
 _DTYPE = operator.attrgetter("dtype")
 
@@ -66,7 +67,8 @@ def optimizer_small(optimizer: torch.optim.Optimizer, aligned_keys,
     if known is not None and _plain_optimizer(optimizer) and \
             len(optimizer.state) == len(known.indices) and \
             len(known.group_indices) == len(optimizer.param_groups):
-        param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(index)}
+        param_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                         "params": PlainInts(index)}  # (a plan's indices: plain ints)
                         for g, index in zip(optimizer.param_groups, known.group_indices)]
         columns = _uniform_columns(known)
         if columns is not None:
@@ -128,7 +130,7 @@ def _uniform_columns(known: KnownStates) -> Optional[dict]:
         column = _tensors.stack_scalars(values)  # (their values now: changed in place)
         if column is None:
             return None
-        columns[key] = [{"index": list(known.indices), "values": column}]
+        columns[key] = [{"index": PlainInts(known.indices), "values": column}]
     return columns
 
 

@@ -41,6 +41,7 @@ import math
 import numpy as np
 import torch
 
+from ..core.lists import PlainInts
 from .format import CODE_TO_DTYPE, DTYPE_TO_CODE
 
 __all__ = ["encode", "decode", "tensor_refs"]
@@ -70,7 +71,7 @@ def _tensor_dtypes() -> set:
     return set(DTYPE_TO_CODE)
 
 
-_CONTAINERS = (list, tuple, dict, collections.OrderedDict)
+_CONTAINERS = (list, tuple, dict, collections.OrderedDict, PlainInts)
 
 
 def encode(obj, tensors: dict, prefix: str, *, inline_scalars: bool = False):
@@ -133,7 +134,7 @@ class _Encoder:
             raise ValueError(f"{_render(path)}: the structure contains itself; it cannot be stored")
         self.active.add(id(x))
         try:
-            if type(x) is list:
+            if type(x) is list or type(x) is PlainInts:
                 return self.items(x, path)
             if type(x) is tuple:
                 return {TAG: "tuple", "v": self.items(x, path)}
@@ -142,6 +143,8 @@ class _Encoder:
             self.active.discard(id(x))
 
     def items(self, seq, path: str) -> list:
+        if type(seq) is PlainInts:  # checked when made (a plan's indices): not again
+            return list(seq)
         if seq and type(seq[0]) is int and _plain_ints(seq):
             return list(seq)  # e.g. a param group's "params": thousands of indices
         return [self.value(v, (path, i)) for i, v in enumerate(seq)]

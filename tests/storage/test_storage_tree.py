@@ -274,3 +274,15 @@ def test_inline_scalars_leave_other_tensors_stored():
 def test_a_malformed_inline_scalar_is_refused():
     with pytest.raises(ValueError, match="scalar"):
         tree.decode({"__t": "scalar", "dtype": "F32", "bits": "x"}, {})
+
+
+def test_a_plan_s_plain_ints_are_stored_as_a_list_without_a_check_per_item():
+    # PlainInts (a plan's indices, made plain by gockpt) round-trips as the list it is, and
+    # the encoder does not check its items again: shown with an int a plain list would tag
+    # (beyond 2**53; a PlainInts never holds one)
+    from gockpt.core.lists import PlainInts
+    back, _ = roundtrip({"params": PlainInts([3, 1, 2])})
+    assert back == {"params": [3, 1, 2]} and type(back["params"]) is list
+    encoded = tree.encode({"p": PlainInts([1, 2 ** 60])}, {}, "x")["p"]
+    assert encoded == [1, 2 ** 60] and type(encoded) is list
+    assert tree.encode([1, 2 ** 60], {}, "x")[1] != 2 ** 60  # (a plain list: checked, tagged)
