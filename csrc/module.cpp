@@ -411,6 +411,9 @@ int64_t submit_copies(PyCopyEngine& e, int priority, const I64& dst, const I64& 
   return e.engine.submit(priority, std::move(segs));
 }
 
+// copy_now(): copies shorter than this keep the GIL (a few milliseconds of memcpy at most).
+constexpr int64_t kHoldGilBytes = int64_t{16} << 20;
+
 void bind_copy_engine(py::module_& m) {
   m.def(
       "copy_now",
@@ -418,15 +421,27 @@ void bind_copy_engine(py::module_& m) {
         const int64_t n = common_length({{"dst", &dst}, {"src", &src}, {"nbytes", &nbytes}});
         check_non_negative("nbytes", nbytes);
         const int64_t *d = dst.data(), *s = src.data(), *b = nbytes.data();
-        py::gil_scoped_release release;
-        for (int64_t i = 0; i < n; ++i) {
-          std::memcpy(ptr<void>(static_cast<uintptr_t>(d[i])),
-                      ptr<const void>(static_cast<uintptr_t>(s[i])), static_cast<size_t>(b[i]));
+        int64_t total = 0;
+        for (int64_t i = 0; i < n; ++i) total += b[i];
+        auto copy = [&] {
+          for (int64_t i = 0; i < n; ++i) {
+            std::memcpy(ptr<void>(static_cast<uintptr_t>(d[i])),
+                        ptr<const void>(static_cast<uintptr_t>(s[i])), static_cast<size_t>(b[i]));
+          }
+        };
+        // A short copy keeps the GIL: released, a Python thread waiting for it (the replay's,
+        // the persist thread's) may hold it long after the copy is done.
+        if (total < kHoldGilBytes) {
+          copy();
+        } else {
+          py::gil_scoped_release release;
+          copy();
         }
       },
       py::arg("dst"), py::arg("src"), py::arg("nbytes"),
-      "memcpy(dst[i], src[i], nbytes[i]) for every i on the calling thread (GIL released): a "
-      "copy the caller waits for anyway, without an engine thread's hand-off and wake-up.");
+      "memcpy(dst[i], src[i], nbytes[i]) for every i on the calling thread (the GIL released "
+      "for copies of 16 MiB or more): a copy the caller waits for anyway, without an engine "
+      "thread's hand-off and wake-up.");
   using E = PyCopyEngine;
   py::class_<E>(m, "CopyEngine",
                 "One worker thread running queued host copies by priority "

@@ -248,3 +248,17 @@ def test_a_forked_child_drops_its_copy_of_the_engine_without_hanging():
     _INHERITED.clear()
     assert not hung and child.exitcode == 0
     assert np.array_equal(dst, src)
+
+
+def test_copy_now_copies_every_segment_short_or_long():
+    # (a short copy keeps the GIL, a long one, from 16 MiB, lets it go: the same bytes)
+    for size in (1000, (16 << 20) + 7):
+        src = torch.from_numpy(np.random.default_rng(size).integers(0, 256, size, np.uint8))
+        dst = torch.zeros_like(src)
+        half = size // 2
+        starts = np.array([0, half + 3], dtype=np.int64)
+        sizes = np.array([half, size - half - 3], dtype=np.int64)
+        _C.copy_now(dst.data_ptr() + starts, src.data_ptr() + starts, sizes)
+        want = src.clone()
+        want[half:half + 3] = 0  # (the gap between the segments stays untouched)
+        assert torch.equal(dst, want)
