@@ -172,6 +172,19 @@ void CopyEngine::release(int64_t ticket) {
   tickets_.erase(ticket);
 }
 
+bool CopyEngine::take_done(int64_t ticket, double* seconds) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = tickets_.find(ticket);
+  if (it == tickets_.end()) {  // (released: done, as done() says; its time is not known)
+    *seconds = 0.0;
+    return true;
+  }
+  if (!it->second.done) return false;
+  *seconds = static_cast<double>(it->second.ns) * 1e-9;
+  tickets_.erase(it);
+  return true;
+}
+
 std::pair<int64_t, double> CopyEngine::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
   return {bytes_done_, static_cast<double>(copy_ns_) * 1e-9};

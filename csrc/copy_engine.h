@@ -48,6 +48,9 @@ class CopyEngine {
   int64_t nbytes(int64_t ticket) const;
   // Waits for the ticket, then forgets it.  Unknown ids: no-op.
   void release(int64_t ticket);
+  // A done ticket's worker seconds, the ticket forgotten, in one step that never waits: false
+  // (nothing changed) while it is not done; an unknown id is done (0 seconds), as done() says.
+  bool take_done(int64_t ticket, double* seconds);
   // Bytes copied and worker seconds spent copying, since construction.
   std::pair<int64_t, double> stats() const;
   // Finish all queued work and join the worker.  Idempotent.

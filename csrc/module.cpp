@@ -463,6 +463,18 @@ void bind_copy_engine(py::module_& m) {
       .def("wait", [](const E& e, int64_t t) { e.engine.wait(t); }, py::arg("ticket"),
            py::call_guard<py::gil_scoped_release>())
       .def("seconds", [](const E& e, int64_t t) { return e.engine.seconds(t); }, py::arg("ticket"))
+      .def(
+          "take_done",
+          [](E& e, int64_t t) -> py::object {
+            double seconds = 0.0;
+            if (!e.engine.take_done(t, &seconds)) return py::none();
+            return py::float_(seconds);
+          },
+          py::arg("ticket"),
+          "A done ticket's seconds (an unknown id: 0.0), the ticket forgotten; None while it "
+          "is not done (never "
+          "waits, the GIL kept: a settled copy costs one call, not a wait, seconds and "
+          "release each letting the GIL go).")
       .def("nbytes", [](const E& e, int64_t t) { return e.engine.nbytes(t); }, py::arg("ticket"))
       .def("release", [](E& e, int64_t t) { e.engine.release(t); }, py::arg("ticket"),
            py::call_guard<py::gil_scoped_release>(),

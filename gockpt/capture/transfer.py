@@ -81,9 +81,11 @@ class Ticket:
         if self.event is not None:
             return self.event.query()
         with self._lock:
-            if self._engine is not None and not self._engine.done(self._id):
-                return False
-            self._settle()
+            if self._engine is not None:
+                seconds = self._engine.take_done(self._id)  # (never waits, GIL kept)
+                if seconds is None:
+                    return False
+                self._seconds, self._engine, self._keep = seconds, None, []
             return True
 
     def wait(self) -> None:
@@ -91,11 +93,17 @@ class Ticket:
         if self.event is not None:
             self.event.synchronize()
         else:
-            engine = self._engine
+            with self._lock:  # the usual case, copies landed: settled in one call, GIL kept
+                engine = self._engine
+                if engine is not None:
+                    seconds = engine.take_done(self._id)
+                    if seconds is not None:
+                        self._seconds, self._engine, self._keep = seconds, None, []
+                        engine = None
             if engine is not None:
                 engine.wait(self._id)  # GIL released; a released id counts as done
-            with self._lock:
-                self._settle()
+                with self._lock:
+                    self._settle()
         if self.error is not None:
             raise self.error
 

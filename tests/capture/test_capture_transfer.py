@@ -190,6 +190,15 @@ def test_raw_engine_bookkeeping():
     assert e.done(empty) and e.nbytes(empty) == 0
     with pytest.raises(ValueError, match="nbytes has 2 elements"):
         e.submit(0, one, one, np.ones(2, np.int64))
+    # submit_counted: the id and the bytes; take_done: a done ticket's seconds, forgotten
+    t, nbytes = e.submit_counted(1, one * dst.data_ptr(), one * src.data_ptr(), one * 200)
+    assert nbytes == 200
+    e.wait(t)
+    seconds = e.take_done(t)
+    assert isinstance(seconds, float) and seconds >= 0
+    assert e.take_done(t) == 0.0 and e.done(t)  # (forgotten: unknown ids are done)
+    with pytest.raises(ValueError, match="unknown ticket"):
+        e.seconds(t)
     e.close()
 
 
