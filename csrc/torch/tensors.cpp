@@ -353,6 +353,24 @@ class DictValues {
   std::vector<Seen> seen_;
 };
 
+// The data_ptr() and the scan() flags of params[i].grad into *at / *flags (0, 0 where it has
+// none), read without a Python object for the gradient; false where the parameter or its
+// gradient is a tensor subclass (the caller reads those through Python).
+bool read_grad(const py::list& params, Py_ssize_t i, int64_t* at, uint8_t* flags) {
+  if (!THPVariable_CheckExact(item(params, i))) return false;
+  const at::Tensor& g = tensor_at(params, i).grad();
+  if (!g.defined()) {
+    *at = *flags = 0;
+    return true;
+  }
+  if (g.unsafeGetTensorImpl()->is_python_dispatch()) return false;  // (a subclass)
+  const bool strided = g.layout() == at::kStrided;
+  *at = strided ? reinterpret_cast<int64_t>(g.data_ptr()) : 0;
+  *flags = kPresent | (strided && g.is_contiguous() ? kContiguous : 0) |
+           (strided && g.scalar_type() == at::kFloat ? kDenseFloat32 : 0);
+  return true;
+}
+
 // Per parameter: the data_ptr() and the flags of scan() of its .grad (0, 0 where it has
 // none), read in C++ without a Python object for the gradient, with the AND of the flags of
 // the gradients present (all bits set when none is) and how many are present; None when some
@@ -366,19 +384,11 @@ py::object grad_scan(const py::list& params) {
   uint8_t every = 0xff;
   Py_ssize_t present = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_CheckExact(item(params, i))) return py::none();
-    const at::Tensor& g = tensor_at(params, i).grad();
-    if (!g.defined()) {
-      a(i) = f(i) = 0;
-      continue;
+    if (!read_grad(params, i, &a(i), &f(i))) return py::none();
+    if (f(i)) {
+      every &= f(i);
+      ++present;
     }
-    if (g.unsafeGetTensorImpl()->is_python_dispatch()) return py::none();  // (a subclass)
-    const bool strided = g.layout() == at::kStrided;
-    a(i) = strided ? reinterpret_cast<int64_t>(g.data_ptr()) : 0;
-    f(i) = kPresent | (strided && g.is_contiguous() ? kContiguous : 0) |
-           (strided && g.scalar_type() == at::kFloat ? kDenseFloat32 : 0);
-    every &= f(i);
-    ++present;
   }
   return py::make_tuple(addr, flags, every, present);
 }
@@ -399,18 +409,12 @@ py::object grad_sources(const py::list& params, const py::array_t<int64_t>& rows
   uint8_t every = 0xff;
   Py_ssize_t present = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_CheckExact(item(params, i))) return py::none();
-    const at::Tensor& g = tensor_at(params, i).grad();
-    if (!g.defined()) {
-      at[i] = 0;
-      continue;
+    uint8_t flags;
+    if (!read_grad(params, i, &at[i], &flags)) return py::none();
+    if (flags) {
+      every &= flags;
+      ++present;
     }
-    if (g.unsafeGetTensorImpl()->is_python_dispatch()) return py::none();  // (a subclass)
-    const bool strided = g.layout() == at::kStrided;
-    at[i] = strided ? reinterpret_cast<int64_t>(g.data_ptr()) : 0;
-    every &= kPresent | (strided && g.is_contiguous() ? kContiguous : 0) |
-             (strided && g.scalar_type() == at::kFloat ? kDenseFloat32 : 0);
-    ++present;
   }
   py::array_t<int64_t> src(r.shape(0));
   auto out = src.mutable_unchecked<1>();

@@ -69,9 +69,9 @@ def group_sources(plan: Plan, states: list, roles: list, lookup=None
     read role by role: DTensors, or a tensor laid out unlike its parameter. The parameters
     read are checked against their planned strides in the same pass (LayoutChangedError:
     :func:`gockpt.core.planning.check_layouts`, which a checkpoint's start then leaves to
-    these copies). ``lookup``: key ->
-    the :class:`gockpt._tensors.DictValues` reading that key of ``states`` (the state dicts
-    not changed since are not looked up again), or None: every dict looked up."""
+    these copies). ``lookup``: key -> the :class:`gockpt._tensors.DictValues` reading that
+    key of ``states`` (the state dicts not changed since are not looked up again), or None:
+    every dict looked up."""
     if plan.dtensors or not plan.contiguous:
         return None
     src, scans, every, absent, as_planned = _tensors.segment_sources(
@@ -162,8 +162,8 @@ class Role:
 
 class SegmentLayout:
     """What the memcpy segments of a table's blocks are, but for the live addresses: per role,
-    a :class:`_Role`; and every segment's destination in the host copy and its bytes, role
-    after role (the sources are read at each copy: :meth:`gockpt.capture.copies.Capture.segments_of`)."""
+    a :class:`Role`; and every segment's destination in the host copy and its bytes, role
+    after role (the sources are read at each copy: ``Capture.segments_of``)."""
 
     def __init__(self, host: HostCopy, table: BlockTable, params: BlockTable, roles):
         self.roles: List[Role] = []

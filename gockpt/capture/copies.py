@@ -115,8 +115,8 @@ class Capture:
         """The copies of ``table``'s blocks as host memcpy segments (their parameters: those of
         ``params``' blocks, default ``table``), in the planned memory order of each role:
         (dst, src, nbytes, keep, the tensors read). Where each block goes, and from which
-        element, is worked out once per table (:class:`.addresses.SegmentLayout`); here only the live
-        tensors are read."""
+        element, is worked out once per table (:class:`.addresses.SegmentLayout`); here only
+        the live tensors are read."""
         layout = self._segment_layout(job, table, table if params is None else params)
         keep: list = []
         found = group_sources(job.plan, states, layout.roles, self.states.lookup)  # (usual)
@@ -141,8 +141,9 @@ class Capture:
 
     def _segment_layout(self, job: Job, table: BlockTable, params: BlockTable
                         ) -> "SegmentLayout":
-        """:class:`.addresses.SegmentLayout` of ``table`` / ``params`` in ``job``'s host copy, kept
-        while the plan and the host copy's arenas are the same (a few tables per plan)."""
+        """:class:`.addresses.SegmentLayout` of ``table`` / ``params`` in ``job``'s host
+        copy, kept while the plan and the host copy's arenas are the same (a few tables per
+        plan)."""
         host = job.host
         roles = (None,) + host.roles()
         arenas = tuple(host.bases(key)[0] for key in roles)

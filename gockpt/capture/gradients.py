@@ -106,15 +106,9 @@ class GradientCopies:
             ticket = self._copy_snapshot(job, table, grads, grad_base, at)
         else:
             ticket = self._copy(job, table, grads, bufs, grad_pool, grad_base, at)
-        scalars = {groups[i]: sc for i, sc in adapter.scalars().items()}
-        record = StepRecord(j, scalars, steps, table, bufs, grad_base, ticket,
-                            lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
-                            final=j == job.k - 1, snapshot=snapshot, grad_dtype=dtype,
-                            grad_mul=mul)
-        job.metrics.add_grad_step(self.transport.name if encoded else "fp32", ticket.nbytes,
-                                  new_step)
-        job.capture.grad_tickets.append(ticket)
-        return record
+        return _recorded(job, j, groups, adapter, steps, table, grad_pool, bufs, grad_base,
+                         ticket, new_step, snapshot, dtype, mul,
+                         self.transport.name if encoded else "fp32")
 
     def _record_snapshot(self, job: Job, j: int, groups, grad_pool: GradPool,
                          adapter: ReplayAdapter, table: BlockTable, slots: np.ndarray,
@@ -142,14 +136,8 @@ class GradientCopies:
         self.engine.device.copy_now(snap, found[0], rows.nbytes)
         ticket = self._snapshots[1][-1][1] = self.engine.submit_own(rows.dst(grad_base), snap,
                                                                     rows.nbytes, SNAPSHOT)
-        scalars = {groups[i]: sc for i, sc in adapter.scalars().items()}
-        record = StepRecord(j, scalars, steps, table, bufs, grad_base, ticket,
-                            lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
-                            final=j == job.k - 1, snapshot=True, grad_dtype=torch.float32,
-                            grad_mul=1.0)
-        job.metrics.add_grad_step("fp32", ticket.nbytes, new_step)
-        job.capture.grad_tickets.append(ticket)
-        return record
+        return _recorded(job, j, groups, adapter, steps, table, grad_pool, bufs, grad_base,
+                         ticket, new_step, True, torch.float32, 1.0, "fp32")
 
     def _next_snapshot(self, plan):
         """The snapshot arena to write now: the one written the longest ago, once its copy
@@ -208,6 +196,21 @@ class GradientCopies:
         set ``bufs``, in the parameters' memory order."""
         return self.engine.submit_group(
             _GradientCopies(job, table, grads, bufs, grad_pool, grad_base, at), priority)
+
+
+def _recorded(job: Job, j: int, groups, adapter: ReplayAdapter, steps, table: BlockTable,
+              grad_pool: GradPool, bufs, grad_base: np.ndarray, ticket, new_step: bool,
+              snapshot: bool, dtype: torch.dtype, mul: float, transport: str) -> StepRecord:
+    """The record of window step ``j`` whose gradient copies ``ticket`` queued into the set
+    ``bufs`` (at ``grad_base``), counted in the job's metrics and tickets."""
+    scalars = {groups[i]: sc for i, sc in adapter.scalars().items()}
+    record = StepRecord(j, scalars, steps, table, bufs, grad_base, ticket,
+                        lambda bufs=bufs: grad_pool.release(bufs), ticket.nbytes,
+                        final=j == job.k - 1, snapshot=snapshot, grad_dtype=dtype,
+                        grad_mul=mul)
+    job.metrics.add_grad_step(transport, ticket.nbytes, new_step)
+    job.capture.grad_tickets.append(ticket)
+    return record
 
 
 class _SnapshotRows:

@@ -70,36 +70,31 @@ class Ticket:
                 return self._engine.seconds(self._id)
             return self._seconds
 
-    def _settle(self) -> None:
-        """Complete: keep the time, forget the engine ticket, let the memory go (lock held)."""
-        if self._engine is not None:
-            self._seconds = self._engine.seconds(self._id)
-            self._engine.release(self._id)
-            self._engine, self._keep = None, []
+    def _settle(self) -> bool:
+        """Complete if the copies have landed: keep the time, forget the engine ticket, let the
+        memory go, in one call that never waits and keeps the GIL (lock held). Whether it is
+        complete."""
+        if self._engine is None:
+            return True
+        seconds = self._engine.take_done(self._id)
+        if seconds is None:
+            return False
+        self._seconds, self._engine, self._keep = seconds, None, []
+        return True
 
     def done(self) -> bool:
         if self.event is not None:
             return self.event.query()
         with self._lock:
-            if self._engine is not None:
-                seconds = self._engine.take_done(self._id)  # (never waits, GIL kept)
-                if seconds is None:
-                    return False
-                self._seconds, self._engine, self._keep = seconds, None, []
-            return True
+            return self._settle()
 
     def wait(self) -> None:
         """Block until every copy of this ticket has landed; raise a submission error."""
         if self.event is not None:
             self.event.synchronize()
         else:
-            with self._lock:  # the usual case, copies landed: settled in one call, GIL kept
-                engine = self._engine
-                if engine is not None:
-                    seconds = engine.take_done(self._id)
-                    if seconds is not None:
-                        self._seconds, self._engine, self._keep = seconds, None, []
-                        engine = None
+            with self._lock:  # the usual case, copies landed: settled at once
+                engine = None if self._settle() else self._engine
             if engine is not None:
                 engine.wait(self._id)  # GIL released; a released id counts as done
                 with self._lock:
