@@ -88,8 +88,7 @@ class Pipeline:
     def _window_bytes(self, plan, host, k: int) -> tuple:
         """:func:`window_bytes`, computed again only when what it reads was replaced (the plan,
         its blocks copied at F, the host copy or its arenas): the same at most checkpoints."""
-        read = (plan, plan.at_f_table, host) + tuple(
-            host.bases(role) for role in (None,) + host.roles())
+        read = (plan, plan.at_f_table, host, host.layout_token)
         seen, seen_k, sizes = self._window_sizes
         if seen_k != k or len(seen) != len(read) or any(a is not b for a, b in zip(seen, read)):
             sizes = window_bytes(plan, host, k)
@@ -255,11 +254,12 @@ class Pipeline:
 
 def freeze_small_state(capture: Capture, job: Job, step: int, extra_state) -> None:
     """At the boundary of F: the small state as the manifest stores it, encoded at once (the
-    values are the live objects' at F; encoding copies their tensors), and the aligned keys,
-    handed to the job. ConfigError for a value that cannot be stored without pickle."""
-    values, aligned = capture.small_state(job, extra_state)
+    values are the live objects' at F; encoding copies their tensors, but for the copies made
+    by reading them), and the aligned keys, handed to the job. ConfigError for a value that
+    cannot be stored without pickle."""
+    values, aligned, fresh = capture.small_state(job, extra_state)
     try:
-        job.small, job.small_tensors = SmallSection.encode(values)
+        job.small, job.small_tensors = SmallSection.encode(values, fresh)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"cannot store the state of step {step}: {exc}") from exc
     job.aligned = aligned

@@ -57,7 +57,7 @@ class FakeCapture:
         self.log.append(("freeze", job.handle.final_step, extra_state))
         self._maybe_fail("freeze")
         return {"model": {}, "optimizer": {}, "scheduler": None, "rng": None,
-                "extra_state": extra_state}, {}
+                "extra_state": extra_state}, {}, set()
 
     def gradients(self, job, j, groups, pool, snapshot=False):
         self.log.append(("gradients", j))

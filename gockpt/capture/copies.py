@@ -15,7 +15,7 @@ Four kinds of capture feed one checkpoint:
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ class Capture:
         self.grads = GradientCopies(engine, self.states, transport)
         self._zeros = Zeros()
         self._known = None  # what _known_states() read at the last F, and its result
-        self._layouts = None  # (plan, host, its arenas, {tables: SegmentLayout})
+        self._layouts = None  # (plan, host, its layout_token, {tables: SegmentLayout})
         self._walks = _tensors.ModuleWalkCache()  # the model's small state, walked at F
 
     def declare_state_keys(self, host: HostCopy) -> None:
@@ -145,16 +145,15 @@ class Capture:
         copy, kept while the plan and the host copy's arenas are the same (a few tables per
         plan)."""
         host = job.host
-        roles = (None,) + host.roles()
-        arenas = tuple(host.bases(key)[0] for key in roles)
         seen = self._layouts
         if seen is None or seen[0] is not job.plan or seen[1] is not host or \
-                len(seen[2]) != len(arenas) or any(map(operator.is_not, seen[2], arenas)):
-            seen = self._layouts = (job.plan, host, arenas, {})
+                seen[2] is not host.layout_token:
+            seen = self._layouts = (job.plan, host, host.layout_token, {})
         key = (id(table), id(params))
         found = seen[3].get(key)
         if found is None or found[0] is not table or found[1] is not params:
-            found = seen[3][key] = (table, params, SegmentLayout(host, table, params, roles))
+            found = seen[3][key] = (table, params,
+                                    SegmentLayout(host, table, params, (None,) + host.roles()))
         return found[2]
 
     def digest_live(self, job: Job, digester: LiveDigests) -> None:
@@ -251,10 +250,12 @@ class Capture:
         book.at_f_table = None
         job.captured()
 
-    def small_state(self, job: Job, extra_state) -> Tuple[Dict[str, object], Dict[int, tuple]]:
+    def small_state(self, job: Job, extra_state
+                    ) -> Tuple[Dict[str, object], Dict[int, tuple], Set[int]]:
         """At the boundary of F: everything small, as Python values (the caller encodes them
-        at once, before anything can change them), and the aligned state keys of each
-        optimizer state index (what the blocks carry of the optimizer state)."""
+        at once, before anything can change them), the aligned state keys of each optimizer
+        state index (what the blocks carry of the optimizer state), and the id()s of the
+        tensors and arrays made here, held nowhere else (stored without another copy)."""
         if callable(extra_state):
             extra_state = extra_state()
         plan = job.plan
@@ -270,7 +271,7 @@ class Capture:
             "rng": smallstate.capture_rng(),
             "extra_state": extra_state,
         }
-        return values, aligned
+        return values, aligned, smallstate.fresh_ids(values["rng"], values["optimizer"])
 
     def _known_states(self, job: Job) -> Tuple[KnownStates, Dict[int, tuple]]:
         """The optimizer state of ``job``'s optimized slots as :func:`optimizer_small` takes it,

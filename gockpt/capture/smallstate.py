@@ -6,7 +6,7 @@ they travel as blocks."""
 from __future__ import annotations
 
 import random
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Set
 
 import numpy as np
 import torch
@@ -25,6 +25,19 @@ def capture_rng() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return rng
+
+
+def fresh_ids(rng: dict, optimizer: dict) -> Set[int]:
+    """The id()s of what :func:`capture_rng` and ``optimizer_small`` made for one checkpoint,
+    held nowhere else: the RNG states' tensors and key array, the optimizer's step columns
+    (each a copy of its own: encoded without another)."""
+    fresh = {id(rng["torch"]), *map(id, rng.get("cuda", ()))}
+    numpy = rng["numpy"]
+    if isinstance(numpy, tuple) and len(numpy) > 1 and isinstance(numpy[1], np.ndarray):
+        fresh.add(id(numpy[1]))
+    for parts in optimizer.get("columns", {}).values():
+        fresh.update(id(part["values"]) for part in parts)
+    return fresh
 
 
 def check_rng(rng) -> None:

@@ -72,8 +72,9 @@ class StateWatch:
         r = self._reading
         if r is None:
             r = self._reading = _Reading(self.read(job.plan), _dicts_of(state), len(state))
+            self._state_version.same([state])  # (noted: unchanged at F, none replaced)
         elif r.missing and len(state) != r.length:  # states created since
-            fresh, r.length = self.read(job.plan), len(state)
+            fresh, r.length, r.refilled = self.read(job.plan), len(state), True
             for si in r.missing:
                 r.states[si] = fresh[si]
             r.missing = [si for si in r.missing if fresh[si] is None]
@@ -102,7 +103,13 @@ class StateWatch:
         replaced since. When ``optimizer.state`` still holds the very dicts it held then (one
         C-level identity pass), none was."""
         cached, state = self.of(job), self.optimizer.state
-        seen = self._reading.seen
+        reading = self._reading
+        if self._state_version.same([state]) and not reading.refilled:
+            # optimizer.state unchanged since the reading (its version, noted then: no pass
+            # over it): the same dicts, and the same slots without one
+            self._carried = (job.plan, reading.seen, cached, list(reading.missing))
+            return []
+        seen = reading.seen
         if _same_dicts(state, seen):
             now, replaced = cached, []
         else:
@@ -111,7 +118,7 @@ class StateWatch:
             replaced = [s.name for s, old, new in zip(job.plan.slots, cached, now)
                         if new is not old and (old is not None or reloaded)]
         # The next checkpoint starts from this reading if no state dict has been replaced
-        # by then (the same identity pass), else it reads them again.
+        # by then (its version, else the same identity pass), else it reads them again.
         self._carried = (job.plan, _dicts_of(state), now, _missing(now))
         self._state_version.same([state])  # (noted: unchanged at the next start, none replaced)
         return replaced
@@ -123,6 +130,7 @@ class _Reading:
 
     def __init__(self, states: list, seen: tuple, length: int, missing: Optional[list] = None):
         self.states, self.seen, self.length = states, seen, length
+        self.refilled = False  # slots filled in since: ``seen`` is no longer what they hold
         self.missing = _missing(states) if missing is None else list(missing)
 
 

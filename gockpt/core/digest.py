@@ -193,7 +193,7 @@ class LiveDigests:
 
     def __init__(self, device, threads: int = 1):
         self.device, self.threads = device, threads
-        self._queue: "queue.Queue" = queue.Queue()
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()  # (C-level put: a hook queues)
         self._thread = threading.Thread(target=self._run, name="gockpt-digest", daemon=True)
         self._thread.start()
 

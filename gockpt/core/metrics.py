@@ -58,8 +58,9 @@ class CheckpointMetrics:
         """Gradients of one optimizer step crossed the link in ``transport`` (fp32 or bf16);
         ``new_step`` False: another param group of a step already counted (DeepSpeed's ZeRO
         step the optimizer group by group)."""
-        used = set(self.grad_transport.split("+")) - {""} | {transport}
-        self.grad_transport = "+".join(sorted(used, key=("bf16", "fp32").index))
+        if transport != self.grad_transport:  # (the usual case: one transport, named already)
+            used = set(self.grad_transport.split("+")) - {""} | {transport}
+            self.grad_transport = "+".join(sorted(used, key=("bf16", "fp32").index))
         self.grad_bytes += nbytes
         self.grad_steps += new_step
         self.grad_bytes_per_step = self.grad_bytes // max(1, self.grad_steps)

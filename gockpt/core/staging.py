@@ -138,6 +138,10 @@ class HostCopy:
         self._bases: Dict[Optional[str], Tuple[np.ndarray, np.ndarray]] = {}
         self.keys_declared = False
         self.keys_version = 0  # bumped whenever the state arenas are laid out again
+        self.layout_token = object()
+        """Replaced whenever the arenas are laid out again: what was derived from their
+        addresses (the hooks' segment layouts, a window's bytes) holds while it is the same."""
+        self._sizes: Optional[tuple] = None  # (layout_token, roles(), nbytes())
 
     def set_keys(self, likes: Dict[int, Dict[str, torch.Tensor]]) -> None:
         """Declare, for every slot with aligned state, its keys (key -> a tensor of the dtype
@@ -158,6 +162,7 @@ class HostCopy:
             self._key_layout = layout
             self._bases = {}
             self.keys_version += 1
+            self.layout_token = object()
         self.keys = [tuple(likes.get(si, {})) for si in range(len(self.slots))]
         self.keys_declared = True
 
@@ -172,7 +177,7 @@ class HostCopy:
 
     def roles(self) -> Tuple[str, ...]:
         """The aligned state keys this copy holds (in arena order)."""
-        return tuple(dict.fromkeys(key for key, _ in self.state_arenas))
+        return self._sized()[1]
 
     def bases(self, key: Optional[str] = None) -> Tuple[np.ndarray, np.ndarray]:
         """Per slot: the address of its element 0 for role ``key`` (None: the parameter; 0
@@ -196,8 +201,17 @@ class HostCopy:
         return self.state_arenas[(key, self.state[si][key].dtype)]
 
     def nbytes(self) -> int:
-        return sum(a.nbytes() for a in self.param_arenas.values()) + \
-            sum(a.nbytes() for a in self.state_arenas.values())
+        return self._sized()[2]
+
+    def _sized(self) -> tuple:
+        """(layout_token, roles, bytes) of the arenas as laid out now (worked out once per
+        layout: each checkpoint's start asks)."""
+        if self._sizes is None or self._sizes[0] is not self.layout_token:
+            self._sizes = (self.layout_token,
+                           tuple(dict.fromkeys(key for key, _ in self.state_arenas)),
+                           sum(a.nbytes() for a in self.param_arenas.values()) +
+                           sum(a.nbytes() for a in self.state_arenas.values()))
+        return self._sizes
 
 
 def window_bytes(plan: Plan, host: "HostCopy", k: int) -> Tuple[int, int]:

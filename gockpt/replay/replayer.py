@@ -37,7 +37,7 @@ class Replayer:
     def __init__(self, adapter: AdamAdapter, threads: Optional[int]):
         self.adapter = adapter
         self.threads = threads
-        self._queue: "queue.Queue" = queue.Queue()
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()  # (C-level put: a hook queues)
         self._thread = threading.Thread(target=self._run, name="gockpt-replay", daemon=True)
         self._thread.start()
 

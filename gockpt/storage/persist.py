@@ -71,7 +71,7 @@ class Persister:
         self.step_time, self.host_bytes, self.on_durable = step_time, host_bytes, on_durable
         self._layout_key, self._layout_cache = None, None
         self._indexed = (None, {})  # (the plan indexed, its global index)
-        self._queue: "queue.Queue" = queue.Queue()
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()  # (C-level put: a hook queues)
         self._thread = threading.Thread(target=self._run, name="gockpt-persist", daemon=True)
         self._thread.start()
 

@@ -30,7 +30,7 @@ ones back to back, :mod:`.layout`) and ``small/<section>/<n>`` (tensors of the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Tuple
 
 from ..core.errors import CorruptCheckpointError
 from . import tree
@@ -158,12 +158,15 @@ class SmallSection:
     extra_state: Any = None
 
     @classmethod
-    def encode(cls, values: Dict[str, Any]) -> Tuple["SmallSection", Dict[str, Any]]:
+    def encode(cls, values: Dict[str, Any], fresh: Collection[int] = ()
+               ) -> Tuple["SmallSection", Dict[str, Any]]:
         """The sections ``values`` (section -> Python value, as taken at F) encoded
-        (:func:`gockpt.storage.tree.encode`: tensors copied out, never pickled), and the
-        stored tensors they refer to. TypeError/ValueError for a value that cannot be stored."""
+        (:func:`gockpt.storage.tree.encode`: tensors copied out -- but those whose id() is in
+        ``fresh``, copies of their own --, never pickled), and the stored tensors they refer
+        to. TypeError/ValueError for a value that cannot be stored."""
         tensors: Dict[str, Any] = {}
-        return cls(**{s: tree.encode(values[s], tensors, small_prefix(s), inline_scalars=True)
+        return cls(**{s: tree.encode(values[s], tensors, small_prefix(s), inline_scalars=True,
+                                     fresh=fresh)
                       for s in SMALL_SECTIONS}), tensors
 
     def decode(self, section: str, tensors: dict):

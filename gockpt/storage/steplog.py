@@ -78,7 +78,7 @@ class LogWriter:
         os.makedirs(root, exist_ok=True)
         self._bytes = sum(bytes_under(p) for _, p in _entries(root))
         self._full = False  # an entry did not fit: none until the next prune
-        self._queue: "queue.Queue" = queue.Queue()
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()  # (C-level put: a hook queues)
         self._thread = threading.Thread(target=self._run, name="gockpt-log", daemon=True)
         self._thread.start()
 

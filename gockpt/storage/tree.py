@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import collections
 import math
+from typing import Collection
 
 import numpy as np
 import torch
@@ -67,14 +68,14 @@ def _is_key(k) -> bool:
     return type(k) in _KEY_TYPES
 
 
-def _tensor_dtypes() -> set:
-    return set(DTYPE_TO_CODE)
+_TENSOR_DTYPES = frozenset(DTYPE_TO_CODE)
 
 
 _CONTAINERS = (list, tuple, dict, collections.OrderedDict, PlainInts)
 
 
-def encode(obj, tensors: dict, prefix: str, *, inline_scalars: bool = False):
+def encode(obj, tensors: dict, prefix: str, *, inline_scalars: bool = False,
+           fresh: Collection[int] = ()):
     """Encode ``obj`` as JSON-compatible values, moving tensors and arrays into ``tensors``.
 
     Each tensor or array is stored as a CPU contiguous copy (detached, so
@@ -82,21 +83,25 @@ def encode(obj, tensors: dict, prefix: str, *, inline_scalars: bool = False):
     (keys already in ``tensors`` are skipped, so several calls may share one dict).
     ``prefix`` also names the root of the structure in error messages. With
     ``inline_scalars``, 0-dim CPU tensors are written inline as their raw bytes instead
-    (they decode to equal tensors, bit for bit).
+    (they decode to equal tensors, bit for bit). ``fresh``: the id()s of tensors and arrays
+    made for this encoding and held nowhere else (a state just read out: a copy of its own),
+    stored as they are where already CPU contiguous ones -- not copied again.
 
     Raises ``TypeError`` naming the path inside the structure (for example
     ``extra_state['cfg'][2]``) for anything that cannot be stored without pickle,
     and ``ValueError`` if the structure contains itself.
     """
-    return _Encoder(tensors, prefix, inline_scalars).value(obj, prefix)
+    return _Encoder(tensors, prefix, inline_scalars, fresh).value(obj, prefix)
 
 
 class _Encoder:
     """The state of one :func:`encode` call: where tensors go and under which keys, and the
     containers being walked (to refuse a structure that contains itself)."""
 
-    def __init__(self, tensors: dict, prefix: str, inline_scalars: bool = False):
+    def __init__(self, tensors: dict, prefix: str, inline_scalars: bool = False,
+                 fresh: Collection[int] = ()):
         self.tensors, self.prefix, self.inline_scalars = tensors, prefix, inline_scalars
+        self.fresh = fresh
         self.counter = iter(range(1 << 62))
         self.active: set = set()
 
@@ -116,7 +121,7 @@ class _Encoder:
             return {TAG: "bytes", "v": base64.b64encode(x).decode("ascii")}
         if isinstance(x, torch.Tensor):
             if self.inline_scalars and x.dim() == 0 and x.device.type == "cpu" \
-                    and x.dtype in _tensor_dtypes() and not x.is_quantized:
+                    and x.dtype in _TENSOR_DTYPES and not x.is_quantized:
                 return _encode_tensor_scalar(x)
             return {TAG: "tensor", "k": self.store_tensor(x, path)}
         if t is np.ndarray:
@@ -175,10 +180,14 @@ class _Encoder:
         if x.layout != torch.strided or x.is_quantized or x.device.type == "meta":
             raise TypeError(f"{_render(path)}: cannot store a {x.layout} / {x.device.type} "
                             f"tensor; {_HINT}")
-        if x.dtype not in _tensor_dtypes():
+        if x.dtype not in _TENSOR_DTYPES:
             raise TypeError(f"{_render(path)}: cannot store a tensor of dtype {x.dtype}; convert "
                             "it to a supported dtype")
         key = self.new_key()
+        if id(x) in self.fresh and x.device.type == "cpu" and not x.requires_grad and \
+                x.is_contiguous():  # (a copy of its own already)
+            self.tensors[key] = x
+            return key
         # copy=True: the caller may keep mutating its tensor after encode returns.
         self.tensors[key] = x.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
         return key
@@ -190,7 +199,8 @@ class _Encoder:
         # Saved as raw bytes (a flat uint8 tensor) so that every fixed-size numpy
         # dtype round-trips, including ones torch lacks (complex128, str, datetime64);
         # dtype.str records the byte order, so the array comes back bit-identical.
-        raw = np.array(a, order="C", copy=True).reshape(-1).view(np.uint8)
+        raw = a.reshape(-1).view(np.uint8) if id(a) in self.fresh and a.flags.c_contiguous \
+            else np.array(a, order="C", copy=True).reshape(-1).view(np.uint8)
         key = self.new_key()
         self.tensors[key] = torch.from_numpy(raw)
         return {TAG: "ndarray", "k": key, "dtype": a.dtype.str, "shape": list(a.shape)}

@@ -140,6 +140,28 @@ def test_tensor_is_a_copy():
     assert tensors["x/0"].tolist() == [0, 0, 0]
 
 
+def test_fresh_tensors_and_arrays_are_stored_as_they_are_the_others_copied():
+    """``fresh``: copies of their own (an RNG state just read, a step column): stored without
+    another copy; whatever is not named, or not CPU contiguous, still copied."""
+    own, theirs = torch.arange(4.0), torch.arange(4.0)
+    key_array, user_array = np.arange(5, dtype=np.uint32), np.arange(5, dtype=np.uint32)
+    strided = torch.arange(8.0)[::2]
+    tensors = {}
+    enc = tree.encode({"own": own, "theirs": theirs, "key": key_array, "user": user_array,
+                       "strided": strided}, tensors, "x",
+                      fresh={id(own), id(key_array), id(strided)})
+    stored = {name: tensors[enc[name]["k"]] for name in ("own", "theirs", "key", "user",
+                                                          "strided")}
+    assert stored["own"] is own and stored["theirs"] is not theirs
+    assert stored["key"].data_ptr() == key_array.ctypes.data
+    assert stored["user"].data_ptr() != user_array.ctypes.data
+    assert stored["strided"].is_contiguous()
+    theirs.add_(1), user_array.__iadd__(1), strided.add_(1)  # the caller keeps training
+    back = tree.decode(enc, tensors)
+    assert back["theirs"].tolist() == [0, 1, 2, 3] and back["user"].tolist() == [0, 1, 2, 3, 4]
+    assert back["strided"].tolist() == [0, 2, 4, 6] and back["key"].tolist() == [0, 1, 2, 3, 4]
+
+
 ARRAYS = [
     np.arange(6, dtype=np.float32).reshape(2, 3),
     np.array(7, dtype=np.int64),  # 0-d
