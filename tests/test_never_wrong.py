@@ -104,6 +104,37 @@ def test_a_parameter_without_optimizer_state_yet_is_stored_in_any_layout(tmp_pat
     assert_same(at_1, snapshot(fresh, fresh_opt))
 
 
+@pytest.mark.parametrize("overlap_steps", [1, 2])
+def test_a_state_created_between_two_checkpoints_is_in_the_second(tmp_path, overlap_steps):
+    """The optimizer's state read at F is kept from one checkpoint to the next while no state
+    dict was created or replaced: a parameter trained for the first time after a checkpoint
+    has its state (moments and step count) in the next one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o",
+                             overlap_steps=overlap_steps, interval=3)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for step in range(1, 10):
+        ck.backward_begin()
+        (model(x) if step > 4 else model[0](x)).square().mean().backward()  # (model[1]: later)
+        ck.update_begin()
+        opt.step()
+        opt.zero_grad()
+        ck.save_checkpoint(step)
+        if step in (3, 6):
+            ck.wait()
+            assert len(opt.state) == (2 if step == 3 else 4)
+            at = {step: snapshot(model, opt)} if step == 3 else {**at, step: snapshot(model, opt)}
+    ck.close()
+    for step, state in at.items():
+        torch.manual_seed(5)
+        fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        gockpt.load(str(tmp_path), fresh, fresh_opt, tag=storage.checkpoint_name(step))
+        assert_same(state, snapshot(fresh, fresh_opt))
+
+
 def test_a_layout_change_mid_training_is_a_clear_error(tmp_path):
     model, opt = layouts()
     run = Run(model, opt, tmp_path, mode="gockpt-o", overlap_steps=2,

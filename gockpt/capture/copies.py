@@ -14,7 +14,6 @@ Four kinds of capture feed one checkpoint:
 
 from __future__ import annotations
 
-import operator
 from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
@@ -276,22 +275,23 @@ class Capture:
     def _known_states(self, job: Job) -> Tuple[KnownStates, Dict[int, tuple]]:
         """The optimizer state of ``job``'s optimized slots as :func:`optimizer_small` takes it,
         and the aligned keys of each state index (shared by the checkpoints that find the same:
-        never changed once built). Built again only when some slot's state dict is not the one
-        of the last F (created or replaced since), or the aligned keys were declared anew."""
+        never changed once built). Built again only when some slot's state dict may not be
+        the one of the last F (:attr:`StateWatch.generation`: created or replaced since), or
+        the aligned keys were declared anew."""
         states = self.states.of(job)  # checked at F by replaced_states()
         plan, host = job.plan, job.host
         if self._known is not None:
-            seen, version, states_then, out = self._known
+            seen, version, generation, out = self._known
             if seen[0] is plan and seen[1] is host and version == host.keys_version and \
-                    len(states) == len(states_then) and all(map(operator.is_, states, states_then)):
-                return out  # (one C-level identity pass over the list, no dict read)
+                    generation == self.states.generation:
+                return out  # (no pass over the slots)
         with_state = [(si, index) for si, index in plan.optimized if states[si] is not None]
         aligned = {index: host.keys[si] for si, index in with_state}
         first = next(iter(aligned.values()), None)
         known = KnownStates([index for _, index in with_state],
                             [states[si] for si, _ in with_state], plan.group_indices,
                             first if all(k == first for k in aligned.values()) else None)
-        self._known = ((plan, host), host.keys_version, list(states), (known, aligned))
+        self._known = ((plan, host), host.keys_version, self.states.generation, (known, aligned))
         return known, aligned
 
 

@@ -36,6 +36,9 @@ class StateWatch:
         # slots without one) at F
         self._lookups: Dict[str, _tensors.DictValues] = {}
         self._state_version = _tensors.DictVersions()  # optimizer.state's, noted at each F
+        self.generation = 0
+        """Changes whenever :meth:`of` may give other dicts than before (a reading made anew,
+        slots filled in): what was derived from its lists holds while it is the same."""
 
     def declare_keys(self, host: HostCopy, state_keys: Optional[tuple]) -> None:
         """Which optimizer state tensors a checkpoint carries, per slot: ``state_keys`` (a
@@ -73,8 +76,10 @@ class StateWatch:
         if r is None:
             r = self._reading = _Reading(self.read(job.plan), _dicts_of(state), len(state))
             self._state_version.same([state])  # (noted: unchanged at F, none replaced)
+            self.generation += 1
         elif r.missing and len(state) != r.length:  # states created since
             fresh, r.length, r.refilled = self.read(job.plan), len(state), True
+            self.generation += 1
             for si in r.missing:
                 r.states[si] = fresh[si]
             r.missing = [si for si in r.missing if fresh[si] is None]
@@ -114,6 +119,7 @@ class StateWatch:
             now, replaced = cached, []
         else:
             now = self.read(job.plan)
+            self.generation += 1  # (the next window starts from this reading)
             reloaded = state is not seen[0]  # load_state_dict: every slot
             replaced = [s.name for s, old, new in zip(job.plan.slots, cached, now)
                         if new is not old and (old is not None or reloaded)]
