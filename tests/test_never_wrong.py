@@ -115,6 +115,7 @@ def test_a_state_created_between_two_checkpoints_is_in_the_second(tmp_path, over
     ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o",
                              overlap_steps=overlap_steps, interval=3)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    at = {}  # step -> the live state when its checkpoint was taken
     for step in range(1, 10):
         ck.backward_begin()
         (model(x) if step > 4 else model[0](x)).square().mean().backward()  # (model[1]: later)
@@ -125,7 +126,7 @@ def test_a_state_created_between_two_checkpoints_is_in_the_second(tmp_path, over
         if step in (3, 6):
             ck.wait()
             assert len(opt.state) == (2 if step == 3 else 4)
-            at = {step: snapshot(model, opt)} if step == 3 else {**at, step: snapshot(model, opt)}
+            at[step] = snapshot(model, opt)
     ck.close()
     for step, state in at.items():
         torch.manual_seed(5)
