@@ -170,13 +170,15 @@ class StepLog:
         may skip it), its digests queued behind the training work."""
         tensors, used, order = self._pending if self._pending is not None else ({}, None, None)
         self._pending = None
+        rng = smallstate.capture_rng()
         small = {"model": smallstate.model_small(self.model, self.planned_ids, self._walks),
                  "scheduler": smallstate.scheduler_state(self.scheduler),
-                 "rng": smallstate.capture_rng(), "extra_state": extra_state}
+                 "rng": rng, "extra_state": extra_state}
         manifest = {"step": step, "stepped": used is not None, "groups_used": used,
                     "stepped_groups": order,
                     "groups_after": tree.encode(_groups(self._groups_all), tensors, "after/"),
-                    "small": tree.encode(small, tensors, "small/")}
+                    "small": tree.encode(small, tensors, "small/",
+                                         fresh=smallstate.fresh_ids(rng, {}))}
         if len(self.optimizer.state) != self._live_for:  # (states made at the first update)
             self._live = live_tensors(self.model, self.optimizer)
             self._live_for = len(self.optimizer.state)

@@ -28,9 +28,9 @@ def capture_rng() -> dict:
 
 
 def fresh_ids(rng: dict, optimizer: dict) -> Set[int]:
-    """The id()s of what :func:`capture_rng` and ``optimizer_small`` made for one checkpoint,
-    held nowhere else: the RNG states' tensors and key array, the optimizer's step columns
-    (each a copy of its own: encoded without another)."""
+    """The id()s of what :func:`capture_rng` and ``optimizer_small`` (``{}``: none) made for
+    one checkpoint or log entry, held nowhere else: the RNG states' tensors and key array, the
+    optimizer's step columns (each a copy of its own: encoded without another)."""
     fresh = {id(rng["torch"]), *map(id, rng.get("cuda", ()))}
     numpy = rng["numpy"]
     if isinstance(numpy, tuple) and len(numpy) > 1 and isinstance(numpy[1], np.ndarray):

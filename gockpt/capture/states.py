@@ -105,8 +105,9 @@ class StateWatch:
 
     def replaced(self, job: Job) -> List[str]:
         """At F: the slots whose optimizer state, as ``job``'s copies read it, has been
-        replaced since. When ``optimizer.state`` still holds the very dicts it held then (one
-        C-level identity pass), none was."""
+        replaced since. When ``optimizer.state`` is unchanged since the reading (its dict
+        version, noted then) or still holds the very dicts it held then (one C-level identity
+        pass), none was."""
         cached, state = self.of(job), self.optimizer.state
         reading = self._reading
         if self._state_version.same([state]) and not reading.refilled:
