@@ -283,10 +283,10 @@ class Checkpointer(Lifecycle):
         return job.handle
 
     def _maybe_start_window(self, step: int) -> None:
-        """Start the window of the next expected checkpoint when it must start here: K - 1
-        steps before its step, so that it ends at the step asked for (fewer, where K grew past
-        that boundary: :meth:`Schedule.window_starting`)."""
-        if not self.policy.replays or self._windows_off or (self._job and self._job.capturing):
+        """Start the window of the next expected checkpoint when it must start here: K - 1 steps
+        before its step (fewer, where K grew past that boundary: Schedule.window_starting)."""
+        if not self.policy.replays or self._windows_off or (self._job and self._job.capturing) \
+                or not self.schedule.window_may_start(step):  # (usual: no K worked out)
             return
         k = self.schedule.window_k(self.plan, self.engine.bandwidth(), self.policy.replays)
         span = self.schedule.window_starting(step, k)

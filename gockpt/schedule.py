@@ -141,6 +141,13 @@ class Schedule:
                 return span
         return None
 
+    def window_may_start(self, step: int) -> bool:
+        """Whether a window of any K there can be (up to MAX_K measured, the configured K, the
+        agreed one) would start at boundary ``step``: a checkpoint is expected within it.
+        False at the usual boundary, found in a few comparisons, without measuring K."""
+        longest = max(MAX_K, self.config.fixed_overlap_steps() or 0, self.agreed_k)
+        return self.window_starting(step, longest) is not None
+
     def spacing(self) -> Optional[int]:
         """Steps between two checkpoints as known now (the interval, N*, or the learned
         spacing of forced saves); None when unknown. A window of K steps must fit in it."""

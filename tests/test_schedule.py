@@ -149,6 +149,22 @@ def test_a_window_starts_with_the_steps_left_to_the_expected_checkpoint():
     assert s.window_starting(9, 1) is None  # K = 1: no window
 
 
+@pytest.mark.parametrize("overlap_steps", [None, 3, 12])
+def test_a_window_may_start_only_where_a_window_of_some_k_starts(overlap_steps):
+    """window_may_start (the usual boundary's check, before K is worked out) is False only
+    where no K the window can have -- up to MAX_K measured, the configured K, the agreed
+    one -- starts a window: it never hides one window_starting would start."""
+    s = Schedule(Config(directory="x", interval=40, overlap_steps=overlap_steps))
+    s.announce(57)
+    longest = max(schedule_mod.MAX_K, overlap_steps or 0, s.agreed_k)
+    for step in range(0, 90):
+        starts = [k for k in range(1, longest + 1) if s.window_starting(step, k) is not None]
+        assert s.window_may_start(step) == bool(starts), step
+    assert not s.window_may_start(40 - longest) and s.window_may_start(40 - longest + 1)
+    s.agreed_k = 20  # (several ranks: K agreed at the last checkpoint)
+    assert s.window_may_start(40 - 20 + 1) and not s.window_may_start(40 - 20)
+
+
 def test_the_spacing_of_the_users_saves_is_learned():
     s = Schedule(Config(directory="x"))
     assert s.spacing() is None and not s.expected(10)
