@@ -41,6 +41,7 @@ class Schedule:
         self.agreed_k = config.overlap_steps or 2  # several ranks: K agreed at each F
         self._warned_k = False
         self._probed: Optional[float] = None    # host copy bandwidth, probed once
+        self._k_measurable = False  # K worked out from measurements at least once (or fixed)
         self.fwd_bwd_times: List[float] = []    # boundary -> update_begin
         self.step_times: List[float] = []       # boundary -> boundary
         self._t_boundary = time.perf_counter()
@@ -144,7 +145,11 @@ class Schedule:
     def window_may_start(self, step: int) -> bool:
         """Whether a window of any K there can be (up to MAX_K measured, the configured K, the
         agreed one) would start at boundary ``step``: a checkpoint is expected within it.
-        False at the usual boundary, found in a few comparisons, without measuring K."""
+        False at the usual boundary, found in a few comparisons, without measuring K; True
+        until K was once worked out from measurements (so that the bandwidth probe, once,
+        runs at an early boundary as before, not at the first window's start)."""
+        if not self._k_measurable:
+            return True
         longest = max(MAX_K, self.config.fixed_overlap_steps() or 0, self.agreed_k)
         return self.window_starting(step, longest) is not None
 
@@ -189,6 +194,7 @@ class Schedule:
         k = self.config.fixed_overlap_steps()
         if k is None:
             k = self.agreed_k if self.several_ranks else self.measured_k(plan, bandwidth, replays)
+        self._k_measurable |= self.several_ranks  # (the K agreed at the last F)
         spacing = self.spacing()
         if spacing is not None:
             k = min(k, spacing)
@@ -216,6 +222,7 @@ class Schedule:
         step until a copy has measured it, and a probe moves 64 MiB)."""
         fixed = self.config.fixed_overlap_steps()
         if fixed is not None:
+            self._k_measurable = True
             return fixed
         if not self.fwd_bwd_times:
             return 2  # nothing measured yet
@@ -224,6 +231,7 @@ class Schedule:
                 self._probed = _probe_bandwidth()
             bandwidth = self._probed
         per_pass = statistics.median(self.fwd_bwd_times) * bandwidth
+        self._k_measurable = True
         for k in range(1, MAX_K + 1):
             if k * per_pass >= state_bytes + grad_bytes * (k - 1) / 2:
                 return k

@@ -150,12 +150,18 @@ def test_a_window_starts_with_the_steps_left_to_the_expected_checkpoint():
 
 
 @pytest.mark.parametrize("overlap_steps", [None, 3, 12])
-def test_a_window_may_start_only_where_a_window_of_some_k_starts(overlap_steps):
+def test_a_window_may_start_only_where_a_window_of_some_k_starts(clock, overlap_steps):
     """window_may_start (the usual boundary's check, before K is worked out) is False only
     where no K the window can have -- up to MAX_K measured, the configured K, the agreed
-    one -- starts a window: it never hides one window_starting would start."""
+    one -- starts a window: it never hides one window_starting would start. Until K was
+    once worked out from measurements it is True (the bandwidth probe runs early, once)."""
     s = Schedule(Config(directory="x", interval=40, overlap_steps=overlap_steps))
     s.announce(57)
+    assert all(s.window_may_start(step) for step in range(0, 90))
+    s.choose_k(1 << 20, 0, 1e9)  # (nothing measured yet: K = 2, nothing probed)
+    assert s.window_may_start(20) == (overlap_steps is None)
+    steps(s, clock, 2, 0.01, 0.001)
+    s.choose_k(1 << 20, 0, 1e9)
     longest = max(schedule_mod.MAX_K, overlap_steps or 0, s.agreed_k)
     for step in range(0, 90):
         starts = [k for k in range(1, longest + 1) if s.window_starting(step, k) is not None]
