@@ -13,6 +13,11 @@ checkpoints of their costliest step (the one ending at F: its gradients recorded
 state frozen). The
 target for a state of ~1,000 tensors (issue #37): <= 1 ms per boundary and <= 2 ms worst,
 whatever the size.
+
+"AdamW update" is the median CPU time of the optimizer's own update in the same steps
+(between gockpt's step hooks; torch's single-tensor AdamW on the CPU), and "% of update" the
+per-boundary cost as a share of it. This machine's speed moves the columns by up to 2x from one half
+hour to the next: compare two commits by runs alternated in one sitting.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def run(tensors: int, dim: int, root: str, settle: bool = False) -> dict:
     opt.register_step_pre_hook(mark("pre1"))
     opt.register_step_post_hook(mark("post1"))
     cost = {"backward_begin": [], "update_begin": [], "save_checkpoint": [], "optimizer_step": []}
+    updates = []  # the optimizer's own update (between gockpt's pre- and post-hook)
     x = torch.randn(4, dim)
     windows = {}  # per checkpoint: the hooks' total of each step of its window
     for step in range(1, STEPS + 1):
@@ -80,6 +86,7 @@ def run(tensors: int, dim: int, root: str, settle: bool = False) -> dict:
         _, t_ub = timed(settle, ck.update_begin)
         opt.step()
         t_opt = marks["pre1"] - marks["pre0"] + marks["post1"] - marks["post0"]
+        t_update = marks["post0"] - marks["pre1"]
         opt.zero_grad()
         handle, t_sc = timed(settle, ck.save_checkpoint, step)
         assert (handle is not None) == (step % EVERY == 0), "a checkpoint every EVERY steps"
@@ -92,6 +99,7 @@ def run(tensors: int, dim: int, root: str, settle: bool = False) -> dict:
             hooks = {}
             if step > c - K + 1:
                 hooks.update(backward_begin=t_bb, update_begin=t_ub, optimizer_step=t_opt)
+                updates.append(t_update)
             if step <= c:
                 hooks["save_checkpoint"] = t_sc
             for k, v in hooks.items():
@@ -101,6 +109,7 @@ def run(tensors: int, dim: int, root: str, settle: bool = False) -> dict:
     n = sum(p.numel() for p in model.parameters())
     return {"tensors": tensors, "state_mb": n * 12 / 1e6,
             **{k: statistics.median(v) * 1e3 for k, v in cost.items()},
+            "update": statistics.median(updates) * 1e3,
             "worst": statistics.median(max(w) for w in windows.values()) * 1e3}
 
 
@@ -115,7 +124,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     print(f"{'tensors':>7} {'state MB':>9} {'backward_begin':>15} {'update_begin':>13} "
           f"{'save_checkpoint':>16} {'optimizer step':>15} {'per boundary':>13} "
-          f"{'worst boundary':>15}  (ms CPU)")
+          f"{'worst boundary':>15} {'AdamW update':>13} {'% of update':>12}  (ms CPU)")
     for dim in (int(d) for d in args.dims.split(",")):
         for tensors in (int(t) for t in args.tensors.split(",")):
             root = tempfile.mkdtemp(prefix="gockpt-hooks-", dir="/dev/shm"
@@ -128,7 +137,8 @@ def main(argv=None) -> int:
                 r["optimizer_step"]
             print(f"{r['tensors']:>7} {r['state_mb']:>9.1f} {r['backward_begin']:>15.3f} "
                   f"{r['update_begin']:>13.3f} {r['save_checkpoint']:>16.3f} "
-                  f"{r['optimizer_step']:>15.3f} {total:>13.3f} {r['worst']:>15.3f}")
+                  f"{r['optimizer_step']:>15.3f} {total:>13.3f} {r['worst']:>15.3f} "
+                  f"{r['update']:>13.3f} {100 * total / r['update']:>11.1f}%")
     return 0
 
 
