@@ -658,8 +658,6 @@ py::object same_keys(const py::list& dicts) {
   return std::move(keys);
 }
 
-// The walk of module_entries(): appends (name, value) to `out` in state_dict()'s order;
-// false when state_dict() itself must be asked (see module_entries).
 // What one walk read, to tell whether a walk now would read the same (see ModuleWalkCache).
 struct WalkReads {
   std::vector<std::pair<py::object, uint64_t>> dicts;         // each dict read, its version
@@ -672,6 +670,8 @@ struct WalkReads {
   }
 };
 
+// The walk of module_entries(): appends (name, value) to `out` in state_dict()'s order;
+// false when state_dict() itself must be asked (see module_entries).
 struct ModuleWalk {
   PyObject* planned;       // dict keyed by id() of the tensors left out
   PyObject* plain_types;   // type -> bool: whether state_dict() of the type is nn.Module's own

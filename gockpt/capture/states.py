@@ -35,7 +35,8 @@ class StateWatch:
         self._carried = None  # (plan, _dicts_of(optimizer.state), each slot's dict, the
         # slots without one) at F
         self._lookups: Dict[str, _tensors.DictValues] = {}
-        self._state_version = _tensors.DictVersions()  # optimizer.state's, noted at each F
+        self._state_version = _tensors.DictVersions()  # optimizer.state's, noted at each
+        # reading and at each F
         self.generation = 0
         """Changes whenever :meth:`of` may give other dicts than before (a reading made anew,
         slots filled in): what was derived from its lists holds while it is the same."""
@@ -78,7 +79,7 @@ class StateWatch:
             self._state_version.same([state])  # (noted: unchanged at F, none replaced)
             self.generation += 1
         elif r.missing and len(state) != r.length:  # states created since
-            fresh, r.length, r.refilled = self.read(job.plan), len(state), True
+            fresh, r.length = self.read(job.plan), len(state)
             self.generation += 1
             for si in r.missing:
                 r.states[si] = fresh[si]
@@ -110,9 +111,10 @@ class StateWatch:
         pass), none was."""
         cached, state = self.of(job), self.optimizer.state
         reading = self._reading
-        if self._state_version.same([state]) and not reading.refilled:
+        if self._state_version.same([state]):
             # optimizer.state unchanged since the reading (its version, noted then: no pass
-            # over it): the same dicts, and the same slots without one
+            # over it): the same dicts, and the same slots without one (a state created
+            # since is a key added: another version)
             self._carried = (job.plan, reading.seen, cached, list(reading.missing))
             return []
         seen = reading.seen
@@ -137,7 +139,6 @@ class _Reading:
 
     def __init__(self, states: list, seen: tuple, length: int, missing: Optional[list] = None):
         self.states, self.seen, self.length = states, seen, length
-        self.refilled = False  # slots filled in since: ``seen`` is no longer what they hold
         self.missing = _missing(states) if missing is None else list(missing)
 
 
