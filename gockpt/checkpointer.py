@@ -47,7 +47,7 @@ from .replay.adapters import attach_adapter, state_keys_of
 from .replay.replayer import Replayer
 from .pipeline import Pipeline
 from .schedule import MAX_K, Busy, Schedule
-from .storage.commit import check_new_name, cleanup_temporaries, ensure_writable
+from .storage.commit import check_step_name, cleanup_temporaries, ensure_writable
 from .storage.lock import lock_for_ranks
 from .storage.persist import Persister
 from .steplog import StepLog, log_spacing
@@ -211,11 +211,11 @@ class Checkpointer(Lifecycle):
         and ``scheduler.step()``.
 
         Checkpoints the state of this very step when ``force`` is true, ``interval`` divides
-        ``step`` or :meth:`plan_checkpoint` announced it, and returns its handle (otherwise ``None``): the checkpoint is named
-        for ``step`` and holds the state right after its update, bit for bit, with
-        ``extra_state`` (a dict, or a zero-argument callable called here) as given now --
-        tensors, numbers, strings, lists and dicts, stored without pickle. ``name`` names it
-        instead (a tag such as DeepSpeed's ``global_step<N>``); it must not exist yet.
+        ``step`` or :meth:`plan_checkpoint` announced it, and returns its handle (else None):
+        named for ``step``, the state right after its update, bit for bit, with ``extra_state``
+        (a dict, or a zero-argument callable called here) as given now -- tensors, numbers,
+        strings, lists and dicts, stored without pickle. ``name``: a tag instead (DeepSpeed's
+        ``global_step<N>``), not ``latest``'s nor a non-checkpoint's (an older one is replaced).
 
         When the step of the next checkpoint is known in advance (``interval``,
         :meth:`plan_checkpoint`, or the spacing of the previous forced saves), the replay
@@ -225,7 +225,7 @@ class Checkpointer(Lifecycle):
         """
         self.loop.check_open()
         if name is not None:
-            check_new_name(self.config.directory, name)
+            check_step_name(self.config.directory, name)
         check_step(step)
         if self.steplog is not None and callable(extra_state):
             extra_state = extra_state()  # (taken once: the checkpoint and the log hold it)

@@ -280,6 +280,28 @@ def test_a_checkpoint_named_by_the_caller(tmp_path, mode):
     ck.close()
 
 
+def test_a_tag_committed_beyond_latest_is_replaced_by_the_next_save_of_it(tmp_path):
+    """A run killed between the commit of ``global_step4`` and ``latest``'s update resumes
+    from ``global_step2`` and saves ``global_step4`` again: the old one is replaced, and
+    ``latest`` names the new one."""
+    H.seed_all(0)
+    model, opt, sched = H.build()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="gockpt-o", overlap_steps=2)
+    handles = []
+    H.train_steps(model, opt, sched, 0, 4, ck, names={2: "global_step2", 4: "global_step4"},
+                  on_boundary=lambda step, h: h and handles.append(h))
+    for h in handles:
+        h.wait()
+    storage.commit.write_latest(str(tmp_path), "global_step2")  # (as if killed before it)
+    H.train_steps(model, opt, sched, 4, 6, ck, names={6: "global_step4"},
+                  on_boundary=lambda step, h: h and handles.append(h))
+    handles[-1].wait()
+    ck.close()
+    assert handles[-1].error is None
+    assert storage.list_checkpoints(str(tmp_path)) == ["global_step2", "global_step4"]
+    assert gockpt.load(str(tmp_path), *H.build(seed=123)[:2]).step == 6
+
+
 @HOST_DEVICE_ONLY
 @pytest.mark.parametrize("mode", ["async-o", "gockpt-o"])
 def test_the_first_checkpoint_allocates_no_staging_on_the_training_thread(tmp_path, monkeypatch,

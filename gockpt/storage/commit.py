@@ -128,6 +128,29 @@ def check_new_name(root: str, name: str) -> None:
                           "another name (checkpoints are never overwritten)")
 
 
+def check_step_name(root: str, name: str) -> None:
+    """Raise ConfigError unless a save may write checkpoint ``name`` (a step's) of ``root``:
+    no entry has that name, or it is a committed checkpoint that ``latest`` does not name --
+    one an earlier attempt of the run committed and the resume went back past (killed
+    between the commit and the pointer's update, or resumed from an older tag). That one is
+    replaced once the new one is complete, as the Checkpointer replaces its step-named
+    checkpoints. The checkpoint ``latest`` names (a second save of one step, or two jobs on
+    one directory) and any entry that is not a committed checkpoint are never replaced."""
+    try:
+        check_new_name(root, name)
+    except ConfigError as e:
+        try:
+            current = read_latest(root)[0]
+        except ValueError:
+            current = None
+        if current == name:
+            raise ConfigError(f"a checkpoint named {name!r} exists in {root!r} already and "
+                              f"{LATEST_FILE!r} names it; pick another name (the run's "
+                              "current checkpoint is never overwritten)") from None
+        if current is None or not is_committed(os.path.join(root, name)):
+            raise e from None
+
+
 def is_committed(path: str) -> bool:
     """Whether ``path`` is a committed checkpoint: manifest.json is written inside the temporary
     directory before the rename, so a visible directory with a manifest is one (whatever the

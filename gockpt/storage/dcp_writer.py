@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..core.digest import as_pairs, digests, to_hex
 from ..core.errors import ConfigError, GockptError
 from . import index as index_mod
-from .commit import apply_retention, check_new_name
+from .commit import apply_retention, check_step_name
 from .dcp_uploads import Uploads
 from .format import DTYPE_TO_CODE, TMP_PREFIX, check_name
 from .refs import TensorRef
@@ -164,7 +164,7 @@ class GockptWriter(StorageWriter):
         if not all(getattr(p, "usable", True) for p in plans):
             raise ConfigError("GockptWriter: DCP's plan caching (enable_plan_caching=True) "
                               "hands back an earlier save's plan; use a planner without it")
-        check_new_name(self.root, self.name)  # (a committed checkpoint is never overwritten)
+        check_step_name(self.root, self.name)  # (latest's checkpoint is never overwritten)
         for stale in glob.glob(os.path.join(glob.escape(self.root),
                                             f"{TMP_PREFIX}{self.name}-*")):
             shutil.rmtree(stale, ignore_errors=True)  # an earlier save of it that failed

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 import gockpt
 import gockpt.testing
 from gockpt import storage
+from gockpt.storage.commit import read_latest, write_latest
 from gockpt.storage.dcp import GockptReader, GockptWriter
 from tests._support.dist_ranks import run_ranks
 
@@ -163,6 +164,31 @@ def test_a_checkpoint_is_never_overwritten_and_a_failed_saves_leftovers_go(tmp_p
             for step in (4, 5):  # (the second save is handed the first one's plan)
                 dcp.save(state, storage_writer=GockptWriter(run, step=step), planner=planner,
                          no_dist=True)
+
+
+def test_a_step_committed_beyond_latest_is_saved_again_by_the_resumed_run(tmp_path):
+    """Killed between step 5's commit and ``latest``'s update, a run resumes from step 3
+    (``latest``) and saves step 5 again: the old step 5 is replaced by the new one, which
+    ``latest`` then names; the checkpoint ``latest`` names and an entry that is not a
+    checkpoint are still refused."""
+    run = str(tmp_path / "run")
+    _, _, state = _trained(seed=1)
+    _save(state, run, 3)
+    _save(state, run, 5)
+    old_seal = read_latest(run)[1]
+    write_latest(run, "step-000000003", None)  # (as if killed before the update)
+    model, opt, state = _trained(seed=2)
+    _save(state, run, 5)
+    name, seal = read_latest(run)
+    assert name == "step-000000005" and seal != old_seal
+    assert gockpt.verify(run).ok
+    _same_after_gockpt_load(run, model, opt, *_trained(seed=3, steps=1)[:2])
+    with pytest.raises(CheckpointException, match="'latest' names it"):
+        _save(state, run, 5)
+    os.makedirs(os.path.join(run, "step-000000007"))  # (not a checkpoint: no manifest)
+    with pytest.raises(CheckpointException, match="exists in .* already"):
+        _save(state, run, 7)
+    assert os.listdir(os.path.join(run, "step-000000007")) == []
 
 
 def test_what_gockpt_cannot_store_without_pickle_is_refused_and_nothing_is_committed(tmp_path):
