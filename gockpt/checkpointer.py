@@ -39,6 +39,7 @@ from .capture.transport import Bf16Transport
 from .core.config import Config, GradTransport, Interval, OnBusy, check_step
 from .core.errors import ConfigError, UnsupportedOptimizerError
 from .core.job import CheckpointHandle, Job
+from .core.latch import Latch
 from .exit import close_at_exit
 from .hooks import BlockedTime, StepHooks
 from .lifecycle import Lifecycle
@@ -300,10 +301,9 @@ class Checkpointer(Lifecycle):
         if self.steplog is not None:
             self.steplog.committed(job.handle.final_step)
 
-    def _copies_in_progress(self) -> Optional[threading.Event]:
-        """Any thread: the event that ends the current checkpoint's copies during training
-        (the time its hooks may block), None when none are in progress. The remote tier's
-        uploads pause until then, so that they never slow a checkpoint's copies down."""
+    def _copies_in_progress(self) -> Optional[Latch]:
+        """Any thread: the latch that ends the current checkpoint's copies under training (its
+        hooks' blocked time), or None; the remote tier's uploads pause until then."""
         job = self._job
         return None if job is None or job.accounts_closed.is_set() else job.accounts_closed
 

@@ -22,12 +22,12 @@ the run directory's.
 from __future__ import annotations
 
 import os
-import threading
 from typing import Callable, List, Optional
 
 from .agree import everyone, several
 from .core.config import Config
 from .core.errors import ConfigError
+from .core.latch import Latch
 from .core.paths import is_remote
 from .core.protocols import Committed, Tier
 from .storage import memory_tier, remote
@@ -43,7 +43,7 @@ class Tiers:
     """The memory and remote tiers of one Checkpointer (built on every rank, together)."""
 
     def __init__(self, config: Config, ranks: Ranks, state_bytes: int,
-                 copies_in_progress: Callable[[], Optional[threading.Event]]):
+                 copies_in_progress: Callable[[], Optional[Latch]]):
         """``state_bytes``: one checkpoint of this rank (the memory tier's space);
         ``copies_in_progress``: the event ending the current checkpoint's copies, which the
         uploads wait for (they never slow the copies down)."""

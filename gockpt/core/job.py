@@ -29,6 +29,7 @@ import torch
 from . import metrics as metrics_mod
 from .blocks import Block, BlockTable
 from .errors import CheckpointFailedError, WaitTimeoutError
+from .latch import Latch
 
 log = logging.getLogger("gockpt")
 
@@ -57,8 +58,8 @@ class Progress:
     the last step); ``pending``: what the checkpoint still waits for, in words."""
 
     def __init__(self):
-        self.staged = threading.Event()
-        self.durable = threading.Event()
+        self.staged = Latch()
+        self.durable = Latch()
         self.error: Optional[BaseException] = None
         self.reported = False
         self.on_wait: Optional[Callable[[], None]] = None
@@ -97,7 +98,7 @@ class CheckpointHandle:
         (and says so in the log after a minute)."""
         self._wait(self.progress.durable, timeout, "durable")
 
-    def _wait(self, event: threading.Event, timeout: Optional[float], what: str) -> None:
+    def _wait(self, event: Latch, timeout: Optional[float], what: str) -> None:
         start = time.monotonic()
         told = False
         while True:
@@ -237,7 +238,7 @@ class Job:
         self.samples: List = []
         """Self-check samples: (block, direct copies at F) (written by gockpt.replay.selfcheck
         only: taken at F, compared and dropped after the replay)."""
-        self.accounts_closed = threading.Event()
+        self.accounts_closed = Latch()
         """Set once no hook will charge blocked time to this job any more: its metrics are
         final (the persister waits for it before committing them)."""
         self.on_fail: Optional[Callable[["Job"], None]] = None

@@ -5,9 +5,9 @@ its ``s3://`` URL (:class:`.disk_tier.DiskReader`), and reads it with the same r
 
 from __future__ import annotations
 
-import threading
 from typing import Callable, Optional
 
+from ..core.latch import Latch
 from ..core.protocols import Committed
 from .replicate import RemoteStatus, Replicator
 
@@ -18,7 +18,7 @@ class RemoteTier:
 
     def __init__(self, directory: str, url: str, *, keep_last: Optional[int], retry_s: float,
                  wait_s: Optional[float],
-                 yield_to: Callable[[], Optional[threading.Event]]):
+                 yield_to: Callable[[], Optional[Latch]]):
         """``wait_s``: how long :meth:`finish` waits for the uploads the job owes
         (``Config.remote_wait_s``); ``yield_to``: the event ending the current checkpoint's
         copies, which the uploads wait for (they never slow the copies down)."""

@@ -35,6 +35,7 @@ from typing import Callable, Optional
 
 from ..core import metrics
 from ..core.errors import CorruptCheckpointError, GockptError, StorageError
+from ..core.latch import Latch
 from . import remote
 from .commit import is_committed, list_checkpoints, read_latest, resolve
 from .format import LATEST_FILE, MANIFEST_FILE, MANIFEST_MAX_BYTES, manifest_seal
@@ -78,7 +79,7 @@ class Replicator:
 
     def __init__(self, directory: str, url: str, *, keep_last: Optional[int] = None,
                  retry_s: float = 5.0,
-                 yield_to: Optional[Callable[[], Optional[threading.Event]]] = None):
+                 yield_to: Optional[Callable[[], Optional[Latch]]] = None):
         self.directory = directory
         self.yield_to = yield_to  # what training is doing that uploads must not slow down
         self.url = url.rstrip("/")
@@ -92,7 +93,7 @@ class Replicator:
         self._waiters = 0  # threads in wait(): the uploads do not pause for training then
         self._failures = 0  # failed upload attempts so far (close() gives up on a new one)
         self._warned_behind = False
-        self._held: Optional[threading.Event] = None  # the copies the uploads last paused for
+        self._held: Optional[Latch] = None  # the copies the uploads last paused for
         self._held_until = 0.0  # ... and until when at most
         self._paused_s = 0.0  # paused in this upload
         self._thread = threading.Thread(target=self._run, name="gockpt-remote", daemon=True)
