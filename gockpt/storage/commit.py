@@ -137,18 +137,22 @@ def check_step_name(root: str, name: str) -> None:
     checkpoints. The checkpoint ``latest`` names (a second save of one step, or two jobs on
     one directory) and any entry that is not a committed checkpoint are never replaced."""
     try:
-        check_new_name(root, name)
-    except ConfigError as e:
-        try:
-            current = read_latest(root)[0]
-        except ValueError:
-            current = None
-        if current == name:
-            raise ConfigError(f"a checkpoint named {name!r} exists in {root!r} already and "
-                              f"{LATEST_FILE!r} names it; pick another name (the run's "
-                              "current checkpoint is never overwritten)") from None
-        if current is None or not is_committed(os.path.join(root, name)):
-            raise e from None
+        check_name(name, "checkpoint name")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    path = os.path.join(root, name)
+    if not os.path.lexists(path):
+        return
+    try:
+        current = read_latest(root)[0]
+    except ValueError:
+        current = None
+    if current == name:
+        raise ConfigError(f"a checkpoint named {name!r} exists in {root!r} already and "
+                          f"{LATEST_FILE!r} names it; pick another name (the run's current "
+                          "checkpoint is never overwritten)")
+    if current is None or os.path.islink(path) or not is_committed(path):
+        check_new_name(root, name)  # (raises: not a checkpoint of this run to replace)
 
 
 def is_committed(path: str) -> bool:
