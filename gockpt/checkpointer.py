@@ -48,7 +48,7 @@ from .replay.adapters import attach_adapter, state_keys_of
 from .replay.replayer import Replayer
 from .pipeline import Pipeline
 from .schedule import MAX_K, Busy, Schedule
-from .storage.commit import check_step_name, cleanup_temporaries, ensure_writable
+from .storage.commit import cleanup_temporaries, ensure_writable
 from .storage.lock import lock_for_ranks
 from .storage.persist import Persister
 from .steplog import StepLog, log_spacing
@@ -216,7 +216,7 @@ class Checkpointer(Lifecycle):
         named for ``step``, the state right after its update, bit for bit, with ``extra_state``
         (a dict, or a zero-argument callable called here) as given now -- tensors, numbers,
         strings, lists and dicts, stored without pickle. ``name``: a tag instead (DeepSpeed's
-        ``global_step<N>``), not ``latest``'s nor a non-checkpoint's (an older one is replaced).
+        ``global_step<N>``) no entry has, or a killed job's beyond ``latest`` (replaced).
 
         When the step of the next checkpoint is known in advance (``interval``,
         :meth:`plan_checkpoint`, or the spacing of the previous forced saves), the replay
@@ -226,7 +226,7 @@ class Checkpointer(Lifecycle):
         """
         self.loop.check_open()
         if name is not None:
-            check_step_name(self.config.directory, name)
+            self.ranks.check_name(self.config.directory, name)
         check_step(step)
         if self.steplog is not None and callable(extra_state):
             extra_state = extra_state()  # (taken once: the checkpoint and the log hold it)

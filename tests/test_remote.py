@@ -727,6 +727,24 @@ def test_a_training_process_killed_mid_upload_leaves_no_partial_latest_and_the_n
     H.assert_same(loads_equal_small(url), loads_equal_small(directory))
 
 
+def test_a_checkpoint_a_killed_job_committed_after_latest_is_not_uploaded_at_start(tmp_path,
+                                                                                    url):
+    """What an earlier run committed but did not upload goes to the store at the next start,
+    up to the local ``latest``: a checkpoint committed after it by a job killed before it
+    named it is not the run's (the resumed job saves that step again), and the store's
+    ``latest`` does not move to it."""
+    directory = str(tmp_path / "run")
+    committed_locally(directory, 4)
+    storage.commit.write_latest(directory, storage.checkpoint_name(2))  # (killed before it)
+    remote.register(url, fast()["remote_options"])
+    rep = replicate.Replicator(directory, url)
+    rep.resume()
+    assert rep.wait(120)
+    rep.close()
+    assert list_checkpoints(url) == [storage.checkpoint_name(2)]
+    assert read_latest(url)[0] == storage.checkpoint_name(2)
+
+
 @pytest.mark.slow
 def test_two_ranks_replicate_every_part_and_resume_from_the_store_bit_for_bit(
         tmp_path, url, monkeypatch):

@@ -9,10 +9,19 @@ step has evicted them from the CPU caches each costs ~10-15 µs there; a latch c
 from __future__ import annotations
 
 import _thread
+import os
 import threading
 from typing import Optional
 
 _SETTING = _thread.allocate_lock()  # (set() from two threads at once releases the lock once)
+
+
+def _new_setting_lock() -> None:  # (a child forked while another thread held it)
+    global _SETTING
+    _SETTING = _thread.allocate_lock()
+
+
+os.register_at_fork(after_in_child=_new_setting_lock)
 
 
 class Latch:

@@ -15,12 +15,12 @@ import shutil
 import warnings
 from typing import Callable, Optional
 
-from ..core.errors import CheckpointNotFoundError, ConfigError, StorageError
+from ..core.errors import CheckpointNotFoundError, ConfigError, GockptError, StorageError
 from ..core.paths import is_remote
 from .format import (LATEST_FILE, LATEST_MAX_BYTES, MANIFEST_FILE, MANIFEST_MAX_BYTES, TMP_PREFIX,
                      TMP_RE, check_name, fsync_dir, manifest_seal, write_all)
 from . import remote
-from .manifest_file import read_small_file
+from .manifest_file import read_manifest, read_small_file
 
 log = logging.getLogger("gockpt")
 
@@ -129,13 +129,14 @@ def check_new_name(root: str, name: str) -> None:
 
 
 def check_step_name(root: str, name: str) -> None:
-    """Raise ConfigError unless a save may write checkpoint ``name`` (a step's) of ``root``:
-    no entry has that name, or it is a committed checkpoint that ``latest`` does not name --
-    one an earlier attempt of the run committed and the resume went back past (killed
-    between the commit and the pointer's update, or resumed from an older tag). That one is
-    replaced once the new one is complete, as the Checkpointer replaces its step-named
-    checkpoints. The checkpoint ``latest`` names (a second save of one step, or two jobs on
-    one directory) and any entry that is not a committed checkpoint are never replaced."""
+    """Raise ConfigError unless a save may write checkpoint ``name`` of ``root``: no entry has
+    that name, or it is a committed checkpoint of a later step than the one ``latest`` names
+    -- left by a job killed between that checkpoint's commit and ``latest``'s update, which
+    the resumed job went back past. That one is replaced once the new one is complete (as
+    the Checkpointer's step-named checkpoints are). Refused, each saying why: ``latest``'s
+    own checkpoint and any of its step or before (a second save of a name, or another job's
+    checkpoints), an entry that is not a committed checkpoint (a link, a directory without a
+    manifest), any entry while ``latest`` is missing or unreadable."""
     try:
         check_name(name, "checkpoint name")
     except ValueError as e:
@@ -143,16 +144,26 @@ def check_step_name(root: str, name: str) -> None:
     path = os.path.join(root, name)
     if not os.path.lexists(path):
         return
+    if os.path.islink(path) or not is_committed(path):
+        raise ConfigError(f"{path!r} exists and is not a committed checkpoint (a link, or a "
+                          "directory without a manifest); pick another name or remove it")
+    current, why = None, "is missing"
     try:
         current = read_latest(root)[0]
-    except ValueError:
-        current = None
-    if current == name:
+        if current is not None:
+            step = read_manifest(path)["step"]
+            latest_step = read_manifest(os.path.join(root, current))["step"]
+    except (ValueError, OSError, GockptError) as e:
+        current, why = None, f"or what it names cannot be read ({e})"
+    if current is None:
         raise ConfigError(f"a checkpoint named {name!r} exists in {root!r} already and "
-                          f"{LATEST_FILE!r} names it; pick another name (the run's current "
-                          "checkpoint is never overwritten)")
-    if current is None or os.path.islink(path) or not is_committed(path):
-        check_new_name(root, name)  # (raises: not a checkpoint of this run to replace)
+                          f"{os.path.join(root, LATEST_FILE)!r} {why}; pick another name")
+    if current == name or step <= latest_step:
+        raise ConfigError(f"a checkpoint named {name!r} (step {step}) exists in {root!r} "
+                          f"already, and {LATEST_FILE!r} names {current!r} (step {latest_step})"
+                          "; pick another name (only a checkpoint of a later step than "
+                          f"{LATEST_FILE!r}'s, left by a job killed before it updated "
+                          f"{LATEST_FILE!r}, is replaced)")
 
 
 def is_committed(path: str) -> bool:

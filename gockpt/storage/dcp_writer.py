@@ -164,7 +164,7 @@ class GockptWriter(StorageWriter):
         if not all(getattr(p, "usable", True) for p in plans):
             raise ConfigError("GockptWriter: DCP's plan caching (enable_plan_caching=True) "
                               "hands back an earlier save's plan; use a planner without it")
-        check_step_name(self.root, self.name)  # (latest's checkpoint is never overwritten)
+        check_step_name(self.root, self.name)  # (only a killed job's, beyond latest, replaced)
         for stale in glob.glob(os.path.join(glob.escape(self.root),
                                             f"{TMP_PREFIX}{self.name}-*")):
             shutil.rmtree(stale, ignore_errors=True)  # an earlier save of it that failed

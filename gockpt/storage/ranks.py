@@ -35,6 +35,7 @@ from ..core.errors import CheckpointFailedError, ConfigError, StorageError
 from ..core.plan import Plan
 from ..core.planning import mark_parallel
 from . import peers
+from .commit import check_step_name
 from .format import TMP_PREFIX
 from .schema import PartsManifest, part_name
 
@@ -92,6 +93,21 @@ class Ranks:
                          op=torch.distributed.ReduceOp.MIN):
             return None
         return bool(t.item())
+
+    def check_name(self, root: str, name: str) -> None:
+        """:func:`.commit.check_step_name` decided on rank 0, which publishes the checkpoint,
+        for every rank (training thread): ranks reading the directory at other instants, or
+        through a shared file system's caches, could disagree, and a rank raising alone would
+        leave the others waiting in the boundary's collectives."""
+        refused = None
+        if self.rank == 0:
+            try:
+                check_step_name(root, name)
+            except ConfigError as e:
+                refused = e
+        if not self.agree_all(refused is None):
+            raise refused or ConfigError(f"rank 0 refused the checkpoint name {name!r} (its "
+                                         "error says why)")
 
     def hosts(self, host_id: int) -> peers.Hosts:
         """The ranks by host, from every rank's ``host_id`` (training thread)."""

@@ -25,6 +25,7 @@ reused, attempts)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -247,8 +248,12 @@ class Replicator:
 
     def _queue_missing(self) -> None:
         """Queue (in commit order) the local checkpoints newer than the store's ``latest``
-        that the store does not hold as they are on disk."""
+        that the store does not hold as they are on disk, up to the local ``latest`` (one
+        committed after it, by a job killed before naming it, the resumed job saves again)."""
         local = list_checkpoints(self.directory)
+        with contextlib.suppress(ValueError):  # (an unreadable local latest: all of them)
+            current = read_latest(self.directory)[0]
+            local = local[:local.index(current) + 1] if current in local else local
         try:
             stored_latest, _ = read_latest(self.url)
         except ValueError:

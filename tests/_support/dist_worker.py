@@ -44,6 +44,8 @@ def main():
     ck.wait()
     first = handles[0]
     assert os.path.basename(storage.resolve(directory)) == "step-000000004"
+    if scenario == "named":
+        return named(directory, rank, ck, model, opt, sched)
     if scenario == "one-rank-fails":
         if rank == 1:
             FailingPart.armed = True  # the part writer of rank 1 fails
@@ -65,6 +67,35 @@ def main():
     assert restored.step == first.final_step == 4
     H.assert_same(snaps[4], H.snapshot(m2, o2, s2), f"rank {rank}")
     print(f"rank {rank}: ok", flush=True)
+    dist.destroy_process_group()
+
+
+def named(directory, rank, ck, model, opt, sched):
+    """Whether a save may take a name is rank 0's answer on every rank: rank 1 would refuse
+    any (as a stale view of the directory might), and yet both save ``global_step8``; a name
+    rank 0 refuses (a directory without a manifest) raises ConfigError on both, neither
+    left waiting."""
+    import gockpt.storage.ranks as ranks_mod
+    if rank == 1:
+        def refuse(root, name):
+            raise gockpt.ConfigError(f"rank 1's own view refuses {name!r}")
+        ranks_mod.check_step_name = refuse
+    H.train_steps(model, opt, sched, 6, 8, ck, names={8: "global_step8"})
+    ck.wait()
+    assert os.path.basename(storage.resolve(directory)) == "global_step8"
+    if rank == 0:
+        os.makedirs(os.path.join(directory, "global_step10"))
+    dist.barrier()
+    try:
+        ck.save_checkpoint(8, name="global_step10")
+    except gockpt.ConfigError as exc:
+        want = "not a committed checkpoint" if rank == 0 else "rank 0 refused"
+        assert want in str(exc), exc
+    else:
+        raise AssertionError("a name rank 0 refused was taken")
+    ck.close()
+    dist.barrier()
+    print(f"rank {rank}: ok (named)", flush=True)
     dist.destroy_process_group()
 
 

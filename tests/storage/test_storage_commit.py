@@ -155,23 +155,27 @@ def test_check_new_name_refuses_bad_and_existing_names(tmp_path):
 
 
 def test_check_step_name_replaces_only_a_checkpoint_beyond_latest(tmp_path):
-    """A committed checkpoint ``latest`` does not name may be saved again; ``latest``'s, a
-    directory without a manifest, a link, a bad name (even one that reaches a committed
-    checkpoint elsewhere) and anything in a run without a readable ``latest`` may not."""
+    """A committed checkpoint of a later step than ``latest``'s may be saved again; ``latest``'s,
+    an older one, a directory without a manifest, a link, a bad name (even one that reaches
+    a committed checkpoint elsewhere), and anything while ``latest`` is missing may not."""
     from gockpt.core.errors import ConfigError
     from gockpt.storage.commit import check_step_name
     run = tmp_path / "run"
-    save(run, "step-000000004")
-    save(run, "step-000000008", update_latest=False)  # (killed before latest named it)
+    save(run, "step-000000002", manifest={"step": 2})
+    save(run, "step-000000004", manifest={"step": 4})
+    save(run, "step-000000008", manifest={"step": 8}, update_latest=False)  # (killed before latest named it)
     check_step_name(str(run), "step-000000008")
     check_step_name(str(run), "step-000000012")
     (run / "step-000000010").mkdir()
     os.symlink(run / "step-000000008", run / "step-000000009")
-    save(tmp_path, "other", update_latest=False)
-    for bad, why in (("step-000000004", "'latest' names it"), ("step-000000010", "exists"),
-                     ("step-000000009", "exists"), ("../other", "checkpoint name")):
+    save(tmp_path, "other", manifest={"step": 9}, update_latest=False)
+    for bad, why in (("step-000000004", "'latest' names 'step-000000004' \\(step 4\\)"),
+                     ("step-000000002", "\\(step 2\\).*'latest' names"),
+                     ("step-000000010", "not a committed checkpoint"),
+                     ("step-000000009", "not a committed checkpoint"),
+                     ("../other", "checkpoint name")):
         with pytest.raises(ConfigError, match=why):
             check_step_name(str(run), bad)
     os.remove(run / "latest")
-    with pytest.raises(ConfigError, match="exists"):
+    with pytest.raises(ConfigError, match="latest' is missing"):
         check_step_name(str(run), "step-000000008")

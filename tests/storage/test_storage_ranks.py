@@ -23,3 +23,8 @@ def test_two_ranks_commit_together_and_load_their_own_part(tmp_path):
 def test_a_checkpoint_missing_a_rank_is_never_latest(tmp_path):
     outs = run_ranks(tmp_path, "one-rank-fails")
     assert "failed as expected" in outs[0][0] and "failed as expected" in outs[1][0]
+
+
+def test_whether_a_name_is_free_is_rank_0s_answer_on_every_rank(tmp_path):
+    outs = run_ranks(tmp_path, "named")
+    assert all("ok (named)" in out for out, _ in outs)
