@@ -117,17 +117,6 @@ def _is_seal(x: str) -> bool:
     return len(x) == 8 and all(c in "0123456789abcdef" for c in x)
 
 
-def check_new_name(root: str, name: str) -> None:
-    """Raise ConfigError unless ``name`` is a valid name no entry of ``root`` has yet."""
-    try:
-        check_name(name, "checkpoint name")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if os.path.lexists(os.path.join(root, name)):
-        raise ConfigError(f"a checkpoint named {name!r} exists in {root!r} already; pick "
-                          "another name (checkpoints are never overwritten)")
-
-
 def check_step_name(root: str, name: str) -> None:
     """Raise ConfigError unless a save may write checkpoint ``name`` of ``root``: no entry has
     that name, or it is a committed checkpoint of a later step than the one ``latest`` names

@@ -143,15 +143,15 @@ def test_cleanup_temporaries(tmp_path):
     assert cleanup_temporaries(str(tmp_path / "none")) == []
 
 
-def test_check_new_name_refuses_bad_and_existing_names(tmp_path):
+def test_check_step_name_refuses_bad_and_existing_names(tmp_path):
     from gockpt.core.errors import ConfigError
-    from gockpt.storage.commit import check_new_name
-    check_new_name(str(tmp_path), "global_step3")
+    from gockpt.storage.commit import check_step_name
+    check_step_name(str(tmp_path), "global_step3")
     (tmp_path / "global_step3").mkdir()
     for bad, why in (("global_step3", "exists"), ("../x", "checkpoint name"),
                      ("latest", "checkpoint name"), (".hidden", "checkpoint name")):
         with pytest.raises(ConfigError, match=why):
-            check_new_name(str(tmp_path), bad)
+            check_step_name(str(tmp_path), bad)
 
 
 def test_check_step_name_replaces_only_a_checkpoint_beyond_latest(tmp_path):
