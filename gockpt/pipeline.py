@@ -49,7 +49,8 @@ class Pipeline:
                                                              checkpoint_name(step)))
         self.digester = digester  # None: Config.verify is off
         self._digests_to_wait: List[Job] = []  # live digests the next update must not overtake
-        self._window_sizes: tuple = ((), 0, None)  # (what window_bytes read, K, its result)
+        self._window_sizes: tuple = ((), None, 0, None)  # (what window_bytes read, the host
+        # copy's keys_version, K, its result)
 
     def close(self) -> None:
         """Stop the replay thread, then the persist thread (each finishes what it holds)."""
@@ -88,11 +89,12 @@ class Pipeline:
     def _window_bytes(self, plan, host, k: int) -> tuple:
         """:func:`window_bytes`, computed again only when what it reads was replaced (the plan,
         its blocks copied at F, the host copy or its arenas): the same at most checkpoints."""
-        read = (plan, plan.at_f_table, host, host.layout_token)
-        seen, seen_k, sizes = self._window_sizes
-        if seen_k != k or len(seen) != len(read) or any(a is not b for a, b in zip(seen, read)):
+        read = (plan, plan.at_f_table, host)
+        seen, version, seen_k, sizes = self._window_sizes
+        if seen_k != k or version != host.keys_version or len(seen) != len(read) or \
+                any(a is not b for a, b in zip(seen, read)):
             sizes = window_bytes(plan, host, k)
-            self._window_sizes = (read, k, sizes)
+            self._window_sizes = (read, host.keys_version, k, sizes)
         return sizes
 
     def begin(self, job: Job, step: int, boundary: int, extra_state) -> None:

@@ -50,7 +50,7 @@ class Capture:
         self.grads = GradientCopies(engine, self.states, transport)
         self._zeros = Zeros()
         self._known = None  # what _known_states() read at the last F, and its result
-        self._layouts = None  # (plan, host, its layout_token, {tables: SegmentLayout})
+        self._layouts = None  # (plan, host, its keys_version, {tables: SegmentLayout})
         self._walks = _tensors.ModuleWalkCache()  # the model's small state, walked at F
 
     def declare_state_keys(self, host: HostCopy) -> None:
@@ -146,8 +146,8 @@ class Capture:
         host = job.host
         seen = self._layouts
         if seen is None or seen[0] is not job.plan or seen[1] is not host or \
-                seen[2] is not host.layout_token:
-            seen = self._layouts = (job.plan, host, host.layout_token, {})
+                seen[2] != host.keys_version:
+            seen = self._layouts = (job.plan, host, host.keys_version, {})
         key = (id(table), id(params))
         found = seen[3].get(key)
         if found is None or found[0] is not table or found[1] is not params:

@@ -137,11 +137,11 @@ class HostCopy:
         self._key_layout: Optional[tuple] = None
         self._bases: Dict[Optional[str], Tuple[np.ndarray, np.ndarray]] = {}
         self.keys_declared = False
-        self.keys_version = 0  # bumped whenever the state arenas are laid out again
-        self.layout_token = object()
-        """Replaced whenever the arenas are laid out again: what was derived from their
-        addresses (the hooks' segment layouts, a window's bytes) holds while it is the same."""
-        self._sizes: Optional[tuple] = None  # (layout_token, roles(), nbytes())
+        self.keys_version = 0
+        """Bumped whenever the state arenas are laid out again (the parameters' never are):
+        what was derived from the arenas (the hooks' segment layouts, a window's bytes, the
+        stored layout) holds while it and the host copy are the same."""
+        self._sizes: Optional[tuple] = None  # (keys_version, roles(), nbytes())
 
     def set_keys(self, likes: Dict[int, Dict[str, torch.Tensor]]) -> None:
         """Declare, for every slot with aligned state, its keys (key -> a tensor of the dtype
@@ -162,7 +162,6 @@ class HostCopy:
             self._key_layout = layout
             self._bases = {}
             self.keys_version += 1
-            self.layout_token = object()
         self.keys = [tuple(likes.get(si, {})) for si in range(len(self.slots))]
         self.keys_declared = True
 
@@ -204,10 +203,10 @@ class HostCopy:
         return self._sized()[2]
 
     def _sized(self) -> tuple:
-        """(layout_token, roles, bytes) of the arenas as laid out now (worked out once per
+        """(keys_version, roles, bytes) of the arenas as laid out now (worked out once per
         layout: each checkpoint's start asks)."""
-        if self._sizes is None or self._sizes[0] is not self.layout_token:
-            self._sizes = (self.layout_token,
+        if self._sizes is None or self._sizes[0] != self.keys_version:
+            self._sizes = (self.keys_version,
                            tuple(dict.fromkeys(key for key, _ in self.state_arenas)),
                            sum(a.nbytes() for a in self.param_arenas.values()) +
                            sum(a.nbytes() for a in self.state_arenas.values()))
