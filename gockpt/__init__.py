@@ -13,20 +13,53 @@ Public API::
     gockpt.replay_arithmetics()  # the profiles replay_step reproduces bit for bit
 """
 
-from .checkpointer import CheckpointHandle, Checkpointer
-from .core.config import Config
-from .core.remote_options import RemoteOptions
+import importlib
+from typing import TYPE_CHECKING
+
+# Every error is light (no torch) and imported at once; the rest is imported where it is first
+# used (``gockpt.Checkpointer``, ``from gockpt import load``): a tool that needs no torch --
+# ``gockpt-interval``, ``python -m gockpt.cli.interval`` -- starts in a tenth of a second
+# instead of the three that importing torch takes.
 from .core.errors import (CheckpointFailedError, CheckpointNotFoundError, ConfigError,
-                     ConsistencyError, CorruptCheckpointError, DirectoryInUseError, GockptError,
-                     HookOrderError, LayoutChangedError, LoadError, StorageError,
-                     UnsupportedOptimizerError, UnsupportedTensorError, WaitTimeoutError)
-from .loading import Restored, load
-from .core.modes import MODES
-from .replay.arithmetic import replay_arithmetics, replay_step
-from .storage.verify import VerifyReport, verify
-from .core import metrics  # noqa: F401  (public: gockpt.metrics.read(directory))
+                          ConsistencyError, CorruptCheckpointError, DirectoryInUseError,
+                          GockptError, HookOrderError, LayoutChangedError, LoadError,
+                          StorageError, UnsupportedOptimizerError, UnsupportedTensorError,
+                          WaitTimeoutError)
+
+if TYPE_CHECKING:  # (what type checkers and IDEs see; at run time: __getattr__)
+    from .checkpointer import CheckpointHandle, Checkpointer
+    from .core import metrics
+    from .core.config import Config
+    from .core.modes import MODES
+    from .core.remote_options import RemoteOptions
+    from .loading import Restored, load
+    from .replay.arithmetic import replay_arithmetics, replay_step
+    from .storage.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_LAZY = {"Checkpointer": ".checkpointer", "CheckpointHandle": ".checkpointer",
+         "Config": ".core.config", "RemoteOptions": ".core.remote_options",
+         "MODES": ".core.modes", "load": ".loading", "Restored": ".loading",
+         "verify": ".storage.verify", "VerifyReport": ".storage.verify",
+         "replay_step": ".replay.arithmetic", "replay_arithmetics": ".replay.arithmetic"}
+
+
+def __getattr__(name: str):
+    if name == "metrics":  # (public: gockpt.metrics.read(directory))
+        value = importlib.import_module(".core.metrics", __name__)
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    else:
+        raise AttributeError(f"module 'gockpt' has no attribute {name!r}")
+    globals()[name] = value  # (looked up once)
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | {"metrics"})
+
 
 __all__ = [
     "RemoteOptions",

@@ -28,6 +28,19 @@ def test_a_cli_command_imports_only_what_it_uses(tmp_path):
     assert _printed(code)[-2:] == ["False", "True"]
 
 
+def test_the_interval_calculator_starts_without_torch():
+    """``gockpt-interval`` is formulas over a few numbers (or a metrics file): it imports
+    neither torch nor the rest of gockpt (three seconds before: ``import gockpt`` imported
+    the engine, now imported where it is first used)."""
+    code = ("import sys\nfrom gockpt.cli.interval import main\n"
+            "main(['--mtbf', '3600', '--step-time', '0.5', '--stall', '2'])\n"
+            "import gockpt\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'gockpt.checkpointer') if m in sys.modules))\n"
+            "gockpt.Checkpointer\n"
+            "print('gockpt.checkpointer' in sys.modules)\n")
+    assert _printed(code)[-2:] == ["[]", "True"]
+
+
 def _printed(code: str) -> list:
     """The lines ``code`` prints in a fresh interpreter."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

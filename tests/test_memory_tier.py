@@ -5,8 +5,6 @@ or half-written copy; the space checked when the Checkpointer is built; removed 
 training (close(), gockpt clean --memory) and kept when the process dies."""
 
 import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -17,7 +15,9 @@ from gockpt.core.errors import ConfigError
 from gockpt.storage import memory_tier, peers
 from gockpt.storage.commit import write_latest
 from gockpt.testing import assert_same, snapshot
+from tests._support import worker_env
 from tests._support.cli_helpers import flip_byte
+from tests._support.forked import run_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -212,8 +212,10 @@ from tests.test_memory_tier import _trained
 _trained({run!r}, {shm!r}, steps=7)
 os.kill(os.getpid(), signal.SIGKILL)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    script = tmp_path / "killed.py"
+    script.write_text(code)
+    # (its own process, forked from the tests' server that imported torch once)
+    proc = run_worker(str(script), env=worker_env(), timeout=120)
     assert proc.returncode == -9, proc.stderr
     root = memory_tier.root_of(os.path.realpath(run), shm)
     assert os.path.isdir(os.path.join(root, "step-000000006")), "kept when the process dies"

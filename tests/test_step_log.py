@@ -7,8 +7,6 @@ replays the first process's steps and the second's."""
 import os
 import random
 import re
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
@@ -20,7 +18,9 @@ from gockpt.core.errors import ConfigError
 from gockpt.storage import memory_tier
 from gockpt.storage.steplog import log_root
 from gockpt.testing import assert_same, snapshot
+from tests._support import worker_env
 from tests._support.cli_helpers import flip_byte
+from tests._support.forked import run_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVERY = 5  # a checkpoint every 5 steps
@@ -85,7 +85,7 @@ def _checkpointer(run, shm, model, opt, sched, **options):
 
 
 def _killed_after(run, shm, step, first=1):
-    """A process that trains (resuming from ``run`` when ``first`` > 1; else up to step 6,
+    """A process (its own, forked) that trains (resuming from ``run`` when ``first`` > 1; else up to step 6,
     waiting for the checkpoint of step 5) up to ``step``'s boundary and is killed with
     SIGKILL right after it (its log thread mid-write)."""
     code = f"""
@@ -105,8 +105,11 @@ if first == 1:  # (the checkpoint of step 5 committed: a restart has a base)
 _steps(model, opt, sched, ck, first, {step})
 os.kill(os.getpid(), signal.SIGKILL)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    script = os.path.join(os.path.dirname(run), "killed.py")
+    with open(script, "w") as f:
+        f.write(code)
+    # (forked from the tests' server that imported torch once: tests/_support/forked.py)
+    proc = run_worker(script, env=worker_env(), timeout=120)
     assert proc.returncode == -9, proc.stderr
 
 

@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 
 from ..core.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                            GockptError)
-from .common import PROG, BadCheckpoint, UsageError, one_line
+from .status import PROG, BadCheckpoint, UsageError, one_line
 from .pipe import quiet_on_broken_pipe
 
 __all__ = ["main"]

@@ -1,6 +1,6 @@
-"""What the ``gockpt`` commands share: the checkpoint a path names, the errors that become exit
-statuses, the parts of a checkpoint written by several ranks, and how sizes, times and tables
-are written."""
+"""What the ``gockpt`` commands share: the checkpoint a path names, the parts of a checkpoint
+written by several ranks, and how sizes, times and tables are written (the errors that become
+exit statuses: ``status.py``)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,7 @@ from ..storage import remote
 from ..storage.commit import bytes_under, checkpoint_of
 from ..storage.format import MANIFEST_FILE
 from ..storage.verify import Part, read_parts
-
-PROG = "gockpt"
-
-
-class UsageError(Exception):
-    """Bad arguments, a path that does not exist or holds no checkpoint: exit status 2."""
-
-
-class BadCheckpoint(Exception):
-    """The checkpoint exists but is damaged or not what gockpt wrote: exit status 1."""
-
+from .status import PROG, BadCheckpoint, UsageError, one_line
 
 # ---------------------------------------------------------------------------------- paths
 
@@ -132,11 +122,6 @@ def warn(msgs) -> None:
 def print_json(obj) -> None:
     """``obj`` as indented JSON on stdout."""
     print(json.dumps(obj, indent=2, default=str))
-
-
-def one_line(exc) -> str:
-    """An exception (or message) as one line."""
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def human(n: Optional[int]) -> str:

@@ -36,10 +36,6 @@ import torch
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
-if os.environ.get("GOCKPT_TEST_CPUINFO"):  # dist_ranks.cpu_info_env: the answer, asked once
-    import cpuinfo
-    _CPU_INFO = json.loads(os.environ["GOCKPT_TEST_CPUINFO"])
-    cpuinfo.get_cpu_info = lambda: dict(_CPU_INFO)
 
 
 def model_of(sc) -> torch.nn.Module:

@@ -3,8 +3,6 @@ another worker, as torchrun would start them, forked from the session's server t
 torch and DeepSpeed once: tests._support.forked) and checks that every rank finished; shared
 by the storage, CLI, DeepSpeed and many-ranks tests."""
 
-import json
-import os
 import time
 
 from tests._support import worker_env
@@ -19,32 +17,14 @@ def free_port():
     return free_ports(1)
 
 
-CPU_INFO_VAR = "GOCKPT_TEST_CPUINFO"
-
-
-def cpu_info_env() -> dict:
-    """{CPU_INFO_VAR: this machine's py-cpuinfo architecture and flags as JSON}, asked once
-    per test session. DeepSpeed's CPU op builders ask py-cpuinfo twice in each process (about
-    a second each: it probes the CPU in a subprocess) only to choose the compiler flags of
-    their JIT-built ops; tests/_support/deepspeed_worker.py answers from this instead, which
-    saves ~2 s of every DeepSpeed rank's start."""
-    if CPU_INFO_VAR not in os.environ:
-        import cpuinfo
-        info = cpuinfo.get_cpu_info()
-        os.environ[CPU_INFO_VAR] = json.dumps({"arch": info.get("arch"),
-                                               "flags": info.get("flags", [])})
-    return {CPU_INFO_VAR: os.environ[CPU_INFO_VAR]}
-
-
 def start_ranks(directory, scenario, world=2, worker=WORKER):
     """Start ``python -m tests._support.<worker> DIRECTORY SCENARIO`` as ``world`` gloo ranks,
     forked from the session's server that imported torch and DeepSpeed once
     (:mod:`tests._support.forked`); returns their processes (``Popen``-like, text output)."""
     port = free_port()
-    extra = cpu_info_env() if worker == "deepspeed_worker" else {}
     return [Forked(worker, [str(directory), scenario],
                    worker_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(port), **extra))
+                              MASTER_PORT=str(port)))
             for rank in range(world)]
 
 

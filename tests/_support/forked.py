@@ -38,8 +38,10 @@ from typing import Optional
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "numpy", "deepspeed",
            "deepspeed.runtime.zero.muon.muon_optimizer", "pytorch_lightning",
            "torch.distributed.checkpoint", "torch.distributed.tensor",
-           "torch.distributed.fsdp", "gockpt", "gockpt.storage",
-           "gockpt.integrations.deepspeed", "gockpt.integrations.lightning"]
+           "torch.distributed.fsdp", "gockpt", "gockpt.checkpointer", "gockpt.loading",
+           "gockpt.storage",
+           "gockpt.integrations.deepspeed", "gockpt.integrations.lightning",
+           "tests._support.cpu_probe"]
 
 _context = None
 _outputs = None  # the folder of the workers' outputs, removed when this process ends
@@ -79,6 +81,9 @@ def _child(module: str, args: list, env: dict, out_path: str, err_path: str,
         if path and path not in sys.path:
             sys.path.insert(0, path)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # multiprocessing's default start method as a fresh interpreter has it (the server's
+    # start set it to "forkserver": a DataLoader's workers would run the worker's script again)
+    multiprocessing.set_start_method(None, force=True)
     if cwd is not None:
         os.chdir(cwd)
     sys.argv = [module, *args]

@@ -45,7 +45,7 @@ def test_the_shared_lock_of_other_ranks_holds_nothing():
 # ------------------------------------------------------------------ a dead writer never blocks
 
 WITH_WORKERS = r"""
-import sys, torch, gockpt
+import signal, sys, torch, gockpt
 from torch.utils.data import DataLoader, TensorDataset
 model = torch.nn.Linear(2, 2)
 ck = gockpt.Checkpointer(model, torch.optim.AdamW(model.parameters()), sys.argv[1], mode="sync")
@@ -54,7 +54,7 @@ loader = DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=4, num_workers
 it = iter(loader)
 next(it)
 print(" ".join(str(w.pid) for w in it._workers), flush=True)
-sys.stdin.read()   # hold the lock until killed
+signal.pause()   # hold the lock until killed
 """
 
 
@@ -62,21 +62,24 @@ def test_a_restart_right_after_kill_9_with_dataloader_workers_succeeds(tmp_path)
     """The DataLoader workers forked by the killed process outlive it (here: stopped, so that
     they certainly do); they must not hold the directory's lock."""
     import signal
-    import subprocess
-    import sys
     import gockpt
     import torch
-    holder = subprocess.Popen([sys.executable, "-c", WITH_WORKERS, str(tmp_path)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    from tests._support import worker_env
+    from tests._support.forked import Forked
+    run = str(tmp_path / "run")
+    script = tmp_path / "holder.py"
+    script.write_text(WITH_WORKERS)
+    # its own process (forked from the tests' server that imported torch once), killed for real
+    holder = Forked(str(script), [run], worker_env(), stream=True)
     workers = [int(p) for p in holder.stdout.readline().split()]
     try:
-        assert len(workers) == 2
+        assert len(workers) == 2, holder.stderr.read()
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
+        holder.kill()
+        assert holder.returncode == -9
         model = torch.nn.Linear(2, 2)
-        gockpt.Checkpointer(model, torch.optim.AdamW(model.parameters()), str(tmp_path),
+        gockpt.Checkpointer(model, torch.optim.AdamW(model.parameters()), run,
                             mode="sync").close()
     finally:
         holder.kill()
