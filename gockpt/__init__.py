@@ -14,6 +14,7 @@ Public API::
 """
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 # Every error is light (no torch) and imported at once; the rest is imported where it is first
@@ -51,6 +52,8 @@ def __getattr__(name: str):
         value = importlib.import_module(".core.metrics", __name__)
     elif name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):
+        value = importlib.import_module(f".{name}", __name__)  # (gockpt.storage.read_tensors)
     else:
         raise AttributeError(f"module 'gockpt' has no attribute {name!r}")
     globals()[name] = value  # (looked up once)

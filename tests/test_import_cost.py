@@ -37,8 +37,9 @@ def test_the_interval_calculator_starts_without_torch():
             "import gockpt\n"
             "print(sorted(m for m in ('torch', 'numpy', 'gockpt.checkpointer') if m in sys.modules))\n"
             "gockpt.Checkpointer\n"
-            "print('gockpt.checkpointer' in sys.modules)\n")
-    assert _printed(code)[-2:] == ["[]", "True"]
+            "print('gockpt.checkpointer' in sys.modules)\n"
+            "print(gockpt.testing.snapshot.__name__)\n")  # (a submodule: imported when named)
+    assert _printed(code)[-3:] == ["[]", "True", "snapshot"]
 
 
 def _printed(code: str) -> list:
