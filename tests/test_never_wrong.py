@@ -14,8 +14,6 @@ import gockpt
 from gockpt import storage
 from gockpt.testing import assert_same, snapshot
 
-from tests._support import worker_env
-from tests._support.forked import Forked
 from tests._support.loops import Run, loaded, overwrite_gradients, same
 
 # Patches the CPU device's own code, which the simulated asynchronous device
@@ -227,29 +225,29 @@ def test_a_second_checkpointer_on_the_same_directory_is_refused(tmp_path):
 
 
 HOLDER = r"""
-import signal, sys, torch, gockpt
+import sys, torch, gockpt
 model = torch.nn.Linear(2, 2)
 ck = gockpt.Checkpointer(model, torch.optim.AdamW(model.parameters()), sys.argv[1], mode="sync")
 print("locked", flush=True)
-signal.pause()   # hold the lock until killed
+sys.stdin.read()   # hold the lock until killed
 """
 
 
 def test_a_second_process_is_refused_until_the_holder_dies(tmp_path):
-    run = str(tmp_path / "run")
-    script = tmp_path / "holder.py"
-    script.write_text(HOLDER)
-    # its own process (forked from the tests' server that imported torch once), killed for real
-    holder = Forked(str(script), [run], worker_env(), stream=True)
+    import signal
+    import subprocess
+    import sys
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "locked", holder.stderr.read()
+        assert holder.stdout.readline().strip() == "locked"
         model, opt = small_model()
         with pytest.raises(gockpt.DirectoryInUseError, match=f"pid {holder.pid} on host"):
-            gockpt.Checkpointer(model, opt, run, mode="sync")
+            gockpt.Checkpointer(model, opt, str(tmp_path), mode="sync")
     finally:
-        holder.kill()
-    assert holder.returncode == -9
-    ck = gockpt.Checkpointer(model, opt, run, mode="sync")  # no stale lock
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    ck = gockpt.Checkpointer(model, opt, str(tmp_path), mode="sync")  # no stale lock
     ck.close()
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import queue
+import re
 import threading
 import time
 from typing import List, Optional, Sequence, Tuple
@@ -114,9 +115,13 @@ def to_hex(pair: Tuple[int, int]) -> str:
     return f"{pair[0]:016x}{pair[1]:016x}"
 
 
+_HEX = re.compile(r"[0-9a-f]{32}")
+
+
 def is_hex(x) -> bool:
-    """Whether ``x`` is a digest as the manifest spells it."""
-    return isinstance(x, str) and len(x) == 32 and all(c in "0123456789abcdef" for c in x)
+    """Whether ``x`` is a digest as the manifest spells it (one regular expression: a
+    manifest holds a digest per tensor, each checked at every read)."""
+    return isinstance(x, str) and _HEX.fullmatch(x) is not None
 
 
 class _Layout:
