@@ -13,8 +13,7 @@ Public API::
     gockpt.replay_arithmetics()  # the profiles replay_step reproduces bit for bit
 """
 
-import importlib
-import importlib.util
+import importlib as _importlib
 from typing import TYPE_CHECKING
 
 # Every error is light (no torch) and imported at once; the rest is imported where it is first
@@ -26,6 +25,7 @@ from .core.errors import (CheckpointFailedError, CheckpointNotFoundError, Config
                           GockptError, HookOrderError, LayoutChangedError, LoadError,
                           StorageError, UnsupportedOptimizerError, UnsupportedTensorError,
                           WaitTimeoutError)
+from .core.lazy import submodule as _submodule
 
 if TYPE_CHECKING:  # (what type checkers and IDEs see; at run time: __getattr__)
     from .checkpointer import CheckpointHandle, Checkpointer
@@ -49,19 +49,20 @@ _LAZY = {"Checkpointer": ".checkpointer", "CheckpointHandle": ".checkpointer",
 
 def __getattr__(name: str):
     if name == "metrics":  # (public: gockpt.metrics.read(directory))
-        value = importlib.import_module(".core.metrics", __name__)
+        value = _importlib.import_module(".core.metrics", __name__)
     elif name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):
-        value = importlib.import_module(f".{name}", __name__)  # (gockpt.storage.read_tensors)
-    else:
-        raise AttributeError(f"module 'gockpt' has no attribute {name!r}")
+        value = getattr(_importlib.import_module(_LAZY[name], __name__), name)
+    else:  # a submodule (gockpt.storage.read_tensors); the C++ core of the tensors' reads
+        if name == "_tensors":  # links libtorch, which torch's import loads first
+            _importlib.import_module("torch")
+        value = _submodule(__name__, name)
     globals()[name] = value  # (looked up once)
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__) | {"metrics"})
+    return sorted(set(__all__) | {"metrics", "__version__"}
+                  | {n for n in globals() if not n.startswith("_") and n != "TYPE_CHECKING"})
 
 
 __all__ = [

@@ -36,10 +36,12 @@ def test_the_interval_calculator_starts_without_torch():
             "main(['--mtbf', '3600', '--step-time', '0.5', '--stall', '2'])\n"
             "import gockpt\n"
             "print(sorted(m for m in ('torch', 'numpy', 'gockpt.checkpointer') if m in sys.modules))\n"
+            "print(gockpt.core.config.Config.__name__)\n"
             "gockpt.Checkpointer\n"
             "print('gockpt.checkpointer' in sys.modules)\n"
-            "print(gockpt.testing.snapshot.__name__)\n")  # (a submodule: imported when named)
-    assert _printed(code)[-3:] == ["[]", "True", "snapshot"]
+            "print(gockpt.testing.snapshot.__name__, gockpt.storage.tree.__name__)\n")
+    # (submodules, however deep, imported when named: reachable as before)
+    assert _printed(code)[-4:] == ["[]", "Config", "True", "snapshot gockpt.storage.tree"]
 
 
 def _printed(code: str) -> list:

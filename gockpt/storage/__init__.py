@@ -14,6 +14,7 @@
     tree.py      Python state as JSON plus tensors (never pickle)
 """
 
+from ..core.lazy import submodule
 from .commit import cleanup_temporaries, list_checkpoints, resolve
 from .format import (ALIGN, CHUNK_BYTES, CODE_TO_DTYPE, DATA_FILE, DTYPE_TO_CODE, FORMAT,
                      FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, PAD_PREFIX, TMP_PREFIX,
@@ -28,3 +29,7 @@ __all__ = [
     "CheckpointWriter", "resolve", "list_checkpoints", "read_manifest", "read_tensors",
     "cleanup_temporaries",
 ]
+
+
+def __getattr__(name: str):  # (a submodule, imported when first named: core/lazy.py)
+    return submodule(__name__, name)
