@@ -39,8 +39,9 @@ if TYPE_CHECKING:  # (what type checkers and IDEs see; at run time: __getattr__)
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it
-_LAZY = {"Checkpointer": ".checkpointer", "CheckpointHandle": ".checkpointer",
+# public name -> the module that defines it (metrics, a module: gockpt.metrics.read(directory))
+_LAZY = {"metrics": ".core",
+         "Checkpointer": ".checkpointer", "CheckpointHandle": ".checkpointer",
          "Config": ".core.config", "RemoteOptions": ".core.remote_options",
          "MODES": ".core.modes", "load": ".loading", "Restored": ".loading",
          "verify": ".storage.verify", "VerifyReport": ".storage.verify",
@@ -48,9 +49,7 @@ _LAZY = {"Checkpointer": ".checkpointer", "CheckpointHandle": ".checkpointer",
 
 
 def __getattr__(name: str):
-    if name == "metrics":  # (public: gockpt.metrics.read(directory))
-        value = _importlib.import_module(".core.metrics", __name__)
-    elif name in _LAZY:
+    if name in _LAZY:
         value = getattr(_importlib.import_module(_LAZY[name], __name__), name)
     else:  # a submodule (gockpt.storage.read_tensors); the C++ core of the tensors' reads
         if name == "_tensors":  # links libtorch, which torch's import loads first
@@ -61,7 +60,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(__all__) | {"metrics", "__version__"}
+    return sorted(set(__all__) | set(_LAZY) | {"__version__"}
                   | {n for n in globals() if not n.startswith("_") and n != "TYPE_CHECKING"})
 
 

@@ -1,4 +1,5 @@
-"""Capture: copies of the live state to host memory, in groups over a window, and the gradients between."""
+"""Capture: copies of the live state to host memory, in groups over a window, and the
+gradients between."""
 
 from ..core.lazy import submodule
 
