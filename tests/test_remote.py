@@ -94,6 +94,14 @@ class Faulty(remote.Bucket):
         self._heal()
         return super().head(key)
 
+    def get_small(self, key, limit):
+        self._heal()
+        return super().get_small(key, limit)
+
+    def delete(self, key):
+        self._heal()
+        return super().delete(key)
+
     def put_file(self, key, path, **kw):
         cls = type(self)
         self._heal()
@@ -743,6 +751,54 @@ def test_a_checkpoint_a_killed_job_committed_after_latest_is_not_uploaded_at_sta
     rep.close()
     assert list_checkpoints(url) == [storage.checkpoint_name(2)]
     assert read_latest(url)[0] == storage.checkpoint_name(2)
+
+
+@pytest.mark.filterwarnings("ignore:.*names 'step-000000004', which is not a committed")
+def test_a_replaced_name_has_no_manifest_in_the_store_while_its_new_objects_are_put(
+        tmp_path, url):
+    """A name the store holds whose local checkpoint was replaced (a job killed before naming
+    step 4 ``latest``; the next one saves step 4 again, from other batches): the store's old
+    manifest is deleted before the first object of the new checkpoint is put, so that no
+    reader finds the old manifest over data being rewritten (a load of the store's ``latest``
+    falls back to step 2 meanwhile); then the store holds the new step 4, as on disk."""
+    directory = str(tmp_path / "run")
+    name = storage.checkpoint_name(4)
+    committed_locally(directory, 4)
+    remote.register(url, fast()["remote_options"])
+    rep = replicate.Replicator(directory, url)
+    rep.resume()
+    assert rep.wait(120)
+    rep.close()
+    bucket, prefix = remote.bucket_of(url)
+    old = bucket.get_small(f"{prefix}/{name}/manifest.json", 1 << 24)
+    storage.commit.write_latest(directory, storage.checkpoint_name(2))  # (killed before it)
+    seen = {}
+
+    def fault(bucket, key):  # before the first object of the new step 4 is put
+        seen[key] = bucket.head(f"{prefix}/{name}/manifest.json")
+        seen["resolved"] = os.path.basename(storage.commit.resolve(url))
+
+    remote.register(url, fast()["remote_options"], factory=faulty(name, fault, lambda b: None))
+    model, opt = big_model()
+    assert gockpt.load(directory, model, opt).step == 2
+    ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
+    for step in (2, 3):  # other batches than the first run's
+        x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(100 + step))
+        ck.backward_begin()
+        model(x).square().mean().backward()
+        ck.update_begin()
+        opt.step()
+        opt.zero_grad()
+        ck.save_checkpoint(step + 1)
+    status = ck.wait_remote()
+    ck.close()
+    assert status.uploaded == [name] and status.error is None
+    with open(os.path.join(directory, name, "manifest.json"), "rb") as f:
+        assert f.read() != old  # (replaced by another checkpoint)
+    assert seen == {f"{prefix}/{name}/data.safetensors": None,
+                    "resolved": storage.checkpoint_name(2)}
+    assert read_latest(url)[0] == name
+    H.assert_same(loads_equal(url)[1], loads_equal(directory)[1])
 
 
 @pytest.mark.slow

@@ -293,6 +293,26 @@ class Replicator:
     def _key(self, *names: str) -> str:
         return store_key(self.prefix, *names)
 
+    def _unpublish_replaced(self, name: str) -> None:
+        """The store holds another checkpoint under ``name`` (the name was replaced locally:
+        a step of a killed job saved again): its manifest is deleted before any object of
+        the new one is put. Until the new manifest lands, the store then holds no checkpoint
+        of that name (a load of its ``latest`` falls back to the newest committed one), never
+        the old manifest over data objects being rewritten."""
+        local = os.path.join(self.directory, name, MANIFEST_FILE)
+        key = self._key(name, MANIFEST_FILE)
+        try:
+            stored = self.bucket.get_small(key, MANIFEST_MAX_BYTES)
+        except FileNotFoundError:
+            return
+        except ValueError:  # (larger than any manifest: not one; the upload replaces it)
+            stored = None
+        if stored != read_small_file(local, MANIFEST_MAX_BYTES, local):
+            log.info("gockpt: %s in %s is another checkpoint than the local one of that "
+                     "name: its manifest is deleted before the new one is uploaded", name,
+                     self.url)
+            self.bucket.delete(key)
+
     def _upload(self, name: str) -> bool:
         """Upload checkpoint ``name``; False if it was deleted locally first (retention). A data
         object the store already holds with the same bytes (an upload cut off after it, by a
@@ -305,6 +325,7 @@ class Replicator:
         self._paused_s = 0.0
         sent, reused = 0, []
         try:
+            self._unpublish_replaced(name)
             for rel, check in upload_order(path):
                 key, local = self._key(name, rel), os.path.join(path, rel)
                 if check is not None and self.bucket.holds_file(key, local, check=check,

@@ -8,6 +8,8 @@ own: the Replicator decides what is uploaded and when.
 One checkpoint's upload, in this order (a store's object appears whole or not at all, so the
 order is the commit protocol):
 
+0. where the store holds another checkpoint of that name (replaced locally), its manifest is
+   deleted (:meth:`~.replicate.Replicator._unpublish_replaced`);
 1. every data file of every part (``data.safetensors`` of the checkpoint and of each
    ``rank-*``), each byte checked against the manifest's crc32c chunks as it is read (a
    checkpoint damaged on the local disk is never replicated) and each part's MD5 against the
