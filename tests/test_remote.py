@@ -31,6 +31,11 @@ from tests._support.cli_helpers import run
 from tests._support.s3server import S3Server
 
 
+# The longest a test waits for uploads: a fault that is never healed fails the test
+# (its status names what is left) instead of holding the suite without end.
+BOUND_S = 300
+
+
 def fast(**more) -> dict:
     """Options under which a failing store fails fast (a paused server times out in 2 s)."""
     return dict(remote_retry_s=0.05, remote_options=dict(timeout_s=2.0, connect_timeout_s=1.0,
@@ -172,7 +177,7 @@ def test_every_checkpoint_is_replicated_data_first_and_loads_from_the_store_as_o
     model, opt = big_model()
     ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
     train(model, opt, ck, 4)
-    status = ck.wait_remote()
+    status = ck.wait_remote(BOUND_S)
     ck.close()
     assert status.uploaded == [storage.checkpoint_name(2), storage.checkpoint_name(4)]
     assert status.error is None and not status.pending
@@ -273,7 +278,7 @@ def test_a_server_killed_mid_upload_leaves_the_previous_latest_and_the_upload_co
     model, opt = big_model()
     ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
     train(model, opt, ck, 4)
-    status = ck.wait_remote()
+    status = ck.wait_remote(BOUND_S)
     ck.close()
     assert seen["latest"] == storage.checkpoint_name(2)
     assert status.uploaded == [storage.checkpoint_name(2), second] and status.error is None
@@ -301,7 +306,7 @@ def test_a_server_paused_past_the_timeout_fails_the_upload_and_it_is_retried(
     ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
     try:
         train(model, opt, ck, 4)
-        status = ck.wait_remote()
+        status = ck.wait_remote(BOUND_S)
     finally:
         server.resume()
     ck.close()
@@ -516,7 +521,7 @@ def test_a_checkpoint_deleted_locally_mid_upload_leaves_nothing_in_the_store(tmp
     model, opt = big_model()
     ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
     train(model, opt, ck, 4)
-    status = ck.wait_remote()
+    status = ck.wait_remote(BOUND_S)
     ck.close()
     bucket, prefix = remote.bucket_of(url)
     assert type(bucket).state.get("faulted")
@@ -689,7 +694,7 @@ def test_a_checkpoint_damaged_on_the_local_disk_is_not_uploaded(tmp_path, url):
         f.seek(entry["offset"] + 7)
         f.write(bytes([b[0] ^ 1]))
     ck = gockpt.Checkpointer(model, opt, directory, remote=url, **fast())
-    status = ck.wait_remote()
+    status = ck.wait_remote(BOUND_S)
     ck.close()
     assert status.uploaded == [] and "data.safetensors" in status.error \
         and "damaged" in status.error
@@ -790,7 +795,7 @@ def test_a_replaced_name_has_no_manifest_in_the_store_while_its_new_objects_are_
         opt.step()
         opt.zero_grad()
         ck.save_checkpoint(step + 1)
-    status = ck.wait_remote()
+    status = ck.wait_remote(BOUND_S)
     ck.close()
     assert status.uploaded == [name] and status.error is None
     with open(os.path.join(directory, name, "manifest.json"), "rb") as f:
