@@ -50,9 +50,11 @@ def big_model():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def train(model, opt, ck, steps, start=0):
+def train(model, opt, ck, steps, start=0, seed=0):
+    """Steps ``start`` .. ``steps`` - 1, each on the batch of its step (``seed``: other batches)."""
     for step in range(start, steps):
-        loss = model(torch.randn(4, 1536, generator=torch.Generator().manual_seed(step))).square().mean()
+        x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(seed + step))
+        loss = model(x).square().mean()
         ck.backward_begin()
         loss.backward()
         ck.update_begin()
@@ -787,14 +789,7 @@ def test_a_replaced_name_has_no_manifest_in_the_store_while_its_new_objects_are_
     model, opt = big_model()
     assert gockpt.load(directory, model, opt).step == 2
     ck = gockpt.Checkpointer(model, opt, directory, interval=2, remote=url, **fast())
-    for step in (2, 3):  # other batches than the first run's
-        x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(100 + step))
-        ck.backward_begin()
-        model(x).square().mean().backward()
-        ck.update_begin()
-        opt.step()
-        opt.zero_grad()
-        ck.save_checkpoint(step + 1)
+    train(model, opt, ck, 4, start=2, seed=100)  # other batches than the first run's
     status = ck.wait_remote(BOUND_S)
     ck.close()
     assert status.uploaded == [name] and status.error is None

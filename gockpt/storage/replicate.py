@@ -279,16 +279,27 @@ class Replicator:
 
     def _in_store(self, name: str) -> bool:
         """Whether the store holds checkpoint ``name`` committed with the local manifest."""
-        local = os.path.join(self.directory, name, MANIFEST_FILE)
         try:
-            data = read_small_file(local, MANIFEST_MAX_BYTES, local)
+            data = self._local_manifest(name)
         except (OSError, ValueError):
             return True  # nothing to upload from here
+        return self._stored_manifest(name) == data
+
+    def _local_manifest(self, name: str) -> bytes:
+        """The bytes of checkpoint ``name``'s manifest in the local directory (OSError,
+        ValueError: :func:`read_small_file`'s)."""
+        local = os.path.join(self.directory, name, MANIFEST_FILE)
+        return read_small_file(local, MANIFEST_MAX_BYTES, local)
+
+    def _stored_manifest(self, name: str) -> Optional[bytes]:
+        """The bytes of checkpoint ``name``'s manifest in the store: None where it has none,
+        ``b""`` where its object is larger than any manifest can be (so not one)."""
         try:
-            stored = self.bucket.get_small(self._key(name, MANIFEST_FILE), MANIFEST_MAX_BYTES)
-        except (FileNotFoundError, ValueError):
-            return False
-        return stored == data
+            return self.bucket.get_small(self._key(name, MANIFEST_FILE), MANIFEST_MAX_BYTES)
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return b""
 
     def _key(self, *names: str) -> str:
         return store_key(self.prefix, *names)
@@ -299,19 +310,12 @@ class Replicator:
         the new one is put. Until the new manifest lands, the store then holds no checkpoint
         of that name (a load of its ``latest`` falls back to the newest committed one), never
         the old manifest over data objects being rewritten."""
-        local = os.path.join(self.directory, name, MANIFEST_FILE)
-        key = self._key(name, MANIFEST_FILE)
-        try:
-            stored = self.bucket.get_small(key, MANIFEST_MAX_BYTES)
-        except FileNotFoundError:
-            return
-        except ValueError:  # (larger than any manifest: not one; the upload replaces it)
-            stored = None
-        if stored != read_small_file(local, MANIFEST_MAX_BYTES, local):
+        stored = self._stored_manifest(name)
+        if stored is not None and stored != self._local_manifest(name):
             log.info("gockpt: %s in %s is another checkpoint than the local one of that "
                      "name: its manifest is deleted before the new one is uploaded", name,
                      self.url)
-            self.bucket.delete(key)
+            self.bucket.delete(self._key(name, MANIFEST_FILE))
 
     def _upload(self, name: str) -> bool:
         """Upload checkpoint ``name``; False if it was deleted locally first (retention). A data
