@@ -37,10 +37,16 @@ if accelerator.device_name() == "cpu":  # (a GPU's ops are built for its own tes
 PY
 }
 OPS_PID=""
+CORE_PID=""
 if [ ! -f "$STAMP" ]; then
     echo "[setup] installing torch==2.13.0, numpy, pybind11"
-    "$VPY" -m pip install -q --upgrade pip setuptools wheel
-    "$VPY" -m pip install -q "torch==2.13.0" numpy pybind11
+    "$VPY" -m pip install -q --upgrade pip setuptools wheel pybind11
+    # gockpt's C++ core needs no torch: built in place (both cores) while pip unpacks torch
+    # (one core); the build of gockpt below then reuses it (setup.py's ReusingBuildExt)
+    (cd "$ROOT" && GOCKPT_BUILD_CORE_ONLY=1 "$VPY" setup.py -q build_ext --inplace) \
+        > "$VENV/.gockpt-core.log" 2>&1 &
+    CORE_PID=$!
+    "$VPY" -m pip install -q "torch==2.13.0" numpy
     echo "[setup] installing deepspeed (DS_BUILD_OPS=0, --no-build-isolation)"
     DS_BUILD_OPS=0 "$VPY" -m pip install -q --no-build-isolation deepspeed "torch==2.13.0"
     # DeepSpeed's ops compile (both cores) while pip unpacks the rest (one core, mostly disk)
@@ -63,6 +69,9 @@ TORCH_SO="$(ls "$ROOT"/gockpt/_tensors*.so 2>/dev/null | head -n1 || true)"
 if [ -z "$SO" ] || [ -z "$TORCH_SO" ] || [ ! -f "$VENV/bin/gockpt" ] \
         || [ -n "$(find "$ROOT/csrc" "$ROOT/setup.py" -newer "$SO" 2>/dev/null)" ] \
         || [ -n "$(find "$ROOT/csrc" "$ROOT/setup.py" -newer "$TORCH_SO" 2>/dev/null)" ]; then
+    if [ -n "$CORE_PID" ]; then
+        wait "$CORE_PID" || { cat "$VENV/.gockpt-core.log" >&2; exit 1; }
+    fi
     echo "[setup] building gockpt._C (C++ core) and gockpt._tensors"
     (cd "$ROOT" && "$VPY" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1 \
         || "$VPY" -m pip install --no-build-isolation --no-deps -e .)
