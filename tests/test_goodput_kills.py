@@ -16,7 +16,9 @@ from gockpt import goodput
 from gockpt.core import runlog
 from gockpt.testing import first_difference
 
-from tests._support import REPO
+from tests._support import REPO, worker_env
+from tests._support.forked import Forked
+from tests._support.ports import free_ports
 
 sys.path.insert(0, os.path.join(REPO, "experiments"))
 import goodput as bench  # noqa: E402  (experiments/goodput.py)
@@ -30,16 +32,42 @@ STEPS, EVERY, K = 30, 5, 3
 DIE = "window@9,persist@20,load"
 
 
+WORKER = os.path.join(REPO, "experiments", "goodput_worker.py")
+
+
+def worker_args(directory, *extra):
+    return [str(directory), "--steps", str(STEPS), "--every", str(EVERY), "--k", str(K),
+            "--dim", "64", "--layers", "2", "--final", str(directory), *extra]
+
+
 def torchrun(directory, ranks, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={ranks}", "--max-restarts=5", "--monitor-interval=0.1",
-           os.path.join(REPO, "experiments", "goodput_worker.py"), str(directory),
-           "--steps", str(STEPS), "--every", str(EVERY), "--k", str(K), "--dim", "64",
-           "--layers", "2",
-           "--final", str(directory), *extra]
+           WORKER, *worker_args(directory, *extra)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **bench.RESTARTABLE)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def uninterrupted(directory, ranks):
+    """The reference: the same job without checkpoints or kills, its ranks forked
+    (tests/_support/forked.py) with torchrun's environment -- one intra-op thread each, as
+    torchrun gives its workers -- instead of started by a launcher: nothing of its end state
+    depends on the launcher, and a launcher and fresh interpreters cost 10-15 s of CPU here."""
+    port = free_ports(1)
+    procs = [Forked(WORKER, worker_args(directory, "--scheme", "none"),
+                    worker_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks),
+                               LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                               PYTHONWARNINGS="ignore"))
+             for r in range(ranks)]
+    try:
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=400)
+            assert p.returncode == 0, f"reference rank {r}: {out[-2000:]}\n{err[-4000:]}"
+    finally:
+        for p in procs:
+            p.kill()
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -47,7 +75,7 @@ def test_three_kills_end_at_the_uninterrupted_state_and_the_accountings_agree(tm
     ref, run = tmp_path / "reference", tmp_path / "run"
     ref.mkdir()
     run.mkdir()
-    torchrun(ref, ranks, "--scheme", "none")
+    uninterrupted(ref, ranks)
     torchrun(run, ranks, "--scheme", "gockpt-o", "--die", DIE)
 
     logs = bench.read_logs(str(run))

@@ -77,6 +77,9 @@ def _child(module: str, args: list, env: dict, out_path: str, err_path: str,
         os.close(target)
     os.environ.clear()
     os.environ.update(env)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # (torch's threads, as a fresh interpreter's
+        import torch                                # torch takes them from it at its import)
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     for path in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
         if path and path not in sys.path:
             sys.path.insert(0, path)
