@@ -38,4 +38,3 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: end-to-end tests that take long (subprocess ranks, DeepSpeed, crash and "
         "fuzz runs); deselect with -m \"not slow\"")
-
