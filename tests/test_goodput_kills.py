@@ -16,9 +16,8 @@ from gockpt import goodput
 from gockpt.core import runlog
 from gockpt.testing import first_difference
 
-from tests._support import REPO, worker_env
-from tests._support.forked import Forked
-from tests._support.ports import free_ports
+from tests._support import REPO
+from tests._support.dist_ranks import fork_ranks
 
 sys.path.insert(0, os.path.join(REPO, "experiments"))
 import goodput as bench  # noqa: E402  (experiments/goodput.py)
@@ -54,13 +53,8 @@ def uninterrupted(directory, ranks):
     (tests/_support/forked.py) with torchrun's environment -- one intra-op thread each, as
     torchrun gives its workers -- instead of started by a launcher: nothing of its end state
     depends on the launcher, and a launcher and fresh interpreters cost 10-15 s of CPU here."""
-    port = free_ports(1)
-    procs = [Forked(WORKER, worker_args(directory, "--scheme", "none"),
-                    worker_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks),
-                               LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
-                               MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                               PYTHONWARNINGS="ignore"))
-             for r in range(ranks)]
+    procs = fork_ranks(WORKER, worker_args(directory, "--scheme", "none"), ranks,
+                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     try:
         for r, p in enumerate(procs):
             out, err = p.communicate(timeout=400)

@@ -21,10 +21,17 @@ def start_ranks(directory, scenario, world=2, worker=WORKER):
     """Start ``python -m tests._support.<worker> DIRECTORY SCENARIO`` as ``world`` gloo ranks,
     forked from the session's server that imported torch and DeepSpeed once
     (:mod:`tests._support.forked`); returns their processes (``Popen``-like, text output)."""
+    return fork_ranks(worker, [str(directory), scenario], world)
+
+
+def fork_ranks(worker, args, world, **env):
+    """``world`` gloo ranks of ``python -m tests._support.<worker> ARGS`` (a ``worker`` path
+    ending in ``.py``: that script), forked, with torchrun's rendezvous variables and ``env``
+    in their environment; returns their processes."""
     port = free_port()
-    return [Forked(worker, [str(directory), scenario],
+    return [Forked(worker, args,
                    worker_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(port)))
+                              MASTER_PORT=str(port), **env))
             for rank in range(world)]
 
 
